@@ -1,0 +1,26 @@
+"""gRPC servicer of the draft worker: proto to engine calls and back."""
+
+from __future__ import annotations
+
+from specdec.sampling import SamplingParams
+from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec.worker_servicer import SessionRpcs
+
+
+class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftWorkerServicer):
+    def Propose(self, request, context):
+        proposals = self.slot.get().propose(
+            request.session_id,
+            request.start,
+            list(request.token_ids),
+            request.gamma,
+            SamplingParams.from_proto(request.sampling),
+            request.seed,
+        )
+        for p in proposals:
+            yield draft_pb2.Proposal(
+                index=p.index,
+                token_id=p.token_id,
+                probs=p.probs.to_proto() if p.probs is not None else None,
+                compute_s=p.compute_s,
+            )

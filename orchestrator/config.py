@@ -1,0 +1,38 @@
+"""Settings of the orchestrator, from the command line and SPECDEC_ORCHESTRATOR_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+DEFAULT_PORT = 50050
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    target: str  # host:port of the target worker
+    draft: str | None = None  # host:port of the draft worker; None serves gamma 0 only
+    host: str = "0.0.0.0"
+    port: int = 0
+    max_workers: int = 32  # concurrent client requests being served
+    worker_timeout_s: float = 120.0  # deadline of each call to a worker
+    startup_timeout_s: float = 3600.0  # how long to wait for workers to load their models
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> "OrchestratorConfig":
+        env = lambda name, default=None: os.environ.get(f"SPECDEC_ORCHESTRATOR_{name}", default)  # noqa: E731
+        p = argparse.ArgumentParser(prog="python -m orchestrator", description="Run the orchestrator.")
+        p.add_argument("--target", default=env("TARGET"), required=env("TARGET") is None, help="target worker HOST:PORT")
+        p.add_argument("--draft", default=env("DRAFT"), help="draft worker HOST:PORT (omit to serve gamma 0 only)")
+        p.add_argument("--host", default=env("HOST", "0.0.0.0"))
+        p.add_argument("--port", type=int, default=int(env("PORT", DEFAULT_PORT)))
+        p.add_argument("--max-workers", type=int, default=int(env("MAX_WORKERS", 32)))
+        p.add_argument("--worker-timeout", type=float, default=float(env("WORKER_TIMEOUT", 120.0)))
+        p.add_argument("--startup-timeout", type=float, default=float(env("STARTUP_TIMEOUT", 3600.0)))
+        a = p.parse_args(argv)
+        return cls(a.target, a.draft, a.host, a.port, a.max_workers, a.worker_timeout, a.startup_timeout)

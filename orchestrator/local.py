@@ -1,0 +1,24 @@
+"""The in-process path: both engines in this process, no network, same loop.
+
+    from orchestrator.local import load_local
+    decoder = load_local("path/to/target", "path/to/draft")
+    print(decoder.generate(GenerationRequest(prompt="def fib(n):", temperature=0)).text)
+"""
+
+from __future__ import annotations
+
+from draft_service.engine import DraftEngine
+from orchestrator.speculative import SpeculativeDecoder
+from specdec.modeling import load_model
+from target_service.engine import TargetEngine
+
+
+def load_local(
+    target: str, draft: str | None = None, *, device: str = "cpu", dtype: str = "auto", device_map: str | None = None,
+    draft_device: str | None = None,
+) -> SpeculativeDecoder:
+    target_engine = TargetEngine(load_model(target, device=device, dtype=dtype, device_map=device_map))
+    draft_engine = (
+        DraftEngine(load_model(draft, device=draft_device or device, dtype=dtype)) if draft is not None else None
+    )
+    return SpeculativeDecoder(target_engine, draft_engine, tokenizer=target_engine.tokenizer)

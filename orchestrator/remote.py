@@ -1,0 +1,138 @@
+"""gRPC clients of the draft and target workers, implementing orchestrator.workers.
+
+They convert between plain dataclasses and proto, count the bytes each call moves (protobuf
+payload plus gRPC's 5-byte message prefix), and turn a worker's error status into the same
+ServiceError an in-process worker raises.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from draft_service.engine import Proposal
+from specdec.errors import ServiceError, Unavailable, from_rpc_error
+from specdec.grpc_server import WORKER_MAX_MESSAGE_BYTES, message_options
+from specdec.sampling import CompactProbs, SamplingParams
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.worker import ModelInfo
+from specdec.worker_servicer import info_from_proto
+from target_service.engine import Verification
+
+GRPC_PREFIX_BYTES = 5  # each gRPC message is framed by a flag byte and a 4-byte length
+
+
+def _wire(*messages) -> int:
+    return sum(m.ByteSize() + GRPC_PREFIX_BYTES for m in messages)
+
+
+class _RemoteWorker:
+    role = "worker"
+
+    def __init__(self, address: str, *, timeout_s: float = 60.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address, options=message_options(WORKER_MAX_MESSAGE_BYTES))
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._info: ModelInfo | None = None
+        self.vocab_size = 0
+
+    @property
+    def peer(self) -> str:
+        return f"{self.role} worker at {self.address}"
+
+    def _call(self, method, request, timeout: float | None = None):
+        try:
+            return method(request, timeout=timeout or self.timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.peer) from None
+
+    def wait_until_serving(self, timeout_s: float) -> None:
+        """Polls the standard health service until SERVING (the model has loaded)."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                status = self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as err:
+                last = err.code().name
+            time.sleep(0.5)
+        raise Unavailable(f"{self.peer} is not SERVING after {timeout_s:.0f} s (last status: {last})")
+
+    def describe(self) -> ModelInfo:
+        info = info_from_proto(self._call(self._stub.Describe, common_pb2.DescribeRequest()))
+        self.vocab_size = info.vocab_size
+        return info
+
+    def open_session(self, session_id: str, token_ids: list[int]) -> tuple[int, float]:
+        r = self._call(self._stub.OpenSession, common_pb2.OpenSessionRequest(session_id=session_id, token_ids=token_ids))
+        return r.length, r.compute_s
+
+    def truncate(self, session_id: str, length: int) -> int:
+        return self._call(self._stub.Truncate, common_pb2.TruncateRequest(session_id=session_id, length=length)).length
+
+    def close_session(self, session_id: str) -> None:
+        self._call(self._stub.CloseSession, common_pb2.CloseSessionRequest(session_id=session_id))
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class RemoteDraft(_RemoteWorker):
+    role = "draft"
+
+    def __init__(self, address: str, **kwargs):
+        super().__init__(address, **kwargs)
+        self._stub = draft_pb2_grpc.DraftWorkerStub(self.channel)
+
+    def propose(
+        self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int
+    ) -> Iterator[Proposal]:
+        request = draft_pb2.ProposeRequest(
+            session_id=session_id, start=start, token_ids=token_ids, gamma=gamma, sampling=params.to_proto(), seed=seed
+        )
+        request_bytes = _wire(request)
+        try:
+            for msg in self._stub.Propose(request, timeout=self.timeout_s):
+                probs = CompactProbs.from_proto(msg.probs, self.vocab_size) if msg.HasField("probs") else None
+                yield Proposal(msg.index, msg.token_id, probs, msg.compute_s, request_bytes + _wire(msg))
+                request_bytes = 0
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.peer) from None
+
+
+class RemoteTarget(_RemoteWorker):
+    role = "target"
+
+    def __init__(self, address: str, **kwargs):
+        super().__init__(address, **kwargs)
+        self._stub = target_pb2_grpc.TargetWorkerStub(self.channel)
+
+    def verify(
+        self, session_id: str, start: int, token_ids: list[int], draft_token_ids: list[int], params: SamplingParams
+    ) -> Verification:
+        request = target_pb2.VerifyRequest(
+            session_id=session_id, start=start, token_ids=token_ids, draft_token_ids=draft_token_ids,
+            sampling=params.to_proto(),
+        )
+        r = self._call(self._stub.Verify, request)
+        probs = [CompactProbs.from_proto(p, self.vocab_size) for p in r.probs] if not params.greedy else None
+        argmax = list(r.argmax_token_ids) if params.greedy else None
+        if (argmax if params.greedy else probs) is None or len(argmax or probs) != len(draft_token_ids) + 1:
+            raise ServiceError(f"{self.peer} returned a malformed verification", grpc.StatusCode.INTERNAL)
+        return Verification(argmax, probs, r.length, r.compute_s, _wire(request, r))
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        files: dict[str, bytearray] = {}
+        try:
+            for chunk in self._stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=self.timeout_s):
+                files.setdefault(chunk.name, bytearray()).extend(chunk.data)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.peer) from None
+        return {name: bytes(data) for name, data in files.items()}

@@ -1,0 +1,275 @@
+"""The speculative decoding loop: one request, many rounds, against any pair of workers.
+
+One round: the draft proposes gamma tokens (each with q), the target scores them in one
+forward pass (gamma + 1 distributions p), the rejection sampler keeps num_accepted drafts plus
+one recovered or bonus token. Rollback costs no extra call: the next round's Propose and Verify
+start at the absolute position where the accepted prefix ends, which truncates both caches.
+gamma = 0 skips the draft entirely: plain target decoding through the same path (the baseline).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from orchestrator.detokenizer import TextAssembler
+from orchestrator.rejection_sampler import greedy_verify, rejection_sample
+from orchestrator.workers import DraftWorker, TargetWorker, check_pair
+from specdec.errors import InvalidArgument
+from specdec.sampling import DEFAULT_GAMMA, DEFAULT_MAX_NEW_TOKENS, MAX_GAMMA, SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Exactly one of prompt, messages (chat, rendered with the chat template) or token_ids."""
+
+    prompt: str | None = None
+    messages: Sequence[dict] | None = None
+    token_ids: Sequence[int] | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    gamma: int = DEFAULT_GAMMA
+    stop: Sequence[str] = ()
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 0.0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    target_forward_passes: int = 0
+    wire_bytes: int = 0
+    wire_bytes_per_round: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    sampling_s: float = 0.0
+    total_s: float = 0.0
+    tokens_per_second: float = 0.0
+    gamma: int = 0
+    draft_compute_s: float = 0.0
+    verify_compute_s: float = 0.0
+
+    def record_round(self, gamma: int, num_accepted: int) -> None:
+        self.rounds += 1
+        self.target_forward_passes += 1
+        self.drafted_tokens += gamma
+        self.accepted_tokens += num_accepted
+        if len(self.drafted_by_position) < gamma:
+            grow = gamma - len(self.drafted_by_position)
+            self.drafted_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(gamma):
+            self.drafted_by_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_by_position[i] += 1
+
+    def finalize(self, generated: int, total_s: float) -> None:
+        self.generated_tokens = generated
+        self.total_s = total_s
+        self.acceptance_rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        self.mean_accepted_length = generated / self.rounds if self.rounds else 0.0
+        self.wire_bytes_per_round = self.wire_bytes / self.rounds if self.rounds else 0.0
+        self.tokens_per_second = generated / total_s if total_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationChunk:
+    text_delta: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "length", "eos" or "stop_string" on the last chunk
+    stats: GenerationStats | None = None  # on the last chunk
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict
+
+
+def load_tokenizer_from(target: TargetWorker):
+    """The orchestrator's tokenizer is the target's, fetched as files: no model files needed here."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="specdec-tokenizer-") as tmp:
+        for name, data in target.tokenizer_files().items():
+            (Path(tmp) / Path(name).name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+class SpeculativeDecoder:
+    """Runs requests against a target and an optional draft; checks the pair once, up front."""
+
+    def __init__(self, target: TargetWorker, draft: DraftWorker | None = None, tokenizer=None):
+        self.target, self.draft = target, draft
+        self.target_info = target.describe()
+        self.draft_info = draft.describe() if draft is not None else None
+        if self.draft_info is not None:
+            check_pair(self.target_info, self.draft_info)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_from(target)
+        self.eos = frozenset(self.target_info.eos_token_ids)
+        self.max_context = min(i.max_context for i in (self.target_info, self.draft_info) if i is not None)
+
+    # ---- request handling ----------------------------------------------------------------
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        given = [x is not None for x in (request.prompt, request.messages, request.token_ids)]
+        if sum(given) != 1:
+            raise InvalidArgument("give exactly one of prompt, chat messages or token ids")
+        if request.prompt is not None:
+            if not request.prompt:
+                raise InvalidArgument("prompt is empty")
+            ids = self.tokenizer(request.prompt).input_ids
+        elif request.messages is not None:
+            if not request.messages:
+                raise InvalidArgument("chat has no messages")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidArgument(f"model '{self.target_info.model_name}' has no chat template; send a prompt")
+            text = self.tokenizer.apply_chat_template(list(request.messages), tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            ids = [int(t) for t in request.token_ids]
+            if not ids:
+                raise InvalidArgument("token_ids is empty")
+            bad = [t for t in ids if not 0 <= t < self.target_info.vocab_size]
+            if bad:
+                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {self.target_info.vocab_size})")
+        if not ids:
+            raise InvalidArgument("the prompt encodes to no tokens")
+        return list(ids)
+
+    def validate(self, request: GenerationRequest, prompt_len: int) -> SamplingParams:
+        params = request.sampling.validate()
+        if not 0 <= request.gamma <= MAX_GAMMA:
+            raise InvalidArgument(f"gamma must lie in [0, {MAX_GAMMA}] (0 = no speculation), got {request.gamma}")
+        if request.max_new_tokens <= 0:
+            raise InvalidArgument(f"max_new_tokens must be > 0, got {request.max_new_tokens}")
+        if prompt_len + request.max_new_tokens > self.max_context:
+            raise InvalidArgument(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the context "
+                f"of {self.max_context} tokens"
+            )
+        if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
+            raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        if request.gamma > 0 and self.draft is None:
+            raise InvalidArgument("this orchestrator has no draft worker; use gamma 0")
+        return params
+
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        text, ids = [], []
+        for chunk in self.generate_stream(request):
+            text.append(chunk.text_delta)
+            ids.extend(chunk.token_ids)
+        return GenerationResult("".join(text), ids, chunk.finish_reason, chunk.stats.to_dict())
+
+    def generate_stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        prompt = self.encode(request)
+        params = self.validate(request, len(prompt))
+        seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        generator = torch.Generator().manual_seed(seed)
+        draft = self.draft if request.gamma > 0 else None
+        session_id = uuid.uuid4().hex
+        stats = GenerationStats(prompt_tokens=len(prompt), gamma=request.gamma)
+        t_start = time.perf_counter()
+        opened = []
+        try:
+            for worker in (self.target, draft):
+                if worker is not None:
+                    worker.open_session(session_id, prompt)
+                    opened.append(worker)
+            stats.prefill_s = time.perf_counter() - t_start
+            yield from self._rounds(session_id, prompt, request, params, generator, draft, stats)
+        finally:
+            for worker in opened:
+                try:
+                    worker.close_session(session_id)
+                except Exception:  # noqa: BLE001 - the request's own outcome matters more
+                    log.warning("could not close session %s", session_id, exc_info=True)
+        # (stats are finalized inside _rounds before the last chunk is yielded)
+
+    def _rounds(self, session_id, prompt, request, params, generator, draft, stats) -> Iterator[GenerationChunk]:
+        t_start = time.perf_counter() - stats.prefill_s
+        tokens = list(prompt)
+        target_synced = draft_synced = len(prompt)  # tokens of `tokens` each worker holds validly
+        assembler = TextAssembler(self.tokenizer, request.stop)
+        finish = None
+        while finish is None:
+            remaining = request.max_new_tokens - (len(tokens) - len(prompt))
+            gamma = min(request.gamma, remaining - 1) if draft is not None else 0
+
+            t0 = time.perf_counter()
+            drafts, draft_probs = [], []
+            if gamma > 0:
+                round_seed = int(torch.randint(0, 2**63 - 1, (), generator=generator))
+                for p in draft.propose(session_id, draft_synced, tokens[draft_synced:], gamma, params, round_seed):
+                    drafts.append(p.token_id)
+                    draft_probs.append(p.probs)
+                    stats.wire_bytes += p.wire_bytes
+                    stats.draft_compute_s += p.compute_s
+            t1 = time.perf_counter()
+            v = self.target.verify(session_id, target_synced, tokens[target_synced:], drafts, params)
+            t2 = time.perf_counter()
+            if params.greedy:
+                result = greedy_verify(drafts, v.argmax)
+            else:
+                result = rejection_sample(drafts, draft_probs, v.probs, generator)
+            t3 = time.perf_counter()
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.sampling_s += t3 - t2
+            stats.verify_compute_s += v.compute_s
+            stats.wire_bytes += v.wire_bytes
+            stats.record_round(gamma, result.num_accepted)
+
+            # both caches hold the accepted drafts; the next round starts right after them
+            target_synced = len(tokens) + result.num_accepted
+            if gamma > 0:
+                draft_synced = target_synced
+            new = result.token_ids[:remaining]
+            for i, t in enumerate(new):
+                if t in self.eos:
+                    new, finish = new[: i + 1], "eos"
+                    break
+            delta, keep = assembler.add(new)
+            if keep is not None:
+                new, finish = new[: keep - (len(tokens) - len(prompt))], "stop_string"
+            tokens.extend(new)
+            if finish is None and len(tokens) - len(prompt) >= request.max_new_tokens:
+                finish = "length"
+            if finish is not None:
+                if finish != "stop_string":
+                    delta += assembler.finish()
+                stats.finalize(len(tokens) - len(prompt), time.perf_counter() - t_start)
+                yield GenerationChunk(delta, new, finish, stats)
+            else:
+                yield GenerationChunk(delta, new)

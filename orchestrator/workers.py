@@ -1,0 +1,50 @@
+"""The interface the speculative loop drives: a draft worker and a target worker.
+
+Two implementations satisfy it: the engines themselves (draft_service.engine.DraftEngine and
+target_service.engine.TargetEngine, in-process) and the gRPC clients in orchestrator.remote.
+The loop cannot tell them apart, which is how benchmarks measure what the network split costs.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Protocol
+
+from draft_service.engine import Proposal
+from specdec.errors import FailedPrecondition
+from specdec.sampling import SamplingParams
+from specdec.worker import ModelInfo
+from target_service.engine import Verification
+
+
+class Worker(Protocol):
+    def describe(self) -> ModelInfo: ...
+
+    def open_session(self, session_id: str, token_ids: list[int]) -> tuple[int, float]: ...
+
+    def truncate(self, session_id: str, length: int) -> int: ...
+
+    def close_session(self, session_id: str) -> None: ...
+
+
+class DraftWorker(Worker, Protocol):
+    def propose(
+        self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int
+    ) -> Iterator[Proposal]: ...
+
+
+class TargetWorker(Worker, Protocol):
+    def verify(
+        self, session_id: str, start: int, token_ids: list[int], draft_token_ids: list[int], params: SamplingParams
+    ) -> Verification: ...
+
+    def tokenizer_files(self) -> dict[str, bytes]: ...
+
+
+def check_pair(target: ModelInfo, draft: ModelInfo) -> None:
+    """Refuses a draft whose vocabulary differs from the target's: its acceptance would collapse."""
+    if target.vocab_size != draft.vocab_size or target.vocab_fingerprint != draft.vocab_fingerprint:
+        raise FailedPrecondition(
+            f"draft model '{draft.model_name}' (vocabulary {draft.vocab_size}, fingerprint {draft.vocab_fingerprint[:12]}) "
+            f"cannot draft for target model '{target.model_name}' (vocabulary {target.vocab_size}, "
+            f"fingerprint {target.vocab_fingerprint[:12]}): their vocabularies differ"
+        )

@@ -1,0 +1,91 @@
+"""The `specdec` command line.
+
+  specdec generate --server HOST:PORT --prompt TEXT [...] [--json]   one request to an orchestrator
+  specdec run [--prompt TEXT] [--target M] [--draft M]               the whole stack on loopback
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.errors import ServiceError
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 128")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy; default 1.0")
+    p.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
+    p.add_argument("--top-p", type=float, default=None, help="1 = off (default)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--gamma", type=int, default=None, help="drafts per round, 0 = target only; default 4")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _request_kwargs(a: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                seed=a.seed, gamma=a.gamma, stop=a.stop)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+
+    with Client(a.server, timeout_s=a.timeout) as client:
+        kwargs = _request_kwargs(a)
+        if a.chat:
+            kwargs["messages"] = [{"role": "user", "content": a.prompt}]
+        else:
+            kwargs["prompt"] = a.prompt
+        try:
+            if a.json:
+                r = client.generate(**kwargs)
+                print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                                  "stats": r.stats}))
+                return 0
+            for chunk in client.stream(**kwargs):
+                print(chunk.text_delta, end="", flush=True)
+                if chunk.stats is not None:
+                    print()
+                    print(format_stats(chunk.finish_reason, chunk.stats), file=sys.stderr)
+        except ServiceError as err:
+            print(f"{err.code.name}: {err.message}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def format_stats(finish_reason: str, s: dict) -> str:
+    return (
+        f"[{finish_reason}] {s['generated_tokens']} tokens in {s['total_s']:.2f} s ({s['tokens_per_second']:.2f} tok/s), "
+        f"gamma {s['gamma']}, {s['rounds']} rounds, acceptance {s['acceptance_rate']:.1%} "
+        f"({s['accepted_tokens']}/{s['drafted_tokens']}), {s['mean_accepted_length']:.2f} tokens/round, "
+        f"{s['target_forward_passes']} target passes, {s['wire_bytes_per_round']:.0f} wire bytes/round"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding over gRPC.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="send one request to an orchestrator")
+    g.add_argument("--server", default="localhost:50050", help="orchestrator HOST:PORT")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    from specdec import stack
+
+    r = sub.add_parser("run", help="start target, draft and orchestrator on loopback and answer a prompt")
+    stack.add_arguments(r)
+    _add_sampling_args(r)
+    r.set_defaults(func=stack.cmd_run)
+
+    a = parser.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

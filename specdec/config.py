@@ -1,0 +1,46 @@
+"""Settings of a worker (draft or target), from the command line and the environment.
+
+Every flag has an environment variable (SPECDEC_<ROLE>_<FLAG>, e.g. SPECDEC_TARGET_MODEL), so a
+container can be configured without a command line. OTEL_* variables are read by
+specdec.telemetry, not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str  # "draft" or "target"
+    model: str
+    host: str = "0.0.0.0"
+    port: int = 0
+    device: str = "cpu"
+    dtype: str = "auto"
+    device_map: str | None = None
+    max_sessions: int = 64
+    max_workers: int = 16  # gRPC handler threads; model work is serialised, health checks are not
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, role: str, argv: list[str] | None = None, default_port: int = 0) -> "WorkerConfig":
+        env = lambda name, default=None: os.environ.get(f"SPECDEC_{role.upper()}_{name}", default)  # noqa: E731
+        p = argparse.ArgumentParser(prog=f"python -m {role}_service", description=f"Run the {role} worker.")
+        p.add_argument("--model", default=env("MODEL"), required=env("MODEL") is None,
+                       help="local transformers directory, a .gguf file, a default-pair short name or a hub id")
+        p.add_argument("--host", default=env("HOST", "0.0.0.0"))
+        p.add_argument("--port", type=int, default=int(env("PORT", default_port)))
+        p.add_argument("--device", default=env("DEVICE", "cpu"), help="cpu, cuda, cuda:1, ...")
+        p.add_argument("--dtype", default=env("DTYPE", "auto"), help="auto, float32, float16, bfloat16, float64")
+        p.add_argument("--device-map", default=env("DEVICE_MAP"),
+                       help="accelerate device map, e.g. 'auto' to spread the model over several GPUs")
+        p.add_argument("--max-sessions", type=int, default=int(env("MAX_SESSIONS", 64)))
+        p.add_argument("--max-workers", type=int, default=int(env("MAX_WORKERS", 16)))
+        a = p.parse_args(argv)
+        return cls(role, a.model, a.host, a.port, a.device, a.dtype, a.device_map, a.max_sessions, a.max_workers)

@@ -1,0 +1,127 @@
+"""Errors that carry their gRPC status, and the one place that maps them onto gRPC.
+
+Engines (draft, target, orchestrator loop) raise these; they know nothing of gRPC servers.
+`ErrorInterceptor` turns them into status codes on every server, and `from_rpc_error` turns a
+worker's status back into the same exception on the client side, so the in-process and the
+remote paths raise the same things.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    """A request failed with a known gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(ServiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class OutOfRange(ServiceError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Cancelled(ServiceError):
+    code = grpc.StatusCode.CANCELLED
+
+
+def from_rpc_error(err: grpc.RpcError, peer: str) -> ServiceError:
+    """A worker's failure as seen by the orchestrator, keeping the worker's status code."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    return ServiceError(f"{peer}: {details}", code)
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException):
+    if isinstance(exc, ServiceError):
+        context.abort(exc.code, exc.message)
+    log.exception("unexpected error in %s", type(exc).__name__)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _wrap_unary(behavior):
+    def wrapper(request, context):
+        try:
+            return behavior(request, context)
+        except Exception as exc:  # noqa: BLE001 - this is the one place errors become statuses
+            if _is_abort(exc, context):
+                raise
+            _abort(context, exc)
+
+    return wrapper
+
+
+def _wrap_stream(behavior):
+    def wrapper(request, context):
+        try:
+            yield from behavior(request, context)
+        except Exception as exc:  # noqa: BLE001
+            if _is_abort(exc, context):
+                raise
+            _abort(context, exc)
+
+    return wrapper
+
+
+def _is_abort(exc: Exception, context: grpc.ServicerContext) -> bool:
+    # context.abort() raises a bare Exception after setting the status; let it through.
+    return type(exc) is Exception and context.code() is not None
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Maps ServiceError to its status and anything else to INTERNAL, on every RPC."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler

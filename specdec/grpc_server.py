@@ -1,0 +1,74 @@
+"""Builds a gRPC server the way all three services need it.
+
+Every server gets the error interceptor (ServiceError -> status), the standard health service
+(NOT_SERVING until the role says it is ready), reflection, and deliberate message-size limits.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.errors import ErrorInterceptor
+
+log = logging.getLogger(__name__)
+
+# Worst case on the worker hop: a dense verify response at gamma 16 is 17 x 151,936 x 4 B,
+# about 10.3 MB; 64 MiB leaves room for larger vocabularies. Prompts to the orchestrator
+# are far smaller, but a 128k-token prompt of int32 ids still needs ~0.7 MB.
+WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CLIENT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def message_options(limit: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+@dataclass
+class ServerParts:
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set("", status)
+        for name in self.service_names:
+            self.health.set(name, status)
+
+    service_names: tuple[str, ...] = ()
+    loader: object = None  # the model-loading thread, when the server loads its own model
+
+
+def build_server(
+    address: str,
+    register: Callable[[grpc.Server], None],
+    service_names: list[str],
+    *,
+    max_workers: int = 16,
+    max_message_bytes: int = WORKER_MAX_MESSAGE_BYTES,
+) -> ServerParts:
+    """Binds and starts a server; health says NOT_SERVING until set_serving(True)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[ErrorInterceptor()],
+        options=message_options(max_message_bytes),
+    )
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    server.start()
+    parts = ServerParts(server, port, health_servicer, tuple(service_names))
+    parts.set_serving(False)
+    log.info("listening on port %d", port)
+    return parts

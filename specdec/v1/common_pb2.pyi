@@ -1,0 +1,123 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
+
+class Probs(_message.Message):
+    __slots__ = ("dense", "sparse")
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    dense: DenseProbs
+    sparse: SparseProbs
+    def __init__(self, dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ...) -> None: ...
+
+class DenseProbs(_message.Message):
+    __slots__ = ("float32_le",)
+    FLOAT32_LE_FIELD_NUMBER: _ClassVar[int]
+    float32_le: bytes
+    def __init__(self, float32_le: _Optional[bytes] = ...) -> None: ...
+
+class SparseProbs(_message.Message):
+    __slots__ = ("vocab_size", "indices_int32_le", "probs_float32_le")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INDICES_INT32_LE_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FLOAT32_LE_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    indices_int32_le: bytes
+    probs_float32_le: bytes
+    def __init__(self, vocab_size: _Optional[int] = ..., indices_int32_le: _Optional[bytes] = ..., probs_float32_le: _Optional[bytes] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "bos_token_id", "pad_token_id", "max_context", "device", "dtype", "max_gamma", "open_sessions")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PAD_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    vocab_size: int
+    vocab_fingerprint: str
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bos_token_id: int
+    pad_token_id: int
+    max_context: int
+    device: str
+    dtype: str
+    max_gamma: int
+    open_sessions: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_gamma: _Optional[int] = ..., open_sessions: _Optional[int] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("session_id", "token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("length", "compute_s")
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    compute_s: float
+    def __init__(self, length: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class TruncateRequest(_message.Message):
+    __slots__ = ("session_id", "length")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    length: int
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
+class TruncateResponse(_message.Message):
+    __slots__ = ("length",)
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    def __init__(self, length: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("name", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,36 @@
+from specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("session_id", "start", "token_ids", "gamma", "sampling", "seed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    start: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    gamma: int
+    sampling: _common_pb2.SamplingParams
+    seed: int
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("index", "token_id", "probs", "compute_s")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_id: int
+    probs: _common_pb2.Probs
+    compute_s: float
+    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., probs: _Optional[_Union[_common_pb2.Probs, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,193 @@
+"""What the draft and the target worker have in common: sessions that each own a KV cache.
+
+A session holds the token sequence a worker knows and a KV cache covering a prefix of it.
+Rollback is absolute and idempotent: `truncate(n)` keeps the first n tokens and crops the cache
+to at most n, so a retried call changes nothing and accepted tokens are never recomputed.
+Every forward pass runs over the tokens past the cached prefix, so a token the orchestrator
+appends (the recovered or bonus token) and a draft the draft model never ran on (its last
+proposal) are simply the next uncached tokens.
+
+The role-specific work (proposing, verifying) lives in draft_service/engine.py and
+target_service/engine.py; gRPC lives in their servicers.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
+from specdec.sampling import MAX_GAMMA
+
+log = logging.getLogger(__name__)
+
+MAX_SESSION_ID_LENGTH = 128
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    vocab_size: int
+    vocab_fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int
+    pad_token_id: int
+    max_context: int
+    device: str
+    dtype: str
+    max_gamma: int = MAX_GAMMA
+    open_sessions: int = 0
+
+
+@dataclass
+class Session:
+    session_id: str
+    tokens: list[int]
+    cache: DynamicCache
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def cached(self) -> int:
+        return self.cache.get_seq_length()
+
+    def truncate(self, length: int) -> None:
+        """Keeps the first `length` tokens; crops the cache only if it reaches past them."""
+        if length > len(self.tokens):
+            raise OutOfRange(f"session {self.session_id} holds {len(self.tokens)} tokens; cannot truncate to {length}")
+        del self.tokens[length:]
+        if self.cached > length:
+            self.cache.crop(length - self.cached)  # transformers 5: a negative count removes tokens
+
+    def rewind(self, start: int) -> None:
+        """Start of a Propose/Verify: the new tokens go at absolute position `start`."""
+        if start > len(self.tokens):
+            raise FailedPrecondition(
+                f"session {self.session_id} holds {len(self.tokens)} tokens; a call cannot start at position {start}"
+            )
+        self.truncate(start)
+
+    def uncache_last(self) -> None:
+        """Makes sure the last token is uncached, so the next pass yields its logits."""
+        if self.cached >= len(self.tokens):
+            self.cache.crop(len(self.tokens) - 1 - self.cached)
+
+
+class WorkerEngine:
+    """A model plus its sessions. Thread-safe: sessions are independent, forwards serialised."""
+
+    def __init__(self, loaded: LoadedModel, *, max_sessions: int = 64, max_context: int | None = None):
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.loaded = loaded
+        config = self.model.config.get_text_config(decoder=True)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_context = int(max_context or getattr(config, "max_position_embeddings", 0) or 2048)
+        self.max_sessions = max_sessions
+        self.input_device = self.model.get_input_embeddings().weight.device
+        self._sessions: dict[str, Session] = {}
+        self._sessions_lock = threading.Lock()
+        self._model_lock = threading.Lock()  # one forward at a time: they would only contend for cores
+        tok = self.tokenizer
+        self.info = ModelInfo(
+            model_name=loaded.name,
+            vocab_size=self.vocab_size,
+            vocab_fingerprint=vocab_fingerprint(tok),
+            eos_token_ids=tuple(eos_token_ids(self.model, tok)),
+            bos_token_id=tok.bos_token_id if tok.bos_token_id is not None else -1,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else -1,
+            max_context=self.max_context,
+            device=str(self.input_device),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+        )
+        self._tokenizer_files: dict[str, bytes] | None = None
+
+    # ---- session lifecycle -------------------------------------------------------------
+
+    def describe(self) -> ModelInfo:
+        with self._sessions_lock:
+            n = len(self._sessions)
+        return ModelInfo(**{**self.info.__dict__, "open_sessions": n})
+
+    def open_session(self, session_id: str, token_ids: list[int]) -> tuple[int, float]:
+        """Prefills all but the last token; returns (tokens held, seconds spent)."""
+        if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
+            raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LENGTH} characters")
+        if not token_ids:
+            raise InvalidArgument("cannot open a session with an empty prompt")
+        self.check_tokens(token_ids, already=0)
+        session = Session(session_id, list(token_ids), DynamicCache(config=self.model.config))
+        with self._sessions_lock:
+            if session_id in self._sessions:
+                raise AlreadyExists(f"session {session_id} is already open")
+            if len(self._sessions) >= self.max_sessions:
+                raise ResourceExhausted(f"this worker already holds its maximum of {self.max_sessions} sessions")
+            self._sessions[session_id] = session
+        t0 = time.perf_counter()
+        try:
+            with session.lock:
+                if len(token_ids) > 1:
+                    session.tokens = list(token_ids[:-1])
+                    self.forward(session, 1)  # fills the cache; the logits are not needed
+                    session.tokens.append(int(token_ids[-1]))
+        except BaseException:
+            self.close_session(session_id)
+            raise
+        return len(session.tokens), time.perf_counter() - t0
+
+    def truncate(self, session_id: str, length: int) -> int:
+        session = self.session(session_id)
+        with session.lock:
+            session.truncate(length)
+            return len(session.tokens)
+
+    def close_session(self, session_id: str) -> None:
+        with self._sessions_lock:
+            if self._sessions.pop(session_id, None) is None:
+                raise NotFound(f"no open session {session_id!r} on this worker")
+
+    def session(self, session_id: str) -> Session:
+        with self._sessions_lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"no open session {session_id!r} on this worker (never opened, closed or expired)")
+        session.last_used = time.monotonic()
+        return session
+
+    # ---- shared model work -------------------------------------------------------------
+
+    def check_tokens(self, token_ids: list[int], *, already: int) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if already + len(token_ids) > self.max_context:
+            raise OutOfRange(
+                f"{already + len(token_ids)} tokens would exceed this model's context of {self.max_context}"
+            )
+
+    @torch.inference_mode()
+    def forward(self, session: Session, logits_to_keep: int) -> torch.Tensor:
+        """Runs the uncached tokens through the model; returns logits [logits_to_keep, vocab]."""
+        new = session.tokens[session.cached :]
+        assert len(new) >= logits_to_keep >= 1, (len(new), logits_to_keep)
+        input_ids = torch.tensor([new], dtype=torch.long, device=self.input_device)
+        with self._model_lock:
+            out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True, logits_to_keep=logits_to_keep)
+        return out.logits[0]
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer as files, so an orchestrator can load it without the model."""
+        if self._tokenizer_files is None:
+            with tempfile.TemporaryDirectory() as tmp:
+                self.tokenizer.save_pretrained(tmp)
+                self._tokenizer_files = {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+        return self._tokenizer_files

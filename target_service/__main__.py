@@ -1,0 +1,3 @@
+from target_service.server import main
+
+main()

@@ -1,0 +1,24 @@
+"""gRPC servicer of the target worker: proto to engine calls and back."""
+
+from __future__ import annotations
+
+from specdec.sampling import SamplingParams
+from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.worker_servicer import SessionRpcs
+
+
+class TargetServicer(SessionRpcs, target_pb2_grpc.TargetWorkerServicer):
+    def Verify(self, request, context):
+        v = self.slot.get().verify(
+            request.session_id,
+            request.start,
+            list(request.token_ids),
+            list(request.draft_token_ids),
+            SamplingParams.from_proto(request.sampling),
+        )
+        return target_pb2.VerifyResponse(
+            argmax_token_ids=v.argmax or [],
+            probs=[p.to_proto() for p in v.probs or []],
+            length=v.length,
+            compute_s=v.compute_s,
+        )

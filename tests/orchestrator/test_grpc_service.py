@@ -1,0 +1,205 @@
+"""The three services over real gRPC: bad input, health, reflection, pairing, stop strings, CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from orchestrator.client import Client
+from specdec.errors import ServiceError
+from specdec.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
+
+BAD_REQUESTS = {
+    "empty prompt": (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+    "no input": (dict(), grpc.StatusCode.INVALID_ARGUMENT, "exactly one"),
+    "max_new_tokens zero": (dict(prompt="a", max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+    "max_new_tokens negative": (dict(prompt="a", max_new_tokens=-3), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+    "beyond context": (dict(prompt="a", max_new_tokens=100_000), grpc.StatusCode.INVALID_ARGUMENT, "context"),
+    "gamma negative": (dict(prompt="a", gamma=-1), grpc.StatusCode.INVALID_ARGUMENT, "gamma"),
+    "gamma too large": (dict(prompt="a", gamma=17), grpc.StatusCode.INVALID_ARGUMENT, "gamma"),
+    "temperature negative": (dict(prompt="a", temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    "top_p zero": (dict(prompt="a", top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    "top_p above one": (dict(prompt="a", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    "top_k negative": (dict(prompt="a", top_k=-1), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    "token id too large": (dict(token_ids=[1, 10_000_000]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    "token id negative": (dict(token_ids=[-1]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    "empty token ids": (dict(token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty"),
+    "empty stop string": (dict(prompt="a", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS)
+def test_bad_input_is_refused_and_service_stays_healthy(client, case):
+    kwargs, code, words = BAD_REQUESTS[case]
+    with pytest.raises(ServiceError) as info:
+        client.generate(**kwargs)
+    assert info.value.code == code
+    assert words in info.value.message
+    ok = client.generate(prompt="def", max_new_tokens=3, temperature=0)
+    assert len(ok.token_ids) == 3
+
+
+@pytest.fixture()
+def target_stub(stack):
+    channel = grpc.insecure_channel(f"127.0.0.1:{stack['ports'][0]}")
+    yield target_pb2_grpc.TargetWorkerStub(channel)
+    channel.close()
+
+
+def test_worker_session_errors_have_precise_statuses(target_stub):
+    greedy = common_pb2.SamplingParams(temperature=0)
+    with pytest.raises(grpc.RpcError) as e:
+        target_stub.Verify(target_pb2.VerifyRequest(session_id="unknown", sampling=greedy))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    target_stub.OpenSession(common_pb2.OpenSessionRequest(session_id="s1", token_ids=[1, 2, 3]))
+    with pytest.raises(grpc.RpcError) as e:
+        target_stub.OpenSession(common_pb2.OpenSessionRequest(session_id="s1", token_ids=[1]))
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    with pytest.raises(grpc.RpcError) as e:
+        target_stub.Truncate(common_pb2.TruncateRequest(session_id="s1", length=10))
+    assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    with pytest.raises(grpc.RpcError) as e:
+        target_stub.Verify(target_pb2.VerifyRequest(session_id="s1", start=2, token_ids=[10**7], sampling=greedy))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        target_stub.Verify(target_pb2.VerifyRequest(session_id="s1", start=3, sampling=common_pb2.SamplingParams(
+            temperature=1.0, top_p=0)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    target_stub.CloseSession(common_pb2.CloseSessionRequest(session_id="s1"))
+    with pytest.raises(grpc.RpcError) as e:  # closed: gone
+        target_stub.Truncate(common_pb2.TruncateRequest(session_id="s1", length=1))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as e:
+        target_stub.OpenSession(common_pb2.OpenSessionRequest(session_id="s2", token_ids=[]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_no_session_leaks_after_requests(client, target_engine, draft_engine):
+    client.generate(prompt="abc", max_new_tokens=4, temperature=0.8, seed=1)
+    with pytest.raises(ServiceError):
+        client.generate(prompt="abc", max_new_tokens=0)
+    assert target_engine.describe().open_sessions == 0
+    assert draft_engine.describe().open_sessions == 0
+
+
+@pytest.mark.parametrize("port_index", [0, 1, 2])
+def test_health_and_reflection(stack, port_index):
+    channel = grpc.insecure_channel(f"127.0.0.1:{stack['ports'][port_index]}")
+    status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    expected = ["specdec.v1.TargetWorker", "specdec.v1.DraftWorker", "specdec.v1.Orchestrator"][port_index]
+    assert expected in names and "grpc.health.v1.Health" in names
+    channel.close()
+
+
+def test_worker_is_not_serving_until_its_model_loads(model_dirs):
+    from specdec.config import WorkerConfig
+    from target_service.server import create_server
+
+    parts, port = create_server(WorkerConfig("target", str(model_dirs["target"]), host="127.0.0.1"))
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(channel)
+        first = health.Check(health_pb2.HealthCheckRequest()).status
+        parts.loader.join(60)
+        assert first in (health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        channel.close()
+    finally:
+        parts.server.stop(None)
+
+
+def test_loading_worker_answers_unavailable():
+    from specdec.worker_servicer import EngineSlot
+
+    with pytest.raises(ServiceError) as e:
+        EngineSlot().get()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mismatched_vocabulary_is_refused(stack, model_dirs):
+    from draft_service.engine import DraftEngine
+    from draft_service.server import create_server as create_draft
+    from orchestrator.config import OrchestratorConfig
+    from orchestrator.server import create_server as create_orchestrator
+    from specdec.config import WorkerConfig
+    from specdec.modeling import load_model
+
+    other = DraftEngine(load_model(str(model_dirs["other"])))
+    draft, dport = create_draft(WorkerConfig("draft", "x", host="127.0.0.1"), other)
+    orch, oport = create_orchestrator(
+        OrchestratorConfig(target=f"127.0.0.1:{stack['ports'][0]}", draft=f"127.0.0.1:{dport}", host="127.0.0.1"))
+    try:
+        orch.loader.join(60)
+        with Client(f"127.0.0.1:{oport}") as c, pytest.raises(ServiceError) as e:
+            c.generate(prompt="abc", max_new_tokens=2)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "tiny-other-vocab" in e.value.message and "tiny-target" in e.value.message
+    finally:
+        orch.server.stop(None)
+        draft.server.stop(None)
+
+
+def test_stop_strings_cut_text(client):
+    full = client.generate(prompt="hello", max_new_tokens=30, temperature=0, gamma=3)
+    stop = full.text[5:7]
+    assert len(stop) == 2
+    r = client.generate(prompt="hello", max_new_tokens=30, temperature=0, gamma=3, stop=[stop])
+    assert r.finish_reason == "stop_string"
+    assert r.text == full.text[: full.text.index(stop)]
+    assert r.token_ids == full.token_ids[: len(r.token_ids)]
+
+
+def test_chat_input_uses_chat_template(client, target_engine):
+    messages = [{"role": "user", "content": "hi"}]
+    text = target_engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = target_engine.tokenizer(text, add_special_tokens=False).input_ids
+    a = client.generate(messages=messages, max_new_tokens=5, temperature=0)
+    b = client.generate(token_ids=ids, max_new_tokens=5, temperature=0)
+    assert a.token_ids == b.token_ids and a.stats["prompt_tokens"] == len(ids)
+
+
+def test_same_seed_same_sampled_output(client):
+    kw = dict(prompt="abc", max_new_tokens=12, temperature=1.0, top_p=0.9, gamma=3)
+    assert client.generate(seed=5, **kw).token_ids == client.generate(seed=5, **kw).token_ids
+
+
+def test_greedy_sends_no_distributions(client):
+    greedy = client.generate(prompt="abc", max_new_tokens=12, temperature=0, gamma=4).stats
+    sampled = client.generate(prompt="abc", max_new_tokens=12, temperature=1.0, top_k=8, gamma=4, seed=1).stats
+    dense = client.generate(prompt="abc", max_new_tokens=12, temperature=1.0, gamma=4, seed=1).stats
+    # greedy: token ids only; top-k: 8 (index, prob) pairs per position; plain temperature: dense
+    assert greedy["wire_bytes_per_round"] < 200
+    assert greedy["wire_bytes_per_round"] < sampled["wire_bytes_per_round"] < dense["wire_bytes_per_round"]
+
+
+def test_cli_json(stack):
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "generate", "--server", stack["address"], "--prompt", "def",
+         "--max-new-tokens", "5", "--temperature", "0", "--gamma", "2", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert len(data["token_ids"]) == 5 and data["finish_reason"] == "length"
+    for key in ("rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "target_forward_passes", "wire_bytes"):
+        assert key in data["stats"]
+
+
+def test_cli_refusal_prints_status(stack):
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "generate", "--server", stack["address"], "--prompt", "def",
+         "--gamma", "99", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "INVALID_ARGUMENT" in out.stderr and "gamma" in out.stderr

@@ -1,0 +1,44 @@
+"""process_logits agrees with transformers' own warpers, and the wire form is lossless."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from specdec.errors import InvalidArgument
+from specdec.sampling import CompactProbs, SamplingParams, process_logits
+
+V = 1000
+
+
+def hf_probs(logits, p: SamplingParams):
+    scores = logits[None].clone()
+    scores = TemperatureLogitsWarper(p.temperature)(None, scores)
+    if p.top_k:
+        scores = TopKLogitsWarper(p.top_k)(None, scores)
+    if p.top_p < 1:
+        scores = TopPLogitsWarper(p.top_p)(None, scores)
+    return torch.softmax(scores, -1)[0]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.6, top_k=20), SamplingParams(1.2, top_p=0.7),
+                                    SamplingParams(0.9, top_k=50, top_p=0.9), SamplingParams(1.0, top_p=0.01)], ids=str)
+def test_matches_transformers_warpers(params):
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(0)) * 3
+    ours = process_logits(logits, params)
+    torch.testing.assert_close(ours.dense(), hf_probs(logits, params), rtol=1e-5, atol=1e-7)
+    assert ours.is_sparse == (params.top_k > 0 or params.top_p < 1)
+
+
+def test_wire_round_trip():
+    logits = torch.randn(V)
+    for params in (SamplingParams(1.0), SamplingParams(1.0, top_k=7)):
+        probs = process_logits(logits, params)
+        back = CompactProbs.from_proto(probs.to_proto(), V)
+        assert torch.equal(back.dense(), probs.dense())
+
+
+@pytest.mark.parametrize("bad", [SamplingParams(-1), SamplingParams(float("nan")), SamplingParams(1, top_k=-2),
+                                 SamplingParams(1, top_p=0), SamplingParams(1, top_p=1.01)], ids=str)
+def test_bad_params_are_refused(bad):
+    with pytest.raises(InvalidArgument):
+        bad.validate()
