@@ -52,11 +52,13 @@ class DraftEngine(WorkerEngine):
             generator = torch.Generator().manual_seed(seed)
             for index in range(gamma):
                 t0 = time.perf_counter()
-                logits = self.forward(session, 1)[-1]
-                if params.greedy:
-                    probs, token = None, int(logits.argmax())
-                else:
-                    probs = process_logits(logits, params)
-                    token = probs.sample(generator)
+                token, probs = self.on_model_thread(self._step, session, params, generator)
                 session.tokens.append(token)  # the last one stays uncached until the next round
                 yield Proposal(index, token, probs, time.perf_counter() - t0)
+
+    def _step(self, session, params: SamplingParams, generator: torch.Generator) -> tuple[int, CompactProbs | None]:
+        logits = self.forward(session, 1)[-1]
+        if params.greedy:
+            return int(logits.argmax()), None
+        probs = process_logits(logits, params, self.vocab_size)
+        return probs.sample(generator), probs

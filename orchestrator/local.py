@@ -10,15 +10,29 @@ from __future__ import annotations
 from draft_service.engine import DraftEngine
 from orchestrator.speculative import SpeculativeDecoder
 from specdec.modeling import load_model
+from specdec.worker import new_model_thread
 from target_service.engine import TargetEngine
 
 
 def load_local(
-    target: str, draft: str | None = None, *, device: str = "cpu", dtype: str = "auto", device_map: str | None = None,
+    target: str,
+    draft: str | None = None,
+    *,
+    device: str = "cpu",
+    dtype: str = "auto",
+    device_map: str | None = None,
     draft_device: str | None = None,
+    quantization: str = "auto",
+    draft_vocab: int = 0,
 ) -> SpeculativeDecoder:
-    target_engine = TargetEngine(load_model(target, device=device, dtype=dtype, device_map=device_map))
-    draft_engine = (
-        DraftEngine(load_model(draft, device=draft_device or device, dtype=dtype)) if draft is not None else None
+    model_thread = new_model_thread()  # one OpenMP team for both models: they never run at once
+    target_engine = TargetEngine(
+        load_model(target, device=device, dtype=dtype, device_map=device_map, quantization=quantization),
+        model_thread=model_thread,
     )
+    draft_engine = None
+    if draft is not None:
+        loaded = load_model(draft, device=draft_device or device, dtype=dtype, quantization=quantization,
+                            head_rows=draft_vocab)
+        draft_engine = DraftEngine(loaded, model_thread=model_thread)
     return SpeculativeDecoder(target_engine, draft_engine, tokenizer=target_engine.tokenizer)

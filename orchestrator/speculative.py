@@ -14,6 +14,7 @@ import os
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -139,6 +140,7 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_from(target)
         self.eos = frozenset(self.target_info.eos_token_ids)
         self.max_context = min(i.max_context for i in (self.target_info, self.draft_info) if i is not None)
+        self._prefill_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prefill")
 
     # ---- request handling ----------------------------------------------------------------
 
@@ -203,10 +205,18 @@ class SpeculativeDecoder:
         t_start = time.perf_counter()
         opened = []
         try:
-            for worker in (self.target, draft):
-                if worker is not None:
-                    worker.open_session(session_id, prompt)
+            # both prefills at once: on separate hosts the draft's is hidden behind the target's
+            pending = [(w, self._prefill_pool.submit(w.open_session, session_id, prompt))
+                       for w in (self.target, draft) if w is not None]
+            errors = []
+            for worker, future in pending:
+                try:
+                    future.result()
                     opened.append(worker)
+                except Exception as exc:  # noqa: BLE001 - re-raised below, after both are known
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
             stats.prefill_s = time.perf_counter() - t_start
             yield from self._rounds(session_id, prompt, request, params, generator, draft, stats)
         finally:

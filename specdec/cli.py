@@ -83,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_sampling_args(r)
     r.set_defaults(func=stack.cmd_run)
 
+    from specdec import bench
+
+    b = sub.add_parser("bench", help="compare target alone, HF assisted, and specdec in-process and over gRPC")
+    bench.add_arguments(b)
+    b.set_defaults(func=bench.cmd_bench)
+
     a = parser.parse_args(argv)
     return a.func(a)
 

@@ -63,8 +63,9 @@ class SamplingParams:
 class CompactProbs:
     """One position's processed distribution over vocab_size tokens.
 
-    probs: float32 [vocab_size] when indices is None, else float32 [n] for the int64 [n] token
-    ids in indices (every other token has probability 0).
+    probs: float32 [n] when indices is None: the probabilities of token ids [0, n), n <= vocab_size
+    (a draft with a restricted output head scores only the first ids; the rest have probability 0);
+    else float32 [n] for the int64 [n] token ids in indices (every other token has probability 0).
     """
 
     vocab_size: int
@@ -74,7 +75,7 @@ class CompactProbs:
     def __post_init__(self):
         assert self.probs.dtype == torch.float32 and self.probs.dim() == 1, self.probs.shape
         if self.indices is None:
-            assert self.probs.numel() == self.vocab_size, (self.probs.numel(), self.vocab_size)
+            assert self.probs.numel() <= self.vocab_size, (self.probs.numel(), self.vocab_size)
         else:
             assert self.indices.shape == self.probs.shape, (self.indices.shape, self.probs.shape)
 
@@ -84,14 +85,16 @@ class CompactProbs:
 
     def prob_of(self, token_id: int) -> float:
         if self.indices is None:
-            return float(self.probs[token_id])
+            return float(self.probs[token_id]) if token_id < self.probs.numel() else 0.0
         hit = (self.indices == token_id).nonzero()
         return float(self.probs[hit[0, 0]]) if hit.numel() else 0.0
 
     def dense(self) -> torch.Tensor:
-        """float32 [vocab_size]; allocates only for the sparse form."""
+        """float32 [vocab_size]; allocates only for the sparse or the shortened dense form."""
         if self.indices is None:
-            return self.probs
+            if self.probs.numel() == self.vocab_size:
+                return self.probs
+            return torch.nn.functional.pad(self.probs, (0, self.vocab_size - self.probs.numel()))
         out = torch.zeros(self.vocab_size, dtype=torch.float32)
         out[self.indices] = self.probs
         return out
@@ -116,6 +119,8 @@ class CompactProbs:
         form = msg.WhichOneof("form")
         if form == "dense":
             probs = _from_le_bytes(msg.dense.float32_le, "<f4")
+            if probs.numel() > vocab_size:
+                raise InvalidArgument(f"a dense distribution of {probs.numel()} values exceeds the vocabulary of {vocab_size}")
             return cls(vocab_size, probs)
         if form == "sparse":
             idx = _from_le_bytes(msg.sparse.indices_int32_le, "<i4").long()
@@ -141,8 +146,23 @@ def _from_le_bytes(data: bytes, dtype: str) -> torch.Tensor:
         return torch.frombuffer(data, dtype=_TORCH_DTYPES[dtype])
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> CompactProbs:
-    """Temperature, top-k and top-p applied to one position's logits [vocab_size].
+TOP_P_CANDIDATES = 2048  # sorting 152k logits per position costs ~10 ms; a top-k of 2k ~1 ms
+
+
+def _top_p_candidates(scores: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most likely tokens, sorted, enough to reach top_p: the top 2048 when they carry that
+    mass (the usual case), else the whole sorted vocabulary. The nucleus is the same either way."""
+    if scores.numel() > TOP_P_CANDIDATES:
+        values, indices = scores.topk(TOP_P_CANDIDATES)
+        if float(torch.exp(values - torch.logsumexp(scores, -1)).sum()) >= top_p:
+            return values, indices
+    return scores.sort(descending=True)
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, vocab_size: int | None = None) -> CompactProbs:
+    """Temperature, top-k and top-p applied to one position's logits [n].
+
+    n is vocab_size, or less for a draft whose output head covers only the first n token ids.
 
     Top-p keeps the smallest set of most likely tokens whose mass reaches top_p (a token is
     kept when the mass of the tokens ranked above it is below top_p), as transformers'
@@ -150,12 +170,13 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> CompactProbs
     """
     assert logits.dim() == 1, logits.shape
     assert not params.greedy, "greedy decoding needs no distribution"
-    vocab_size = logits.numel()
+    n = logits.numel()
+    vocab_size = vocab_size or n
     scores = logits.float() / params.temperature
-    if params.top_k and params.top_k < vocab_size:
+    if params.top_k and params.top_k < n:
         values, indices = scores.topk(params.top_k)  # sorted, descending
     elif params.top_p < 1.0:
-        values, indices = scores.sort(descending=True)
+        values, indices = _top_p_candidates(scores, params.top_p)
     else:
         return CompactProbs(vocab_size, torch.softmax(scores, dim=-1).cpu())
     if params.top_p < 1.0:
@@ -164,6 +185,6 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> CompactProbs
         keep = int((mass_above < params.top_p).sum().clamp(min=1))
         values, indices = values[:keep], indices[:keep]
     probs = torch.softmax(values, dim=-1)
-    if probs.numel() * 8 >= vocab_size * 4:  # sparse would be larger than dense on the wire
-        return CompactProbs(vocab_size, probs.new_zeros(vocab_size).index_copy_(0, indices, probs).cpu())
+    if probs.numel() * 8 >= n * 4:  # sparse would be larger than dense on the wire
+        return CompactProbs(vocab_size, probs.new_zeros(n).index_copy_(0, indices, probs).cpu())
     return CompactProbs(vocab_size, probs.cpu(), indices.cpu())

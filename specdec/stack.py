@@ -1,9 +1,10 @@
 """`specdec run`: the whole stack as three processes on loopback, then one streamed answer.
 
-Starts `python -m target_service`, `python -m draft_service` and `python -m orchestrator` on
-free ports, waits until the orchestrator reports SERVING (the workers load their models in the
-meantime; their logs show progress), streams the answer to a prompt and prints the stats.
-Ctrl-C (or the end of the answer) stops all three.
+`ProcessStack` starts `python -m target_service`, `python -m draft_service` and
+`python -m orchestrator` on free ports (the benchmark uses it too). `specdec run` waits until
+the orchestrator reports SERVING (the workers load their models meanwhile; their logs show it),
+streams the answer to a prompt and prints the stats. Ctrl-C, or the end of the answer, stops
+all three.
 """
 
 from __future__ import annotations
@@ -17,6 +18,75 @@ import sys
 import time
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation."
+DEFAULT_DRAFT_VOCAB = 32768  # the default pair's draft scores the 32k most common ids (see README, Performance)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ProcessStack:
+    """Target, draft and orchestrator as child processes on loopback."""
+
+    def __init__(self, target_dir: str, draft_dir: str, *, device: str = "cpu", dtype: str = "auto",
+                 quantization: str = "auto", draft_vocab: int = 0):
+        self.ports = {name: free_port() for name in ("target", "draft", "orchestrator")}
+        common = ["--host", "127.0.0.1", "--device", device, "--dtype", dtype, "--quantize", quantization]
+        self.commands = [
+            ["target_service", "--model", target_dir, "--port", str(self.ports["target"]), *common],
+            ["draft_service", "--model", draft_dir, "--port", str(self.ports["draft"]), *common,
+             "--draft-vocab", str(draft_vocab)],
+            ["orchestrator", "--host", "127.0.0.1", "--port", str(self.ports["orchestrator"]),
+             "--target", f"127.0.0.1:{self.ports['target']}", "--draft", f"127.0.0.1:{self.ports['draft']}"],
+        ]
+        self.procs: list[subprocess.Popen] = []
+        self.extra_env: dict[str, str] = {}
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.ports['orchestrator']}"
+
+    def start(self) -> "ProcessStack":
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        # own sessions: Ctrl-C reaches only us, and we stop the children in order
+        self.procs = [subprocess.Popen([sys.executable, "-m", *cmd], start_new_session=True, env=env)
+                      for cmd in self.commands]
+        return self
+
+    def wait_until_ready(self, timeout_s: float) -> None:
+        from orchestrator.client import Client
+
+        with Client(self.address) as client:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                dead = [cmd[0] for cmd, p in zip(self.commands, self.procs) if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"{', '.join(dead)} exited during start-up; see its log above")
+                try:
+                    client.wait_until_ready(min(5.0, max(0.1, deadline - time.monotonic())))
+                    return
+                except Exception:  # noqa: BLE001 - not ready yet
+                    if time.monotonic() > deadline:
+                        raise
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def __enter__(self) -> "ProcessStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,32 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (default {DEFAULT_DRAFT})")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8"])
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help="0 = the draft's whole vocabulary")
     p.add_argument("--compare", action="store_true", help="also run target-only decoding and print the speed-up")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(args: list[str], name: str) -> subprocess.Popen:
-    # own process group, so Ctrl-C in the terminal reaches us and we stop the children in order
-    return subprocess.Popen([sys.executable, "-m", *args], start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -62,40 +110,34 @@ def cmd_run(a: argparse.Namespace) -> int:
     from specdec.errors import ServiceError
     from specdec.model_store import resolve_model
 
-    # fetch and convert in this process first, so the two workers never race on the cache
+    # fetch and convert here first, so the two workers never race on the cache
     target_dir, draft_dir = str(resolve_model(a.target)), str(resolve_model(a.draft))
-    ports = {name: free_port() for name in ("target", "draft", "orchestrator")}
-    common = ["--host", "127.0.0.1", "--device", a.device, "--dtype", a.dtype]
-    procs = [
-        launch(["target_service", "--model", target_dir, "--port", str(ports["target"]), *common], "target"),
-        launch(["draft_service", "--model", draft_dir, "--port", str(ports["draft"]), *common], "draft"),
-        launch(["orchestrator", "--host", "127.0.0.1", "--port", str(ports["orchestrator"]),
-                "--target", f"127.0.0.1:{ports['target']}", "--draft", f"127.0.0.1:{ports['draft']}"], "orchestrator"),
-    ]
+    stack = ProcessStack(target_dir, draft_dir, device=a.device, dtype=a.dtype, quantization=a.quantize,
+                         draft_vocab=a.draft_vocab)
     try:
-        client = Client(f"127.0.0.1:{ports['orchestrator']}")
+        stack.start()
         t0 = time.monotonic()
         print(f"[specdec] starting target ({a.target}), draft ({a.draft}) and orchestrator ...", file=sys.stderr)
-        client.wait_until_ready(a.startup_timeout)
+        stack.wait_until_ready(a.startup_timeout)
         print(f"[specdec] all three SERVING after {time.monotonic() - t0:.1f} s", file=sys.stderr)
         kwargs = _request_kwargs(a)
-        if kwargs["max_new_tokens"] is None:
-            kwargs["max_new_tokens"] = 128
-        if kwargs["temperature"] is None:
-            kwargs["temperature"] = 0.0
+        kwargs["max_new_tokens"] = kwargs["max_new_tokens"] or 128
+        kwargs["temperature"] = 0.0 if kwargs["temperature"] is None else kwargs["temperature"]
         kwargs.update({"prompt": a.prompt} if a.raw else {"messages": [{"role": "user", "content": a.prompt}]})
         print(f"\n>>> {a.prompt}\n", file=sys.stderr)
-        for chunk in client.stream(**kwargs):
-            print(chunk.text_delta, end="", flush=True)
-            if chunk.stats is not None:
-                print("\n")
-                print(format_stats(chunk.finish_reason, chunk.stats), file=sys.stderr)
-                spec = chunk.stats
-        if a.compare:
-            base = client.generate(**{**kwargs, "gamma": 0}).stats
-            print(f"[specdec] target-only: {base['tokens_per_second']:.2f} tok/s; speculative: "
-                  f"{spec['tokens_per_second']:.2f} tok/s; speed-up {spec['tokens_per_second'] / base['tokens_per_second']:.2f}x",
-                  file=sys.stderr)
+        with Client(stack.address) as client:
+            for chunk in client.stream(**kwargs):
+                print(chunk.text_delta, end="", flush=True)
+                if chunk.stats is not None:
+                    print("\n")
+                    print(format_stats(chunk.finish_reason, chunk.stats), file=sys.stderr)
+                    spec = chunk.stats
+            if a.compare:
+                print("[specdec] running the same request with gamma 0 (target only) ...", file=sys.stderr)
+                base = client.generate(**{**kwargs, "gamma": 0}).stats
+                print(f"[specdec] target only: {base['tokens_per_second']:.2f} tok/s; speculative: "
+                      f"{spec['tokens_per_second']:.2f} tok/s; speed-up "
+                      f"{spec['tokens_per_second'] / base['tokens_per_second']:.2f}x", file=sys.stderr)
         return 0
     except ServiceError as err:
         print(f"{err.code.name}: {err.message}", file=sys.stderr)
@@ -104,4 +146,4 @@ def cmd_run(a: argparse.Namespace) -> int:
         print("\n[specdec] interrupted; stopping the services", file=sys.stderr)
         return 130
     finally:
-        stop_all(procs)
+        stack.stop()

@@ -44,9 +44,11 @@ class TargetEngine(WorkerEngine):
             session.tokens.extend(token_ids)
             session.uncache_last()
             session.tokens.extend(draft_token_ids)
-            logits = self.forward(session, len(draft_token_ids) + 1)  # [gamma + 1, vocab]
-            if params.greedy:
-                argmax, probs = logits.argmax(dim=-1).tolist(), None
-            else:
-                argmax, probs = None, [process_logits(row, params) for row in logits]
+            argmax, probs = self.on_model_thread(self._score, session, len(draft_token_ids) + 1, params)
             return Verification(argmax, probs, len(session.tokens), time.perf_counter() - t0)
+
+    def _score(self, session, positions: int, params: SamplingParams):
+        logits = self.forward(session, positions)  # [gamma + 1, vocab]
+        if params.greedy:
+            return logits.argmax(dim=-1).tolist(), None
+        return None, [process_logits(row, params) for row in logits]

@@ -42,3 +42,11 @@ def test_wire_round_trip():
 def test_bad_params_are_refused(bad):
     with pytest.raises(InvalidArgument):
         bad.validate()
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.5], ids=["peaked-fast-path", "flat-full-sort"])
+def test_top_p_on_a_large_vocabulary(scale):
+    """A large vocabulary takes the top-2048 shortcut when it holds top_p's mass, else sorts all."""
+    logits = torch.randn(50_000, generator=torch.Generator().manual_seed(1)) * scale
+    params = SamplingParams(1.0, top_p=0.9)
+    torch.testing.assert_close(process_logits(logits, params).dense(), hf_probs(logits, params), rtol=1e-5, atol=1e-7)

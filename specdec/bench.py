@@ -1,0 +1,294 @@
+"""`specdec bench`: this project's speculative decoding against the alternatives, in one run.
+
+Methods, all on the same two models at the same precision, over the same chat-templated
+prompts, one after another in this process (d's services run as child processes meanwhile):
+  a  target alone: transformers `generate`
+  b  transformers assisted generation (`assistant_model=` the draft, its default schedule)
+  c  this project's speculative decoding, in-process (engines called directly)
+  d  this project's speculative decoding through the three gRPC services on loopback
+Modes: greedy, and sampled (temperature 0.7, top-p 0.95). Then a gamma sweep of c.
+Writes runs.csv, summary.csv, summary.json, sweep.csv, sweep.png and table.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+PROMPTS = [
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Implement binary search in Python and return the index of the target or -1.",
+    "Write a Python class for an LRU cache with get and put in O(1).",
+    "Write a function in JavaScript that debounces another function.",
+    "Write a SQL query that returns the five customers with the highest total order amount.",
+    "Write a Python function that parses a CSV file and returns the average of a numeric column.",
+    "Implement quicksort in C.",
+    "Write a Python generator that yields the Fibonacci numbers.",
+    "Write a bash script that counts the lines of every .py file in a directory tree.",
+    "Write a Rust function that reverses the words in a sentence.",
+]
+MODES = {"greedy": dict(temperature=0.0, top_p=1.0), "sampled": dict(temperature=0.7, top_p=0.95)}
+METHODS = {"a": "target alone (generate)", "b": "HF assisted generation", "c": "specdec in-process",
+           "d": "specdec over gRPC"}
+
+
+@dataclass
+class Run:
+    method: str
+    mode: str
+    prompt: int
+    new_tokens: int
+    seconds: float
+    tokens: list[int] = field(repr=False, default_factory=list)
+    stats: dict = field(default_factory=dict)  # from specdec (c, d)
+
+
+def hf_generate(model, prompt_ids, mode, max_new, seed, assistant=None) -> tuple[list[int], float]:
+    kw = dict(max_new_tokens=max_new, top_k=None)
+    if MODES[mode]["temperature"] == 0:
+        kw.update(do_sample=False, temperature=None, top_p=None)
+    else:
+        kw.update(do_sample=True, **MODES[mode])
+    if assistant is not None:
+        kw["assistant_model"] = assistant
+    torch.manual_seed(seed)
+    ids = torch.tensor([prompt_ids])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
+
+
+def specdec_request(prompt_ids, mode, max_new, seed, gamma) -> dict:
+    return dict(token_ids=prompt_ids, max_new_tokens=max_new, seed=seed, gamma=gamma, **MODES[mode])
+
+
+def summarize(runs: list[Run], method: str, mode: str, baseline_tps: float | None, reference: dict) -> dict:
+    rs = [r for r in runs if r.method == method and r.mode == mode]
+    tokens, secs = sum(r.new_tokens for r in rs), sum(r.seconds for r in rs)
+    row = {"method": method, "name": METHODS[method], "mode": mode, "prompts": len(rs), "new_tokens": tokens,
+           "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 3) if secs else 0.0}
+    row["ratio_to_a"] = round(row["tokens_per_s"] / baseline_tps, 3) if baseline_tps else None
+    if mode == "greedy" and reference:
+        row["same_tokens_as_a"] = f"{sum(r.tokens == reference.get(r.prompt) for r in rs)}/{len(rs)}"
+    st = [r.stats for r in rs if r.stats]
+    if st:
+        total = lambda k: sum(s[k] for s in st)  # noqa: E731
+        drafted, rounds = total("drafted_tokens"), total("rounds")
+        row["acceptance_rate"] = round(total("accepted_tokens") / drafted, 3) if drafted else 0.0
+        row["mean_accepted_length"] = round(total("generated_tokens") / rounds, 3) if rounds else 0.0
+        width = max(len(s["drafted_by_position"]) for s in st)
+        by_pos = []
+        for i in range(width):
+            d = sum(s["drafted_by_position"][i] for s in st if i < len(s["drafted_by_position"]))
+            a = sum(s["accepted_by_position"][i] for s in st if i < len(s["accepted_by_position"]))
+            by_pos.append(round(a / d, 3) if d else 0.0)
+        row["acceptance_by_position"] = by_pos
+        row["wire_bytes_per_round"] = round(total("wire_bytes") / rounds, 1) if rounds else 0.0
+        row["target_passes"] = total("target_forward_passes")
+        network = (total("draft_s") - total("draft_compute_s")) + (total("verify_s") - total("verify_compute_s"))
+        client_hop = secs - total("total_s") if method == "d" else 0.0
+        row["time_s"] = {
+            "prefill": round(total("prefill_s"), 2),
+            "draft": round(total("draft_compute_s"), 2),
+            "verify": round(total("verify_compute_s"), 2),
+            "sampling": round(total("sampling_s"), 3),
+            "network_and_rpc": round(network + client_hop, 2),
+        }
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    head = "| mode | method | tok/s | vs a | greedy = a | acceptance | tokens/round | by position | wire B/round | draft s | verify s | sampling s | network s |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        t = r.get("time_s", {})
+        pos = " ".join(f"{x:.2f}" for x in r.get("acceptance_by_position", []))
+        lines.append(
+            f"| {r['mode']} | {r['method']}: {r['name']} | {r['tokens_per_s']:.2f} | {r['ratio_to_a'] or 0:.2f}x | "
+            f"{r.get('same_tokens_as_a', '')} | {r.get('acceptance_rate', '')} | {r.get('mean_accepted_length', '')} | "
+            f"{pos} | {r.get('wire_bytes_per_round', '')} | {t.get('draft', '')} | {t.get('verify', '')} | "
+            f"{t.get('sampling', '')} | {t.get('network_and_rpc', '')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_sweep(sweep: list[dict], baseline: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax1 = plt.subplots(figsize=(7, 4.2))
+    for mode, color in (("greedy", "tab:blue"), ("sampled", "tab:orange")):
+        pts = [s for s in sweep if s["mode"] == mode]
+        if not pts:
+            continue
+        ax1.plot([s["gamma"] for s in pts], [s["tokens_per_s"] for s in pts], "o-", color=color,
+                 label=f"tokens/s, {mode}")
+        if mode in baseline:
+            ax1.axhline(baseline[mode], color=color, ls=":", lw=1, label=f"target alone, {mode}")
+    ax1.set_xlabel("gamma (drafts per round)")
+    ax1.set_ylabel("tokens / s")
+    ax2 = ax1.twinx()
+    for mode, color in (("greedy", "tab:green"), ("sampled", "tab:red")):
+        pts = [s for s in sweep if s["mode"] == mode]
+        if pts:
+            ax2.plot([s["gamma"] for s in pts], [s["acceptance_rate"] for s in pts], "s--", color=color,
+                     label=f"acceptance, {mode}")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_ylim(0, 1)
+    h1, l1 = ax1.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax1.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower right")
+    ax1.set_title("specdec in-process: speed and acceptance against gamma")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from draft_service.engine import DraftEngine
+    from orchestrator.client import Client
+    from orchestrator.speculative import GenerationRequest, SpeculativeDecoder
+    from specdec.modeling import load_model, quantize, resolve_quantization
+    from specdec.model_store import resolve_model
+    from specdec.stack import ProcessStack
+    from specdec.worker import new_model_thread
+    from target_service.engine import TargetEngine
+
+    out = Path(a.out or f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    methods = [m for m in a.methods.split(",") if m]
+    modes = [m for m in a.modes.split(",") if m]
+    prompts = PROMPTS[: a.prompts]
+    log = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+
+    target_dir, draft_dir = str(resolve_model(a.target)), str(resolve_model(a.draft))
+    log(f"loading models (quantization {a.quantize}, draft vocabulary {a.draft_vocab or 'all'})")
+    model_thread = new_model_thread()  # as orchestrator.local does: one OpenMP team for both
+    target = TargetEngine(load_model(target_dir, quantization=a.quantize), model_thread=model_thread)
+    draft = DraftEngine(load_model(draft_dir, quantization=a.quantize, head_rows=a.draft_vocab),
+                        model_thread=model_thread)
+    decoder = SpeculativeDecoder(target, draft, tokenizer=target.tokenizer)
+    tok = target.tokenizer
+    prompt_ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                              add_generation_prompt=True), add_special_tokens=False).input_ids
+                  for p in prompts]
+    assistant = None
+    if "b" in methods:  # HF's assistant needs the draft's full output head
+        assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+        quantize(assistant, resolve_quantization(a.quantize, "cpu", torch.float32))
+    stack = None
+    if "d" in methods:
+        stack = ProcessStack(target_dir, draft_dir, quantization=a.quantize, draft_vocab=a.draft_vocab).start()
+        stack.wait_until_ready(1800)
+    client = Client(stack.address) if stack else None
+
+    runs: list[Run] = []
+    try:
+        # warm-up: first passes allocate and pack weights
+        decoder.generate(GenerationRequest(token_ids=prompt_ids[0], max_new_tokens=8, temperature=0, gamma=a.gamma))
+        if client:
+            client.generate(token_ids=prompt_ids[0], max_new_tokens=8, temperature=0, gamma=a.gamma)
+        for mode in modes:
+            for i, ids in enumerate(prompt_ids):
+                seed = 1000 + i
+                for m in methods:
+                    if m in ("a", "b"):
+                        toks, secs = hf_generate(target.model, ids, mode, a.max_new_tokens, seed,
+                                                 assistant if m == "b" else None)
+                        runs.append(Run(m, mode, i, len(toks), secs, toks))
+                    elif m == "c":
+                        t0 = time.perf_counter()
+                        r = decoder.generate(GenerationRequest(**specdec_request(ids, mode, a.max_new_tokens, seed, a.gamma)))
+                        runs.append(Run(m, mode, i, len(r.token_ids), time.perf_counter() - t0, r.token_ids, r.stats))
+                    elif m == "d":
+                        t0 = time.perf_counter()
+                        r = client.generate(**specdec_request(ids, mode, a.max_new_tokens, seed, a.gamma))
+                        runs.append(Run(m, mode, i, len(r.token_ids), time.perf_counter() - t0, r.token_ids, r.stats))
+                    last = runs[-1]
+                    log(f"{mode} prompt {i} {m}: {last.new_tokens} tokens, {last.new_tokens / last.seconds:.2f} tok/s")
+    finally:
+        if client:
+            client.close()
+        if stack:
+            stack.stop()
+
+    rows, baseline = [], {}
+    for mode in modes:
+        reference = {r.prompt: r.tokens for r in runs if r.method == "a" and r.mode == mode}
+        base = summarize(runs, "a", mode, None, {})["tokens_per_s"] if "a" in methods else None
+        baseline[mode] = base
+        rows += [summarize(runs, m, mode, base, reference) for m in methods]
+
+    sweep = []
+    gammas = [int(g) for g in a.sweep.split(",") if g] if a.sweep else []
+    for mode in modes if gammas else []:
+        for g in gammas:
+            recs = []
+            for i, ids in enumerate(prompt_ids[: a.sweep_prompts]):
+                t0 = time.perf_counter()
+                r = decoder.generate(GenerationRequest(**specdec_request(ids, mode, a.max_new_tokens, 1000 + i, g)))
+                recs.append(Run("c", mode, i, len(r.token_ids), time.perf_counter() - t0, r.token_ids, r.stats))
+            s = summarize(recs, "c", mode, None, {})
+            sweep.append({"mode": mode, "gamma": g, "tokens_per_s": s["tokens_per_s"],
+                          "acceptance_rate": s["acceptance_rate"], "mean_accepted_length": s["mean_accepted_length"]})
+            log(f"sweep {mode} gamma {g}: {s['tokens_per_s']:.2f} tok/s, acceptance {s['acceptance_rate']:.2f}")
+
+    config = {k: v for k, v in vars(a).items() if k != "func"}
+    (out / "summary.json").write_text(json.dumps({"config": config, "summary": rows, "sweep": sweep}, indent=1))
+    with open(out / "runs.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["method", "mode", "prompt", "new_tokens", "seconds", "tokens_per_s", "acceptance_rate", "rounds",
+                    "wire_bytes"])
+        for r in runs:
+            w.writerow([r.method, r.mode, r.prompt, r.new_tokens, round(r.seconds, 3), round(r.new_tokens / r.seconds, 3),
+                        r.stats.get("acceptance_rate", ""), r.stats.get("rounds", ""), r.stats.get("wire_bytes", "")])
+    with open(out / "summary.csv", "w", newline="") as f:
+        flat = [{**{k: v for k, v in r.items() if k != "time_s"}, **{f"time_{k}_s": v for k, v in r.get("time_s", {}).items()}}
+                for r in rows]
+        keys = list(dict.fromkeys(k for r in flat for k in r))
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(flat)
+    if sweep:
+        with open(out / "sweep.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(sweep[0]))
+            w.writeheader()
+            w.writerows(sweep)
+        plot_sweep(sweep, baseline, out / "sweep.png")
+    table = format_table(rows)
+    header = (f"{len(prompts)} prompts, {a.max_new_tokens} new tokens, gamma {a.gamma}, quantization {a.quantize}, "
+              f"draft vocabulary {a.draft_vocab or 'all'}, torch threads {torch.get_num_threads()}")
+    (out / "table.md").write_text(header + "\n\n" + table + "\n")
+    print(header)
+    print(table)
+    print(f"\nresults in {out}/")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specdec.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specdec.stack import DEFAULT_DRAFT_VOCAB
+
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--methods", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
+    p.add_argument("--modes", default="greedy,sampled")
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8"])
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB)
+    p.add_argument("--sweep", default="1,2,3,4,5,6,7,8", help="gammas for the sweep of c ('' to skip)")
+    p.add_argument("--sweep-prompts", type=int, default=4)
+    p.add_argument("--out", default=None, help="results folder (default bench_results/<time>)")
