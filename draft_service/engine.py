@@ -44,9 +44,10 @@ class DraftEngine(WorkerEngine):
         params.validate()
         session = self.session(session_id)
         with session.lock:
+            session.check_start(start, len(token_ids))
             self.check_tokens(token_ids, already=start)
             self.check_tokens([], already=start + len(token_ids) + gamma)
-            session.rewind(start)
+            session.truncate(start)
             session.tokens.extend(token_ids)
             session.uncache_last()
             generator = torch.Generator().manual_seed(seed)

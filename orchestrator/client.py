@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.speculative import GenerationChunk, GenerationResult
-from specdec.errors import ServiceError, Unavailable
+from specdec.errors import InvalidArgument, ServiceError, Unavailable
 from specdec.grpc_server import CLIENT_MAX_MESSAGE_BYTES, message_options
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -48,6 +48,16 @@ def build_request(
     gamma: int | None = None,
     stop: Sequence[str] = (),
 ) -> orchestrator_pb2.GenerateRequest:
+    """The request message; values protobuf cannot hold raise InvalidArgument, as the server would."""
+    if sum(x is not None for x in (prompt, messages, token_ids)) > 1:
+        raise InvalidArgument("give exactly one of prompt, messages or token_ids")
+    try:
+        return _build_request(prompt, messages, token_ids, max_new_tokens, temperature, top_k, top_p, seed, gamma, stop)
+    except (ValueError, TypeError) as exc:  # e.g. a negative seed or a token id beyond int32
+        raise InvalidArgument(f"invalid request: {exc}") from None
+
+
+def _build_request(prompt, messages, token_ids, max_new_tokens, temperature, top_k, top_p, seed, gamma, stop):
     req = orchestrator_pb2.GenerateRequest(stop=list(stop))
     if prompt is not None:
         req.prompt = prompt
@@ -72,16 +82,18 @@ class Client:
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        request = build_request(prompt, **kwargs)
         try:
-            r = self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s)
+            r = self.stub.Generate(request, timeout=self.timeout_s)
         except grpc.RpcError as err:
             raise ServiceError(err.details(), err.code()) from None
         return GenerationResult(r.text, list(r.token_ids), FINISH_NAMES.get(r.finish_reason, ""), stats_to_dict(r.stats))
 
     def stream(self, prompt: str | None = None, **kwargs) -> Iterator[GenerationChunk]:
         """Yields chunks as rounds complete; the last has finish_reason and stats (a dict)."""
+        request = build_request(prompt, **kwargs)
         try:
-            for c in self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s):
+            for c in self.stub.GenerateStream(request, timeout=self.timeout_s):
                 last = c.HasField("stats")
                 yield GenerationChunk(
                     c.text_delta, list(c.token_ids), FINISH_NAMES.get(c.finish_reason) if last else None,

@@ -18,6 +18,7 @@ class OrchestratorConfig:
     max_workers: int = 32  # concurrent client requests being served
     worker_timeout_s: float = 120.0  # deadline of each call to a worker
     startup_timeout_s: float = 3600.0  # how long to wait for workers to load their models
+    torch_threads: int = 1  # for sampling math; more only adds spinning threads
 
     @property
     def address(self) -> str:
@@ -34,5 +35,7 @@ class OrchestratorConfig:
         p.add_argument("--max-workers", type=int, default=int(env("MAX_WORKERS", 32)))
         p.add_argument("--worker-timeout", type=float, default=float(env("WORKER_TIMEOUT", 120.0)))
         p.add_argument("--startup-timeout", type=float, default=float(env("STARTUP_TIMEOUT", 3600.0)))
+        p.add_argument("--torch-threads", type=int, default=int(env("TORCH_THREADS", 1)))
         a = p.parse_args(argv)
-        return cls(a.target, a.draft, a.host, a.port, a.max_workers, a.worker_timeout, a.startup_timeout)
+        return cls(a.target, a.draft, a.host, a.port, a.max_workers, a.worker_timeout, a.startup_timeout,
+                   a.torch_threads)

@@ -36,7 +36,9 @@ class TextAssembler:
                     if self._find_stop(self._decode(self.ids[:k]), search_from) is not None
                 )
                 del self.ids[keep:]
-                return self._release(full[:hit]), keep
+                # the text as of the token that completed the first stop string
+                hit = self._find_stop(self._decode(self.ids), search_from)
+                return self._release(self._decode(self.ids)[:hit]), keep
         safe = full.rstrip("\ufffd")  # an incomplete multi-byte character decodes to U+FFFD
         safe = safe[: len(safe) - self._held_stop_prefix(safe)]
         return self._release(safe), None

@@ -11,6 +11,8 @@ import logging
 import threading
 import time
 
+import torch
+
 from orchestrator.config import OrchestratorConfig
 from orchestrator.remote import RemoteDraft, RemoteTarget
 from orchestrator.servicer import DecoderSlot, OrchestratorServicer
@@ -48,6 +50,10 @@ def _pair_in_background(config: OrchestratorConfig, slot: DecoderSlot, parts: Se
                 log.warning("workers not ready (%s); retrying", exc)
                 time.sleep(1.0)
                 continue
+            except Exception as exc:  # noqa: BLE001 - e.g. the target's tokenizer cannot be loaded here
+                slot.error = FailedPrecondition(f"cannot pair with the workers: {type(exc).__name__}: {exc}")
+                log.exception("refusing to serve")
+                return
             parts.set_serving(True)
             log.info("SERVING: target %s, draft %s", slot.decoder.target_info.model_name,
                      slot.decoder.draft_info.model_name if slot.decoder.draft_info else None)
@@ -78,6 +84,9 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
     config = OrchestratorConfig.from_args(argv)
+    # the orchestrator's tensor work (a residual over the vocabulary now and then) is small; one
+    # thread means no OpenMP team spinning on cores that co-located workers need
+    torch.set_num_threads(config.torch_threads)
     parts, port = create_server(config)
     log.info("orchestrator on port %d; target %s, draft %s", port, config.target, config.draft)
     serve_until_signalled(parts.server, parts)

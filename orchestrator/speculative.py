@@ -19,12 +19,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import grpc
 import torch
 
 from orchestrator.detokenizer import TextAssembler
 from orchestrator.rejection_sampler import greedy_verify, rejection_sample
 from orchestrator.workers import DraftWorker, TargetWorker, check_pair
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, ServiceError
 from specdec.sampling import DEFAULT_GAMMA, DEFAULT_MAX_NEW_TOKENS, MAX_GAMMA, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,11 @@ class SpeculativeDecoder:
                 raise InvalidArgument("chat has no messages")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InvalidArgument(f"model '{self.target_info.model_name}' has no chat template; send a prompt")
-            text = self.tokenizer.apply_chat_template(list(request.messages), tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(list(request.messages), tokenize=False,
+                                                          add_generation_prompt=True)
+            except Exception as exc:  # jinja2 errors: e.g. a template that demands alternating roles
+                raise InvalidArgument(f"the chat template refused these messages: {exc}") from None
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
         else:
             ids = [int(t) for t in request.token_ids]
@@ -219,6 +224,11 @@ class SpeculativeDecoder:
                 raise errors[0]
             stats.prefill_s = time.perf_counter() - t_start
             yield from self._rounds(session_id, prompt, request, params, generator, draft, stats)
+        except ServiceError as exc:
+            if exc.code == grpc.StatusCode.NOT_FOUND:  # our own session vanished: a worker restarted
+                raise ServiceError(f"a worker lost this request's session (restarted or expired): {exc}",
+                                   grpc.StatusCode.ABORTED) from None
+            raise
         finally:
             for worker in opened:
                 try:

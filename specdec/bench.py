@@ -229,6 +229,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
         base = summarize(runs, "a", mode, None, {})["tokens_per_s"] if "a" in methods else None
         baseline[mode] = base
         rows += [summarize(runs, m, mode, base, reference) for m in methods]
+    header = (f"{len(prompts)} prompts, {a.max_new_tokens} new tokens, gamma {a.gamma}, quantization {a.quantize}, "
+              f"draft vocabulary {a.draft_vocab or 'all'}, torch threads {torch.get_num_threads()}")
+    config = {k: v for k, v in vars(a).items() if k != "func"}
+    write_results(out, header, config, runs, rows, [], baseline)  # kept even if the sweep is cut short
+    print(header)
+    print(format_table(rows), flush=True)
 
     sweep = []
     gammas = [int(g) for g in a.sweep.split(",") if g] if a.sweep else []
@@ -243,8 +249,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
             sweep.append({"mode": mode, "gamma": g, "tokens_per_s": s["tokens_per_s"],
                           "acceptance_rate": s["acceptance_rate"], "mean_accepted_length": s["mean_accepted_length"]})
             log(f"sweep {mode} gamma {g}: {s['tokens_per_s']:.2f} tok/s, acceptance {s['acceptance_rate']:.2f}")
+    if sweep:
+        write_results(out, header, config, runs, rows, sweep, baseline)
+    print(f"\nresults in {out}/")
+    return 0
 
-    config = {k: v for k, v in vars(a).items() if k != "func"}
+
+def write_results(out: Path, header: str, config: dict, runs: list[Run], rows: list[dict], sweep: list[dict],
+                  baseline: dict) -> None:
     (out / "summary.json").write_text(json.dumps({"config": config, "summary": rows, "sweep": sweep}, indent=1))
     with open(out / "runs.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -256,24 +268,20 @@ def cmd_bench(a: argparse.Namespace) -> int:
     with open(out / "summary.csv", "w", newline="") as f:
         flat = [{**{k: v for k, v in r.items() if k != "time_s"}, **{f"time_{k}_s": v for k, v in r.get("time_s", {}).items()}}
                 for r in rows]
-        keys = list(dict.fromkeys(k for r in flat for k in r))
-        w = csv.DictWriter(f, fieldnames=keys)
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
         w.writeheader()
         w.writerows(flat)
+    table = header + "\n\n" + format_table(rows) + "\n"
     if sweep:
         with open(out / "sweep.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(sweep[0]))
             w.writeheader()
             w.writerows(sweep)
         plot_sweep(sweep, baseline, out / "sweep.png")
-    table = format_table(rows)
-    header = (f"{len(prompts)} prompts, {a.max_new_tokens} new tokens, gamma {a.gamma}, quantization {a.quantize}, "
-              f"draft vocabulary {a.draft_vocab or 'all'}, torch threads {torch.get_num_threads()}")
-    (out / "table.md").write_text(header + "\n\n" + table + "\n")
-    print(header)
-    print(table)
-    print(f"\nresults in {out}/")
-    return 0
+        table += "\n| mode | gamma | tok/s | acceptance | tokens/round |\n|---|---|---|---|---|\n" + "\n".join(
+            f"| {s['mode']} | {s['gamma']} | {s['tokens_per_s']:.2f} | {s['acceptance_rate']:.2f} | "
+            f"{s['mean_accepted_length']:.2f} |" for s in sweep) + "\n"
+    (out / "table.md").write_text(table)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,8 +1,7 @@
 """Settings of a worker (draft or target), from the command line and the environment.
 
 Every flag has an environment variable (SPECDEC_<ROLE>_<FLAG>, e.g. SPECDEC_TARGET_MODEL), so a
-container can be configured without a command line. OTEL_* variables are read by
-specdec.telemetry, not here.
+container can be configured without a command line.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ class WorkerConfig:
     quantization: str = "auto"  # auto: fp16 Linear weights on CPU, none elsewhere
     draft_vocab: int = 0  # draft only: score just the first N token ids (0: all)
     max_sessions: int = 64
-    max_workers: int = 16  # gRPC handler threads; model work is serialised, health checks are not
+    max_workers: int = 64  # gRPC handler threads: calls mostly wait for the model thread
 
     @property
     def address(self) -> str:
@@ -49,7 +48,7 @@ class WorkerConfig:
             p.add_argument("--draft-vocab", type=int, default=int(env("DRAFT_VOCAB", 0)),
                            help="propose only from the first N token ids (smaller output head; 0 = all)")
         p.add_argument("--max-sessions", type=int, default=int(env("MAX_SESSIONS", 64)))
-        p.add_argument("--max-workers", type=int, default=int(env("MAX_WORKERS", 16)))
+        p.add_argument("--max-workers", type=int, default=int(env("MAX_WORKERS", 64)))
         a = p.parse_args(argv)
         return cls(role, a.model, a.host, a.port, a.device, a.dtype, a.device_map, a.quantize,
                    getattr(a, "draft_vocab", 0), a.max_sessions, a.max_workers)

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 # are far smaller, but a 128k-token prompt of int32 ids still needs ~0.7 MB.
 WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CLIENT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+HEALTH_RESERVE = 4  # handler threads kept free of long calls
 
 
 def message_options(limit: int) -> list[tuple[str, int]]:
@@ -59,6 +60,9 @@ def build_server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=[ErrorInterceptor()],
         options=message_options(max_message_bytes),
+        # beyond this, calls get RESOURCE_EXHAUSTED instead of queueing, so the pool always has
+        # threads left for health checks
+        maximum_concurrent_rpcs=max(1, max_workers - HEALTH_RESERVE),
     )
     register(server)
     health_servicer = health.HealthServicer()

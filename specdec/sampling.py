@@ -26,6 +26,7 @@ from specdec.v1 import common_pb2
 MAX_GAMMA = 16  # most drafts per round a request may ask for
 DEFAULT_GAMMA = 4
 DEFAULT_MAX_NEW_TOKENS = 128
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # as vLLM does: below 1e-5, logits / T overflows float32 and the answer is the argmax anyway
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> "SamplingParams":
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -54,7 +56,7 @@ class SamplingParams:
     def from_proto(cls, msg: common_pb2.SamplingParams) -> "SamplingParams":
         # proto3 cannot tell 0 from unset: the orchestrator always sets all three, and greedy
         # requests need neither top_k nor top_p.
-        if msg.temperature == 0:
+        if 0 <= msg.temperature < GREEDY_BELOW:
             return cls(temperature=0.0)
         return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p).validate()
 
@@ -149,14 +151,18 @@ def _from_le_bytes(data: bytes, dtype: str) -> torch.Tensor:
 TOP_P_CANDIDATES = 2048  # sorting 152k logits per position costs ~10 ms; a top-k of 2k ~1 ms
 
 
-def _top_p_candidates(scores: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The most likely tokens, sorted, enough to reach top_p: the top 2048 when they carry that
-    mass (the usual case), else the whole sorted vocabulary. The nucleus is the same either way."""
+def _top_p_candidates(scores: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The most likely tokens, sorted, enough to reach top_p, and log of the normaliser of the
+    whole distribution: the top 2048 when they carry that mass (the usual case), else the whole
+    sorted vocabulary. Masses are taken against the whole distribution, so the nucleus is the same
+    either way."""
+    log_norm = torch.logsumexp(scores, -1)
     if scores.numel() > TOP_P_CANDIDATES:
         values, indices = scores.topk(TOP_P_CANDIDATES)
-        if float(torch.exp(values - torch.logsumexp(scores, -1)).sum()) >= top_p:
-            return values, indices
-    return scores.sort(descending=True)
+        if float(torch.exp(values - log_norm).sum()) >= top_p:
+            return values, indices, log_norm
+    values, indices = scores.sort(descending=True)
+    return values, indices, log_norm
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, vocab_size: int | None = None) -> CompactProbs:
@@ -175,12 +181,13 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, vocab_size: int
     scores = logits.float() / params.temperature
     if params.top_k and params.top_k < n:
         values, indices = scores.topk(params.top_k)  # sorted, descending
+        log_norm = torch.logsumexp(values, -1)  # top-p applies to the top-k distribution
     elif params.top_p < 1.0:
-        values, indices = _top_p_candidates(scores, params.top_p)
+        values, indices, log_norm = _top_p_candidates(scores, params.top_p)
     else:
         return CompactProbs(vocab_size, torch.softmax(scores, dim=-1).cpu())
     if params.top_p < 1.0:
-        probs = torch.softmax(values, dim=-1)
+        probs = torch.exp(values - log_norm)
         mass_above = probs.cumsum(-1) - probs  # exclusive cumulative mass, [n]
         keep = int((mass_above < params.top_p).sum().clamp(min=1))
         values, indices = values[:keep], indices[:keep]

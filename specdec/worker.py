@@ -68,13 +68,15 @@ class Session:
         if self.cached > length:
             self.cache.crop(length - self.cached)  # transformers 5: a negative count removes tokens
 
-    def rewind(self, start: int) -> None:
-        """Start of a Propose/Verify: the new tokens go at absolute position `start`."""
+    def check_start(self, start: int, new_tokens: int) -> None:
+        """A Propose/Verify puts its new tokens at absolute position `start`; there must be no gap
+        and at least one token to score."""
         if start > len(self.tokens):
             raise FailedPrecondition(
                 f"session {self.session_id} holds {len(self.tokens)} tokens; a call cannot start at position {start}"
             )
-        self.truncate(start)
+        if start + new_tokens == 0:
+            raise FailedPrecondition(f"session {self.session_id} is empty: send at least one token to score")
 
     def uncache_last(self) -> None:
         """Makes sure the last token is uncached, so the next pass yields its logits."""
@@ -96,6 +98,7 @@ class WorkerEngine:
         max_sessions: int = 64,
         max_context: int | None = None,
         model_thread: ThreadPoolExecutor | None = None,
+        session_ttl_s: float = 600.0,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -131,6 +134,9 @@ class WorkerEngine:
             + ("" if loaded.quantization == "none" else f"+{loaded.quantization}-weights"),
         )
         self._tokenizer_files: dict[str, bytes] | None = None
+        # sessions idle this long are freed: an orchestrator that died cannot close its own
+        self.session_ttl_s = session_ttl_s
+        threading.Thread(target=self._expire_idle_sessions, name="session-reaper", daemon=True).start()
 
     # ---- session lifecycle -------------------------------------------------------------
 
@@ -146,23 +152,26 @@ class WorkerEngine:
         if not token_ids:
             raise InvalidArgument("cannot open a session with an empty prompt")
         self.check_tokens(token_ids, already=0)
-        session = Session(session_id, list(token_ids), DynamicCache(config=self.model.config))
-        with self._sessions_lock:
-            if session_id in self._sessions:
-                raise AlreadyExists(f"session {session_id} is already open")
-            if len(self._sessions) >= self.max_sessions:
-                raise ResourceExhausted(f"this worker already holds its maximum of {self.max_sessions} sessions")
-            self._sessions[session_id] = session
-        t0 = time.perf_counter()
+        session = Session(session_id, list(token_ids[:-1]), DynamicCache(config=self.model.config))
+        session.lock.acquire()  # held from before the session is visible until its prefill is done
         try:
-            with session.lock:
-                if len(token_ids) > 1:
-                    session.tokens = list(token_ids[:-1])
+            with self._sessions_lock:
+                if session_id in self._sessions:
+                    raise AlreadyExists(f"session {session_id} is already open")
+                if len(self._sessions) >= self.max_sessions:
+                    raise ResourceExhausted(f"this worker already holds its maximum of {self.max_sessions} sessions")
+                self._sessions[session_id] = session
+            t0 = time.perf_counter()
+            try:
+                if session.tokens:
                     self.on_model_thread(self.forward, session, 1)  # fills the cache; logits unused
-                    session.tokens.append(int(token_ids[-1]))
-        except BaseException:
-            self.close_session(session_id)
-            raise
+                session.tokens.append(int(token_ids[-1]))
+            except BaseException:
+                with self._sessions_lock:
+                    self._sessions.pop(session_id, None)
+                raise
+        finally:
+            session.lock.release()
         return len(session.tokens), time.perf_counter() - t0
 
     def truncate(self, session_id: str, length: int) -> int:
@@ -175,6 +184,18 @@ class WorkerEngine:
         with self._sessions_lock:
             if self._sessions.pop(session_id, None) is None:
                 raise NotFound(f"no open session {session_id!r} on this worker")
+
+    def _expire_idle_sessions(self) -> None:
+        while True:
+            time.sleep(min(30.0, self.session_ttl_s / 4))
+            now = time.monotonic()
+            with self._sessions_lock:
+                idle = [s for s in self._sessions.values()
+                        if now - s.last_used > self.session_ttl_s and not s.lock.locked()]
+                for s in idle:
+                    del self._sessions[s.session_id]
+            for s in idle:
+                log.warning("freed session %s after %.0f s idle", s.session_id, now - s.last_used)
 
     def session(self, session_id: str) -> Session:
         with self._sessions_lock:
@@ -210,8 +231,14 @@ class WorkerEngine:
         new = session.tokens[session.cached :]
         assert len(new) >= logits_to_keep >= 1, (len(new), logits_to_keep)
         input_ids = torch.tensor([new], dtype=torch.long, device=self.input_device)
-        out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
-                         logits_to_keep=logits_to_keep)
+        try:
+            out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
+                             logits_to_keep=logits_to_keep)
+        except BaseException:
+            # a pass that failed half-way leaves layers of different lengths; start the cache
+            # over (the tokens are kept, so the next call recomputes them) rather than trust it
+            session.cache = DynamicCache(config=self.model.config)
+            raise
         return out.logits[0]
 
     def tokenizer_files(self) -> dict[str, bytes]:

@@ -39,8 +39,9 @@ class TargetEngine(WorkerEngine):
         session = self.session(session_id)
         with session.lock:
             t0 = time.perf_counter()
+            session.check_start(start, len(token_ids))
             self.check_tokens([*token_ids, *draft_token_ids], already=start)
-            session.rewind(start)
+            session.truncate(start)
             session.tokens.extend(token_ids)
             session.uncache_last()
             session.tokens.extend(draft_token_ids)
@@ -51,4 +52,4 @@ class TargetEngine(WorkerEngine):
         logits = self.forward(session, positions)  # [gamma + 1, vocab]
         if params.greedy:
             return logits.argmax(dim=-1).tolist(), None
-        return None, [process_logits(row, params) for row in logits]
+        return None, [process_logits(row, params, self.vocab_size) for row in logits]

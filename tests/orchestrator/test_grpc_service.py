@@ -203,3 +203,17 @@ def test_cli_refusal_prints_status(stack):
     )
     assert out.returncode != 0
     assert "INVALID_ARGUMENT" in out.stderr and "gamma" in out.stderr
+
+
+@pytest.mark.parametrize("kwargs", [dict(prompt="a", seed=-1), dict(token_ids=[2**40]),
+                                    dict(prompt="a", messages=[{"role": "user", "content": "b"}])], ids=str)
+def test_client_refuses_what_protobuf_cannot_carry(client, kwargs):
+    with pytest.raises(ServiceError) as e:
+        client.generate(**kwargs)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_tiny_temperature_is_greedy_not_an_error(client):
+    a = client.generate(prompt="abc", max_new_tokens=6, temperature=1e-9)
+    b = client.generate(prompt="abc", max_new_tokens=6, temperature=0)
+    assert a.token_ids == b.token_ids

@@ -50,3 +50,18 @@ def test_top_p_on_a_large_vocabulary(scale):
     logits = torch.randn(50_000, generator=torch.Generator().manual_seed(1)) * scale
     params = SamplingParams(1.0, top_p=0.9)
     torch.testing.assert_close(process_logits(logits, params).dense(), hf_probs(logits, params), rtol=1e-5, atol=1e-7)
+
+
+def test_top_p_cut_uses_the_whole_distribution():
+    """Regression: when the top-2048 candidates hold more than top_p but less than all of the
+    mass, the cut must use masses of the whole distribution, not of the candidates alone."""
+    logits = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 2.2
+    full = torch.softmax(logits, -1)
+    top_mass = float(full.topk(2048).values.sum())
+    assert 0.9 < top_mass < 0.999, top_mass  # the case under test
+    params = SamplingParams(1.0, top_p=0.9)
+    torch.testing.assert_close(process_logits(logits, params).dense(), hf_probs(logits, params), rtol=1e-5, atol=1e-7)
+
+
+def test_tiny_temperature_is_greedy():
+    assert SamplingParams(1e-9).greedy and not SamplingParams(1e-3).greedy

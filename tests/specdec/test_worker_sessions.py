@@ -88,3 +88,29 @@ def test_session_errors(target_engine):
         target_engine.close_session("err")
     with pytest.raises(NotFound):
         target_engine.close_session("err")
+
+
+def test_empty_session_and_gaps_are_failed_preconditions(target_engine):
+    target_engine.open_session("empty", [1, 2])
+    try:
+        target_engine.truncate("empty", 0)
+        with pytest.raises(FailedPrecondition, match="empty"):
+            target_engine.verify("empty", 0, [], [3], GREEDY)
+        with pytest.raises(FailedPrecondition):  # a gap, even one past the context
+            target_engine.verify("empty", 10**9, [1], [], GREEDY)
+        assert target_engine.verify("empty", 0, [1, 2], [], GREEDY).length == 2  # still usable
+    finally:
+        target_engine.close_session("empty")
+
+
+def test_idle_sessions_expire(target_engine):
+    import time
+
+    from target_service.engine import TargetEngine
+
+    engine = TargetEngine(target_engine.loaded, session_ttl_s=0.4)
+    engine.open_session("idle", [1, 2, 3])
+    time.sleep(1.5)
+    with pytest.raises(NotFound):
+        engine.session("idle")
+    assert engine.describe().open_sessions == 0
