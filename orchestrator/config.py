@@ -19,6 +19,7 @@ class OrchestratorConfig:
     worker_timeout_s: float = 120.0  # deadline of each call to a worker
     startup_timeout_s: float = 3600.0  # how long to wait for workers to load their models
     torch_threads: int = 1  # for sampling math; more only adds spinning threads
+    parallel_prefill: bool = True  # prefill draft and target at once (right when they are on separate hosts)
 
     @property
     def address(self) -> str:
@@ -36,6 +37,9 @@ class OrchestratorConfig:
         p.add_argument("--worker-timeout", type=float, default=float(env("WORKER_TIMEOUT", 120.0)))
         p.add_argument("--startup-timeout", type=float, default=float(env("STARTUP_TIMEOUT", 3600.0)))
         p.add_argument("--torch-threads", type=int, default=int(env("TORCH_THREADS", 1)))
+        p.add_argument("--prefill", choices=["parallel", "sequential"], default=env("PREFILL", "parallel"),
+                       help="parallel hides the draft's prefill when workers have their own hardware; "
+                            "sequential is faster when they share the same cores")
         a = p.parse_args(argv)
         return cls(a.target, a.draft, a.host, a.port, a.max_workers, a.worker_timeout, a.startup_timeout,
-                   a.torch_threads)
+                   a.torch_threads, a.prefill == "parallel")

@@ -34,7 +34,7 @@ def connect(config: OrchestratorConfig, slot: DecoderSlot) -> SpeculativeDecoder
         if worker is not None:
             slot.waiting_for = f"{worker.peer} to load its model"
             worker.wait_until_serving(config.startup_timeout_s)
-    return SpeculativeDecoder(target, draft)
+    return SpeculativeDecoder(target, draft, parallel_prefill=config.parallel_prefill)
 
 
 def _pair_in_background(config: OrchestratorConfig, slot: DecoderSlot, parts: ServerParts) -> threading.Thread:

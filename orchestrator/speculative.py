@@ -132,7 +132,8 @@ def load_tokenizer_from(target: TargetWorker):
 class SpeculativeDecoder:
     """Runs requests against a target and an optional draft; checks the pair once, up front."""
 
-    def __init__(self, target: TargetWorker, draft: DraftWorker | None = None, tokenizer=None):
+    def __init__(self, target: TargetWorker, draft: DraftWorker | None = None, tokenizer=None, *,
+                 parallel_prefill: bool = False):
         self.target, self.draft = target, draft
         self.target_info = target.describe()
         self.draft_info = draft.describe() if draft is not None else None
@@ -141,7 +142,9 @@ class SpeculativeDecoder:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_from(target)
         self.eos = frozenset(self.target_info.eos_token_ids)
         self.max_context = min(i.max_context for i in (self.target_info, self.draft_info) if i is not None)
-        self._prefill_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prefill")
+        # prefilling both at once hides the draft's prefill when the workers have their own
+        # hardware; on shared cores (in-process, one host) it only makes them contend
+        self._prefill_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prefill") if parallel_prefill else None
 
     # ---- request handling ----------------------------------------------------------------
 
@@ -210,18 +213,7 @@ class SpeculativeDecoder:
         t_start = time.perf_counter()
         opened = []
         try:
-            # both prefills at once: on separate hosts the draft's is hidden behind the target's
-            pending = [(w, self._prefill_pool.submit(w.open_session, session_id, prompt))
-                       for w in (self.target, draft) if w is not None]
-            errors = []
-            for worker, future in pending:
-                try:
-                    future.result()
-                    opened.append(worker)
-                except Exception as exc:  # noqa: BLE001 - re-raised below, after both are known
-                    errors.append(exc)
-            if errors:
-                raise errors[0]
+            self._open_sessions(session_id, prompt, [w for w in (self.target, draft) if w is not None], opened)
             stats.prefill_s = time.perf_counter() - t_start
             yield from self._rounds(session_id, prompt, request, params, generator, draft, stats)
         except ServiceError as exc:
@@ -235,7 +227,24 @@ class SpeculativeDecoder:
                     worker.close_session(session_id)
                 except Exception:  # noqa: BLE001 - the request's own outcome matters more
                     log.warning("could not close session %s", session_id, exc_info=True)
-        # (stats are finalized inside _rounds before the last chunk is yielded)
+
+    def _open_sessions(self, session_id: str, prompt: list[int], workers: list, opened: list) -> None:
+        """Prefills on every worker; `opened` collects those that succeeded, for the caller to close."""
+        if self._prefill_pool is None:
+            for worker in workers:
+                worker.open_session(session_id, prompt)
+                opened.append(worker)
+            return
+        pending = [(w, self._prefill_pool.submit(w.open_session, session_id, prompt)) for w in workers]
+        errors = []
+        for worker, future in pending:
+            try:
+                future.result()
+                opened.append(worker)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, once every prefill is known
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def _rounds(self, session_id, prompt, request, params, generator, draft, stats) -> Iterator[GenerationChunk]:
         t_start = time.perf_counter() - stats.prefill_s

@@ -38,7 +38,8 @@ class ProcessStack:
             ["target_service", "--model", target_dir, "--port", str(self.ports["target"]), *common],
             ["draft_service", "--model", draft_dir, "--port", str(self.ports["draft"]), *common,
              "--draft-vocab", str(draft_vocab)],
-            ["orchestrator", "--host", "127.0.0.1", "--port", str(self.ports["orchestrator"]),
+            ["orchestrator", "--host", "127.0.0.1", "--port", str(self.ports["orchestrator"]), "--prefill",
+             "sequential",  # all three share this host's cores
              "--target", f"127.0.0.1:{self.ports['target']}", "--draft", f"127.0.0.1:{self.ports['draft']}"],
         ]
         self.procs: list[subprocess.Popen] = []

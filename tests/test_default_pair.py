@@ -15,7 +15,7 @@ from specdec.model_store import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
 from specdec.modeling import load_model
 from specdec.stack import DEFAULT_DRAFT_VOCAB, ProcessStack
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # a first run downloads and converts
 NEW_TOKENS = 128
 
 
