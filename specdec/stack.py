@@ -111,6 +111,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     from specdec.errors import ServiceError
     from specdec.model_store import resolve_model
 
+    # Ctrl-C and `kill` both stop the children: they run in their own sessions, so nothing else
+    # would (and a shell's background job starts with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     # fetch and convert here first, so the two workers never race on the cache
     target_dir, draft_dir = str(resolve_model(a.target)), str(resolve_model(a.draft))
     stack = ProcessStack(target_dir, draft_dir, device=a.device, dtype=a.dtype, quantization=a.quantize,
