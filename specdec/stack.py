@@ -43,14 +43,13 @@ class ProcessStack:
              "--target", f"127.0.0.1:{self.ports['target']}", "--draft", f"127.0.0.1:{self.ports['draft']}"],
         ]
         self.procs: list[subprocess.Popen] = []
-        self.extra_env: dict[str, str] = {}
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.ports['orchestrator']}"
 
     def start(self) -> "ProcessStack":
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # own sessions: Ctrl-C reaches only us, and we stop the children in order
         self.procs = [subprocess.Popen([sys.executable, "-m", *cmd], start_new_session=True, env=env)
                       for cmd in self.commands]

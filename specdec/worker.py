@@ -105,10 +105,8 @@ class WorkerEngine:
         self.loaded = loaded
         config = self.model.config.get_text_config(decoder=True)
         # the vocabulary the model and its tokenizer share; a draft with a restricted head
-        # (loaded.head_rows) scores only the first head_size ids of it
+        # (loaded.head_rows) scores only the first ids of it
         self.vocab_size = int(config.vocab_size)
-        head = self.model.get_output_embeddings()
-        self.head_size = int(getattr(head, "out_features", 0) or head.weight.shape[0])
         self.max_context = int(max_context or getattr(config, "max_position_embeddings", 0) or 2048)
         self.max_sessions = max_sessions
         self.input_device = self.model.get_input_embeddings().weight.device
