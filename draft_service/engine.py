@@ -47,7 +47,7 @@ class DraftEngine(WorkerEngine):
             session.check_start(start, len(token_ids))
             self.check_tokens(token_ids, already=start)
             self.check_tokens([], already=start + len(token_ids) + gamma)
-            session.truncate(start)
+            self.truncate_to(session, start)
             session.tokens.extend(token_ids)
             session.uncache_last()
             generator = torch.Generator().manual_seed(seed)
@@ -58,7 +58,7 @@ class DraftEngine(WorkerEngine):
                 yield Proposal(index, token, probs, time.perf_counter() - t0)
 
     def _step(self, session, params: SamplingParams, generator: torch.Generator) -> tuple[int, CompactProbs | None]:
-        logits = self.forward(session, 1)[-1]
+        logits = self.forward(session, 1, "propose")[-1]
         if params.greedy:
             return int(logits.argmax()), None
         probs = process_logits(logits, params, self.vocab_size)

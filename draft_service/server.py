@@ -6,6 +6,7 @@ from draft_service.engine import DraftEngine
 from draft_service.servicer import DraftServicer
 from specdec.config import WorkerConfig
 from specdec.modeling import load_model
+from specdec.telemetry import Telemetry
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.worker_servicer import create_worker_server, run_worker
 
@@ -19,13 +20,14 @@ def make_engine(config: WorkerConfig) -> DraftEngine:
     return DraftEngine(loaded, max_sessions=config.max_sessions)
 
 
-def create_server(config: WorkerConfig, engine: DraftEngine | None = None):
+def create_server(config: WorkerConfig, engine: DraftEngine | None = None, telemetry: Telemetry | None = None):
     return create_worker_server(
         config,
         engine,
         make_engine,
         lambda slot, server: draft_pb2_grpc.add_DraftWorkerServicer_to_server(DraftServicer(slot), server),
         SERVICE_NAME,
+        telemetry,
     )
 
 

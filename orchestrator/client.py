@@ -102,6 +102,22 @@ class Client:
         except grpc.RpcError as err:
             raise ServiceError(err.details(), err.code()) from None
 
+    def workers(self) -> list[dict]:
+        """The orchestrator's worker pools: one dict per worker (role, address, state, load...)."""
+        return self._worker_list(self.stub.ListWorkers, orchestrator_pb2.ListWorkersRequest())
+
+    def add_workers(self, target: Sequence[str] = (), draft: Sequence[str] = ()) -> list[dict]:
+        """Tells the orchestrator about new workers (HOST:PORT each); returns the pools after."""
+        request = orchestrator_pb2.AddWorkersRequest(target=list(target), draft=list(draft))
+        return self._worker_list(self.stub.AddWorkers, request)
+
+    def _worker_list(self, method, request) -> list[dict]:
+        try:
+            r = method(request, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise ServiceError(err.details(), err.code()) from None
+        return [{f.name: getattr(w, f.name) for f in w.DESCRIPTOR.fields} for w in r.workers]
+
     def wait_until_ready(self, timeout_s: float = 60.0) -> None:
         """Waits for the orchestrator's health service to report SERVING."""
         stub = health_pb2_grpc.HealthStub(self.channel)

@@ -17,6 +17,7 @@ from draft_service.engine import Proposal
 from specdec.errors import ServiceError, Unavailable, from_rpc_error
 from specdec.grpc_server import WORKER_MAX_MESSAGE_BYTES, message_options
 from specdec.sampling import CompactProbs, SamplingParams
+from specdec.telemetry import Telemetry
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.worker import ModelInfo
 from specdec.worker_servicer import info_from_proto
@@ -32,10 +33,12 @@ def _wire(*messages) -> int:
 class _RemoteWorker:
     role = "worker"
 
-    def __init__(self, address: str, *, timeout_s: float = 60.0):
+    def __init__(self, address: str, *, timeout_s: float = 60.0, telemetry: Telemetry | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address, options=message_options(WORKER_MAX_MESSAGE_BYTES))
+        self._raw_channel = grpc.insecure_channel(address, options=message_options(WORKER_MAX_MESSAGE_BYTES))
+        # with tracing on: a client span per call, and the trace context in the call's metadata
+        self.channel = telemetry.instrument_channel(self._raw_channel) if telemetry else self._raw_channel
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._info: ModelInfo | None = None
         self.vocab_size = 0
@@ -81,7 +84,7 @@ class _RemoteWorker:
         self._call(self._stub.CloseSession, common_pb2.CloseSessionRequest(session_id=session_id))
 
     def close(self) -> None:
-        self.channel.close()
+        self._raw_channel.close()
 
 
 class RemoteDraft(_RemoteWorker):

@@ -1,8 +1,10 @@
 """Builds and runs the orchestrator's gRPC server: create_server(config) -> (parts, port), main().
 
-Without a ready decoder, a background thread waits for both workers to report SERVING, checks
-that their vocabularies agree, fetches the target's tokenizer, then flips health to SERVING.
-A mismatched pair is refused for good: every request gets FAILED_PRECONDITION naming both models.
+Without a ready decoder, a background thread builds the worker pools (orchestrator/pool.py),
+waits until a target (and, when configured, a draft) serves a model that pairs, fetches the
+target's tokenizer, then flips health to SERVING. The pools keep discovering and polling workers
+from then on. A draft pool that only ever offered mismatched models is refused for good: every
+request gets FAILED_PRECONDITION naming both models.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import time
 import torch
 
 from orchestrator.config import OrchestratorConfig
+from orchestrator.pool import WorkerPool, pair_pools, parse_entries
 from orchestrator.remote import RemoteDraft, RemoteTarget
 from orchestrator.servicer import DecoderSlot, OrchestratorServicer
 from orchestrator.speculative import SpeculativeDecoder
 from specdec.errors import FailedPrecondition, ServiceError
 from specdec.grpc_server import CLIENT_MAX_MESSAGE_BYTES, ServerParts, build_server
+from specdec.telemetry import Telemetry
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.worker_servicer import serve_until_signalled
 
@@ -26,22 +30,41 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 
 
-def connect(config: OrchestratorConfig, slot: DecoderSlot) -> SpeculativeDecoder:
-    """Waits for the workers, pairs them, returns the decoder (raises FailedPrecondition on a mismatch)."""
-    target = RemoteTarget(config.target, timeout_s=config.worker_timeout_s)
-    draft = RemoteDraft(config.draft, timeout_s=config.worker_timeout_s) if config.draft else None
-    for worker in (target, draft):
-        if worker is not None:
-            slot.waiting_for = f"{worker.peer} to load its model"
-            worker.wait_until_serving(config.startup_timeout_s)
-    return SpeculativeDecoder(target, draft, parallel_prefill=config.parallel_prefill)
+def build_pools(config: OrchestratorConfig, telemetry: Telemetry) -> tuple[WorkerPool, WorkerPool | None]:
+    """The target and draft pools, paired and monitoring (they connect lazily, so this never blocks)."""
+    def connect(cls):
+        return lambda address: cls(address, timeout_s=config.worker_timeout_s, telemetry=telemetry)
+
+    targets = WorkerPool("target", parse_entries(config.target), connect=connect(RemoteTarget),
+                         poll_s=config.poll_s, resolve_s=config.resolve_s)
+    drafts = None
+    if config.draft:
+        drafts = WorkerPool("draft", parse_entries(config.draft), connect=connect(RemoteDraft),
+                            poll_s=config.poll_s, resolve_s=config.resolve_s)
+    pair_pools(targets, drafts)
+    for pool in (targets, drafts):
+        if pool is not None:
+            pool.start()
+    return targets, drafts
+
+
+def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry) -> SpeculativeDecoder:
+    """Waits for the pools to have a serving member each; returns the decoder (raises
+    FailedPrecondition when every draft offered so far is a mismatch)."""
+    targets, drafts = slot.pools
+    slot.waiting_for = f"a target worker at {config.target} to load its model"
+    targets.wait_for_member(config.startup_timeout_s)
+    if drafts is not None:
+        slot.waiting_for = f"a draft worker at {config.draft} to load its model"
+        drafts.wait_for_member(config.startup_timeout_s)
+    return SpeculativeDecoder(targets, drafts, parallel_prefill=config.parallel_prefill, telemetry=telemetry)
 
 
 def _pair_in_background(config: OrchestratorConfig, slot: DecoderSlot, parts: ServerParts) -> threading.Thread:
     def run():
         while True:
             try:
-                slot.decoder = connect(config, slot)
+                slot.decoder = connect(config, slot, parts.telemetry)
             except FailedPrecondition as exc:
                 slot.error = exc
                 log.error("refusing to serve: %s", exc)
@@ -64,7 +87,8 @@ def _pair_in_background(config: OrchestratorConfig, slot: DecoderSlot, parts: Se
     return thread
 
 
-def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None = None) -> tuple[ServerParts, int]:
+def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None = None,
+                  telemetry: Telemetry | None = None) -> tuple[ServerParts, int]:
     slot = DecoderSlot(decoder)
     parts = build_server(
         config.address,
@@ -72,11 +96,14 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
         [SERVICE_NAME],
         max_workers=config.max_workers,
         max_message_bytes=CLIENT_MAX_MESSAGE_BYTES,
+        telemetry=telemetry,
     )
     parts.slot = slot
     if decoder is not None:
+        slot.pools = (decoder.targets, decoder.drafts)
         parts.set_serving(True)
     else:
+        slot.pools = build_pools(config, parts.telemetry)
         parts.loader = _pair_in_background(config, slot, parts)
     return parts, parts.port
 
@@ -87,6 +114,6 @@ def main(argv: list[str] | None = None) -> None:
     # the orchestrator's tensor work (a residual over the vocabulary now and then) is small; one
     # thread means no OpenMP team spinning on cores that co-located workers need
     torch.set_num_threads(config.torch_threads)
-    parts, port = create_server(config)
+    parts, port = create_server(config, telemetry=Telemetry.from_env("specdec-orchestrator"))
     log.info("orchestrator on port %d; target %s, draft %s", port, config.target, config.draft)
     serve_until_signalled(parts.server, parts)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from specdec.errors import Cancelled, ServiceError, Unavailable
+from orchestrator.pool import parse_entries
+from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from orchestrator.speculative import GenerationChunk, GenerationRequest, GenerationStats, SpeculativeDecoder
@@ -19,6 +20,7 @@ class DecoderSlot:
 
     def __init__(self, decoder: SpeculativeDecoder | None = None):
         self.decoder = decoder
+        self.pools: tuple = (None, None)  # (targets, drafts), set by the server
         self.error: ServiceError | None = None  # a permanent refusal, e.g. a mismatched pair
         self.waiting_for = "the workers"
 
@@ -82,3 +84,29 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # a cancelled stream closes this generator, whose finally closes the sessions
         for chunk in self.slot.get().generate_stream(request_from_proto(request)):
             yield chunk_to_proto(chunk)
+
+    def ListWorkers(self, request, context):
+        return self._workers()
+
+    def AddWorkers(self, request, context):
+        targets, drafts = self.slot.pools
+        try:
+            entries = parse_entries(request.target), parse_entries(request.draft)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if entries[1] and drafts is None:
+            raise FailedPrecondition("this orchestrator runs without drafts (no --draft); it cannot add one")
+        targets.add(entries[0])
+        if entries[1]:
+            drafts.add(entries[1])
+        return self._workers()
+
+    def _workers(self) -> orchestrator_pb2.ListWorkersResponse:
+        statuses = []
+        for pool in self.slot.pools:
+            for m in pool.members() if pool is not None else ():
+                statuses.append(orchestrator_pb2.WorkerStatus(
+                    role=pool.role, address=m.address, source=m.entry, state=m.state, message=m.message,
+                    model_name=m.info.model_name if m.info else "", open_sessions=m.info.open_sessions if m.info else 0,
+                    active_sessions=m.active, placed_sessions=m.placed))
+        return orchestrator_pb2.ListWorkersResponse(workers=statuses)

@@ -5,6 +5,13 @@ forward pass (gamma + 1 distributions p), the rejection sampler keeps num_accept
 one recovered or bonus token. Rollback costs no extra call: the next round's Propose and Verify
 start at the absolute position where the accepted prefix ends, which truncates both caches.
 gamma = 0 skips the draft entirely: plain target decoding through the same path (the baseline).
+
+Each request takes one target and one draft from their pools (orchestrator/pool.py: least
+loaded) and keeps them to the end, since its KV caches live there. With no draft serving, the
+request runs as gamma 0, which gives the same tokens greedily and the same distribution sampled.
+Spans: a request span (GenAI attributes) holding prefill, one `round` per round (draft, verify,
+rejection_sampling, rollback) and close; the gRPC client spans under them carry the trace to
+the workers. Metrics get the same numbers as the returned stats (orchestrator/metrics.py).
 """
 
 from __future__ import annotations
@@ -21,12 +28,17 @@ from typing import Iterator, Sequence
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from orchestrator.detokenizer import TextAssembler
+from orchestrator.metrics import DecodingMetrics
+from orchestrator.pool import WorkerPool, pair_pools
 from orchestrator.rejection_sampler import greedy_verify, rejection_sample
-from orchestrator.workers import DraftWorker, TargetWorker, check_pair
-from specdec.errors import InvalidArgument, ServiceError
+from orchestrator.workers import DraftWorker, TargetWorker
+from specdec import telemetry as t
+from specdec.errors import Cancelled, InvalidArgument, ServiceError, Unavailable
 from specdec.sampling import DEFAULT_GAMMA, DEFAULT_MAX_NEW_TOKENS, MAX_GAMMA, SamplingParams
+from specdec.telemetry import Telemetry, current_context, run_in_context
 
 log = logging.getLogger(__name__)
 
@@ -130,21 +142,29 @@ def load_tokenizer_from(target: TargetWorker):
 
 
 class SpeculativeDecoder:
-    """Runs requests against a target and an optional draft; checks the pair once, up front."""
+    """Runs requests against pools of targets and drafts (or one of each, in-process)."""
 
-    def __init__(self, target: TargetWorker, draft: DraftWorker | None = None, tokenizer=None, *,
-                 parallel_prefill: bool = False):
-        self.target, self.draft = target, draft
-        self.target_info = target.describe()
-        self.draft_info = draft.describe() if draft is not None else None
-        if self.draft_info is not None:
-            check_pair(self.target_info, self.draft_info)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_from(target)
+    def __init__(self, target: TargetWorker | WorkerPool, draft: DraftWorker | WorkerPool | None = None,
+                 tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None):
+        self.targets = target if isinstance(target, WorkerPool) else WorkerPool.fixed("target", [target])
+        self.drafts = draft if isinstance(draft, WorkerPool) or draft is None else WorkerPool.fixed("draft", [draft])
+        if self.targets.accept is None:  # fixed pools: pair them and describe their members now
+            pair_pools(self.targets, self.drafts)
+            for pool in (self.targets, self.drafts):
+                if pool is not None:
+                    pool.poll()
+        self.targets.wait_for_member(0)
+        self.target_info = self.targets.reference
+        self.draft_info = self.drafts.wait_for_member(0).info if self.drafts is not None else None
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_from(self.targets.wait_for_member(0).worker)
         self.eos = frozenset(self.target_info.eos_token_ids)
         self.max_context = min(i.max_context for i in (self.target_info, self.draft_info) if i is not None)
         # prefilling both at once hides the draft's prefill when the workers have their own
         # hardware; on shared cores (in-process, one host) it only makes them contend
         self._prefill_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prefill") if parallel_prefill else None
+        self.telemetry = telemetry or Telemetry.off()
+        self.tracer = self.telemetry.tracer
+        self.metrics = DecodingMetrics(self.telemetry.meter)
 
     # ---- request handling ----------------------------------------------------------------
 
@@ -191,7 +211,7 @@ class SpeculativeDecoder:
             )
         if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
             raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
-        if request.gamma > 0 and self.draft is None:
+        if request.gamma > 0 and self.drafts is None:
             raise InvalidArgument("this orchestrator has no draft worker; use gamma 0")
         return params
 
@@ -203,30 +223,85 @@ class SpeculativeDecoder:
         return GenerationResult("".join(text), ids, chunk.finish_reason, chunk.stats.to_dict())
 
     def generate_stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
-        prompt = self.encode(request)
-        params = self.validate(request, len(prompt))
-        seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        generator = torch.Generator().manual_seed(seed)
-        draft = self.draft if request.gamma > 0 else None
-        session_id = uuid.uuid4().hex
-        stats = GenerationStats(prompt_tokens=len(prompt), gamma=request.gamma)
         t_start = time.perf_counter()
-        opened = []
+        operation = "chat" if request.messages is not None else "text_completion"
+        span = self.tracer.start_span(f"{operation} {self.target_info.model_name}", attributes={
+            t.GEN_AI_OPERATION: operation, t.GEN_AI_REQUEST_MODEL: self.target_info.model_name,
+            t.GEN_AI_MAX_TOKENS: request.max_new_tokens, t.GEN_AI_TEMPERATURE: request.temperature,
+            t.GEN_AI_TOP_P: request.top_p, t.GEN_AI_TOP_K: request.top_k, t.GAMMA: request.gamma,
+        })
+        ctx = trace.set_span_in_context(span)
+        session_id = uuid.uuid4().hex
+        members, opened = [], []
         try:
-            self._open_sessions(session_id, prompt, [w for w in (self.target, draft) if w is not None], opened)
-            stats.prefill_s = time.perf_counter() - t_start
-            yield from self._rounds(session_id, prompt, request, params, generator, draft, stats)
+            prompt = self.encode(request)
+            params = self.validate(request, len(prompt))
+            seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            generator = torch.Generator().manual_seed(seed)
+            target = self.targets.acquire()
+            members.append((self.targets, target))
+            draft = None
+            if request.gamma > 0:
+                try:
+                    draft = self.drafts.acquire()
+                    members.append((self.drafts, draft))
+                except Unavailable as exc:  # target-only decoding: same tokens greedily, same distribution sampled
+                    log.warning("request %s runs without speculation: %s", session_id, exc)
+                    span.set_attribute(t.FALLBACK, str(exc))
+            span.set_attributes({
+                t.SESSION_ID: session_id, t.GEN_AI_SEED: seed, t.GEN_AI_INPUT_TOKENS: len(prompt),
+                t.TARGET_ADDRESS: target.address, t.TARGET_MODEL: self.target_info.model_name,
+                **({t.DRAFT_ADDRESS: draft.address, t.DRAFT_MODEL: self.draft_info.model_name} if draft else {}),
+            })
+            stats = GenerationStats(prompt_tokens=len(prompt), gamma=request.gamma)
+            with self.tracer.start_as_current_span("prefill", context=ctx):
+                t0 = time.perf_counter()
+                workers = [target.worker] + ([draft.worker] if draft else [])
+                self._open_sessions(session_id, prompt, workers, opened)
+                stats.prefill_s = time.perf_counter() - t0
+            self.metrics.record_prefill(stats.prefill_s)
+            first_token_s = None
+            for chunk in self._rounds(session_id, prompt, request, params, generator,
+                                      target.worker, draft.worker if draft else None, stats, ctx):
+                if first_token_s is None and chunk.token_ids:
+                    first_token_s = time.perf_counter() - t_start
+                    self.metrics.record_first_token(first_token_s)
+                if chunk.stats is not None:
+                    span.set_attributes({
+                        t.GEN_AI_OUTPUT_TOKENS: stats.generated_tokens, t.GEN_AI_FINISH_REASONS: [chunk.finish_reason],
+                        t.GEN_AI_RESPONSE_MODEL: self.target_info.model_name, t.ROUNDS: stats.rounds,
+                        t.DRAFTED: stats.drafted_tokens, t.ACCEPTED: stats.accepted_tokens,
+                        t.ACCEPTANCE_RATE: stats.acceptance_rate, t.WIRE_BYTES: stats.wire_bytes,
+                    })
+                    self.metrics.record_finished(stats, first_token_s)
+                yield chunk
         except ServiceError as exc:
             if exc.code == grpc.StatusCode.NOT_FOUND:  # our own session vanished: a worker restarted
-                raise ServiceError(f"a worker lost this request's session (restarted or expired): {exc}",
-                                   grpc.StatusCode.ABORTED) from None
+                exc = ServiceError(f"a worker lost this request's session (restarted or expired): {exc}",
+                                   grpc.StatusCode.ABORTED)
+            self._failed(span, exc)
+            raise exc from None
+        except GeneratorExit:  # the client went away
+            self._failed(span, Cancelled("the client cancelled the request"))
+            raise
+        except Exception as exc:
+            self._failed(span, ServiceError(f"{type(exc).__name__}: {exc}", grpc.StatusCode.INTERNAL))
             raise
         finally:
-            for worker in opened:
-                try:
-                    worker.close_session(session_id)
-                except Exception:  # noqa: BLE001 - the request's own outcome matters more
-                    log.warning("could not close session %s", session_id, exc_info=True)
+            with self.tracer.start_as_current_span("close", context=ctx):
+                for worker in opened:
+                    try:
+                        worker.close_session(session_id)
+                    except Exception:  # noqa: BLE001 - the request's own outcome matters more
+                        log.warning("could not close session %s", session_id, exc_info=True)
+            for pool, member in members:
+                pool.release(member)
+            span.end()
+
+    def _failed(self, span, exc: ServiceError) -> None:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{exc.code.name}: {exc.message}"))
+        span.set_attribute(t.STATUS, exc.code.value[0])
+        self.metrics.record_failed(exc.code.value[0])
 
     def _open_sessions(self, session_id: str, prompt: list[int], workers: list, opened: list) -> None:
         """Prefills on every worker; `opened` collects those that succeeded, for the caller to close."""
@@ -235,7 +310,9 @@ class SpeculativeDecoder:
                 worker.open_session(session_id, prompt)
                 opened.append(worker)
             return
-        pending = [(w, self._prefill_pool.submit(w.open_session, session_id, prompt)) for w in workers]
+        ctx = current_context()  # the pool's threads need it for the RPCs' spans
+        pending = [(w, self._prefill_pool.submit(run_in_context, ctx, w.open_session, session_id, prompt))
+                   for w in workers]
         errors = []
         for worker, future in pending:
             try:
@@ -246,53 +323,73 @@ class SpeculativeDecoder:
         if errors:
             raise errors[0]
 
-    def _rounds(self, session_id, prompt, request, params, generator, draft, stats) -> Iterator[GenerationChunk]:
+    def _rounds(self, session_id, prompt, request, params, generator, target, draft, stats,
+                ctx) -> Iterator[GenerationChunk]:
         t_start = time.perf_counter() - stats.prefill_s
         tokens = list(prompt)
         target_synced = draft_synced = len(prompt)  # tokens of `tokens` each worker holds validly
         assembler = TextAssembler(self.tokenizer, request.stop)
+        tracer = self.tracer
         finish = None
         while finish is None:
             remaining = request.max_new_tokens - (len(tokens) - len(prompt))
             gamma = min(request.gamma, remaining - 1) if draft is not None else 0
+            wire_before = stats.wire_bytes
+            # the round's span ends before its chunk is yielded: a generator must not hold a
+            # context across a yield
+            with tracer.start_as_current_span("round", context=ctx) as round_span:
+                t0 = time.perf_counter()
+                drafts, draft_probs = [], []
+                if gamma > 0:
+                    with tracer.start_as_current_span("draft"):
+                        round_seed = int(torch.randint(0, 2**63 - 1, (), generator=generator))
+                        for p in draft.propose(session_id, draft_synced, tokens[draft_synced:], gamma, params,
+                                               round_seed):
+                            drafts.append(p.token_id)
+                            draft_probs.append(p.probs)
+                            stats.wire_bytes += p.wire_bytes
+                            stats.draft_compute_s += p.compute_s
+                t1 = time.perf_counter()
+                with tracer.start_as_current_span("verify"):
+                    v = target.verify(session_id, target_synced, tokens[target_synced:], drafts, params)
+                t2 = time.perf_counter()
+                with tracer.start_as_current_span("rejection_sampling"):
+                    if params.greedy:
+                        result = greedy_verify(drafts, v.argmax)
+                    else:
+                        result = rejection_sample(drafts, draft_probs, v.probs, generator)
+                t3 = time.perf_counter()
+                stats.draft_s += t1 - t0
+                stats.verify_s += t2 - t1
+                stats.sampling_s += t3 - t2
+                stats.verify_compute_s += v.compute_s
+                stats.wire_bytes += v.wire_bytes
+                stats.record_round(gamma, result.num_accepted)
 
-            t0 = time.perf_counter()
-            drafts, draft_probs = [], []
-            if gamma > 0:
-                round_seed = int(torch.randint(0, 2**63 - 1, (), generator=generator))
-                for p in draft.propose(session_id, draft_synced, tokens[draft_synced:], gamma, params, round_seed):
-                    drafts.append(p.token_id)
-                    draft_probs.append(p.probs)
-                    stats.wire_bytes += p.wire_bytes
-                    stats.draft_compute_s += p.compute_s
-            t1 = time.perf_counter()
-            v = self.target.verify(session_id, target_synced, tokens[target_synced:], drafts, params)
-            t2 = time.perf_counter()
-            if params.greedy:
-                result = greedy_verify(drafts, v.argmax)
-            else:
-                result = rejection_sample(drafts, draft_probs, v.probs, generator)
-            t3 = time.perf_counter()
-            stats.draft_s += t1 - t0
-            stats.verify_s += t2 - t1
-            stats.sampling_s += t3 - t2
-            stats.verify_compute_s += v.compute_s
-            stats.wire_bytes += v.wire_bytes
-            stats.record_round(gamma, result.num_accepted)
-
-            # both caches hold the accepted drafts; the next round starts right after them
-            target_synced = len(tokens) + result.num_accepted
-            if gamma > 0:
-                draft_synced = target_synced
-            new = result.token_ids[:remaining]
-            for i, t in enumerate(new):
-                if t in self.eos:
-                    new, finish = new[: i + 1], "eos"
-                    break
-            delta, keep = assembler.add(new)
-            if keep is not None:
-                new, finish = new[: keep - (len(tokens) - len(prompt))], "stop_string"
-            tokens.extend(new)
+                # Rollback: both caches keep the accepted drafts and drop the rest; no call is
+                # made, the next round's Propose and Verify start right after the accepted prefix.
+                with tracer.start_as_current_span("rollback") as rollback_span:
+                    target_synced = len(tokens) + result.num_accepted
+                    if gamma > 0:
+                        draft_synced = target_synced
+                    rollback_span.set_attributes({t.TARGET_LENGTH: target_synced, t.DRAFT_LENGTH: draft_synced,
+                                                  t.DISCARDED: gamma - result.num_accepted})
+                new = result.token_ids[:remaining]
+                for i, tok in enumerate(new):
+                    if tok in self.eos:
+                        new, finish = new[: i + 1], "eos"
+                        break
+                delta, keep = assembler.add(new)
+                if keep is not None:
+                    new, finish = new[: keep - (len(tokens) - len(prompt))], "stop_string"
+                tokens.extend(new)
+                round_span.set_attributes({
+                    t.ROUND: stats.rounds - 1, t.GAMMA: gamma, t.DRAFTED: gamma, t.ACCEPTED: result.num_accepted,
+                    t.EMITTED: len(new), t.WIRE_BYTES: stats.wire_bytes - wire_before,
+                    t.ACCEPTED_BY_POSITION: [1] * result.num_accepted + [0] * (gamma - result.num_accepted),
+                })
+            self.metrics.record_round(gamma, result.num_accepted, t1 - t0, t2 - t1, t3 - t2,
+                                      stats.wire_bytes - wire_before)
             if finish is None and len(tokens) - len(prompt) >= request.max_new_tokens:
                 finish = "length"
             if finish is not None:

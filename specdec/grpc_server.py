@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import ErrorInterceptor
+from specdec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,13 @@ class ServerParts:
 
     service_names: tuple[str, ...] = ()
     loader: object = None  # the model-loading thread, when the server loads its own model
+    telemetry: Telemetry | None = None
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stops serving, then flushes telemetry (spans of the last calls included)."""
+        self.server.stop(grace_s).wait()
+        if self.telemetry is not None:
+            self.telemetry.shutdown()
 
 
 def build_server(
@@ -54,11 +62,14 @@ def build_server(
     *,
     max_workers: int = 16,
     max_message_bytes: int = WORKER_MAX_MESSAGE_BYTES,
+    telemetry: Telemetry | None = None,
 ) -> ServerParts:
     """Binds and starts a server; health says NOT_SERVING until set_serving(True)."""
+    telemetry = telemetry or Telemetry.off()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorInterceptor()],
+        # tracing outermost, so its server span sees the status the error interceptor sets
+        interceptors=[*telemetry.server_interceptors(), ErrorInterceptor()],
         options=message_options(max_message_bytes),
         # beyond this, calls get RESOURCE_EXHAUSTED instead of queueing, so the pool always has
         # threads left for health checks
@@ -72,7 +83,7 @@ def build_server(
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     server.start()
-    parts = ServerParts(server, port, health_servicer, tuple(service_names))
+    parts = ServerParts(server, port, health_servicer, tuple(service_names), telemetry=telemetry)
     parts.set_serving(False)
     log.info("listening on port %d", port)
     return parts

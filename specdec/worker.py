@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from opentelemetry import metrics, trace
 from transformers import DynamicCache
 
 from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
 from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
+from specdec import telemetry as t
 from specdec.sampling import MAX_GAMMA
 
 log = logging.getLogger(__name__)
@@ -132,9 +134,34 @@ class WorkerEngine:
             + ("" if loaded.quantization == "none" else f"+{loaded.quantization}-weights"),
         )
         self._tokenizer_files: dict[str, bytes] | None = None
+        self.instrument(None, "worker")
         # sessions idle this long are freed: an orchestrator that died cannot close its own
         self.session_ttl_s = session_ttl_s
         threading.Thread(target=self._expire_idle_sessions, name="session-reaper", daemon=True).start()
+
+    def instrument(self, telemetry, role: str) -> None:
+        """Spans for prefill, truncate and every forward pass; gauges of sessions and cached
+        tokens. With telemetry None (or off): the API's no-op tracer and meter."""
+        self.tracer = telemetry.tracer if telemetry is not None else trace.NoOpTracer()
+        meter = telemetry.meter if telemetry is not None else metrics.NoOpMeter(t.INSTRUMENTATION_SCOPE)
+        attributes = {t.ROLE: role}
+        meter.create_observable_gauge(
+            "specdec.worker.sessions", unit="{session}", description="Sessions open on this worker",
+            callbacks=[lambda options: [metrics.Observation(len(self._sessions), attributes)]])
+        meter.create_observable_gauge(
+            "specdec.worker.cached_tokens", unit="{token}", description="Tokens held in KV caches",
+            callbacks=[lambda options: [metrics.Observation(self.cached_tokens(), attributes)]])
+        self._forward_duration = meter.create_histogram(
+            "specdec.worker.forward.duration", unit="s", description="One forward pass, by kind",
+            explicit_bucket_boundaries_advisory=t.SECONDS_BUCKETS)
+        self._expired = meter.create_counter(
+            "specdec.worker.sessions_expired", unit="{session}", description="Sessions freed after idling")
+        self._role = role
+
+    def cached_tokens(self) -> int:
+        with self._sessions_lock:
+            sessions = list(self._sessions.values())
+        return sum(s.cached for s in sessions)
 
     # ---- session lifecycle -------------------------------------------------------------
 
@@ -162,7 +189,8 @@ class WorkerEngine:
             t0 = time.perf_counter()
             try:
                 if session.tokens:
-                    self.on_model_thread(self.forward, session, 1)  # fills the cache; logits unused
+                    with self.tracer.start_as_current_span("prefill", attributes={t.SESSION_ID: session_id}):
+                        self.on_model_thread(self.forward, session, 1, "prefill")  # fills the cache
                 session.tokens.append(int(token_ids[-1]))
             except BaseException:
                 with self._sessions_lock:
@@ -175,8 +203,17 @@ class WorkerEngine:
     def truncate(self, session_id: str, length: int) -> int:
         session = self.session(session_id)
         with session.lock:
-            session.truncate(length)
+            self.truncate_to(session, length)
             return len(session.tokens)
+
+    def truncate_to(self, session: Session, length: int) -> None:
+        """session.truncate, with a span when it drops tokens (a rollback)."""
+        if length >= len(session.tokens):
+            session.truncate(length)  # nothing to drop (or OutOfRange)
+            return
+        with self.tracer.start_as_current_span("truncate", attributes={
+                t.SESSION_ID: session.session_id, t.TRUNCATE_FROM: len(session.tokens), t.TRUNCATE_TO: length}):
+            session.truncate(length)
 
     def close_session(self, session_id: str) -> None:
         with self._sessions_lock:
@@ -193,6 +230,7 @@ class WorkerEngine:
                 for s in idle:
                     del self._sessions[s.session_id]
             for s in idle:
+                self._expired.add(1, {t.ROLE: self._role})
                 log.warning("freed session %s after %.0f s idle", s.session_id, now - s.last_used)
 
     def session(self, session_id: str) -> Session:
@@ -215,28 +253,32 @@ class WorkerEngine:
             )
 
     def on_model_thread(self, fn, *args):
-        """Runs fn(*args) on the model thread, under inference mode (which is per thread)."""
-        return self._model_thread.submit(self._inference, fn, args).result()
+        """Runs fn(*args) on the model thread, under inference mode (which is per thread), in
+        the caller's trace context (so its forward spans nest under the RPC's)."""
+        return self._model_thread.submit(self._inference, t.current_context(), fn, args).result()
 
     @staticmethod
     @torch.inference_mode()
-    def _inference(fn, args):
-        return fn(*args)
+    def _inference(ctx, fn, args):
+        return t.run_in_context(ctx, fn, *args)
 
-    def forward(self, session: Session, logits_to_keep: int) -> torch.Tensor:
+    def forward(self, session: Session, logits_to_keep: int, kind: str) -> torch.Tensor:
         """Runs the uncached tokens through the model; returns logits [logits_to_keep, vocab].
-        Call it on the model thread (inside on_model_thread)."""
+        Call it on the model thread (inside on_model_thread). kind: prefill, propose or verify."""
         new = session.tokens[session.cached :]
         assert len(new) >= logits_to_keep >= 1, (len(new), logits_to_keep)
         input_ids = torch.tensor([new], dtype=torch.long, device=self.input_device)
-        try:
-            out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
-                             logits_to_keep=logits_to_keep)
-        except BaseException:
-            # a pass that failed half-way leaves layers of different lengths; start the cache
-            # over (the tokens are kept, so the next call recomputes them) rather than trust it
-            session.cache = DynamicCache(config=self.model.config)
-            raise
+        t0 = time.perf_counter()
+        with self.tracer.start_as_current_span("forward", attributes={t.FORWARD_TOKENS: len(new), t.FORWARD_KIND: kind}):
+            try:
+                out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
+                                 logits_to_keep=logits_to_keep)
+            except BaseException:
+                # a pass that failed half-way leaves layers of different lengths; start the cache
+                # over (the tokens are kept, so the next call recomputes them) rather than trust it
+                session.cache = DynamicCache(config=self.model.config)
+                raise
+        self._forward_duration.record(time.perf_counter() - t0, {t.FORWARD_KIND: kind})
         return out.logits[0]
 
     def tokenizer_files(self) -> dict[str, bytes]:

@@ -17,6 +17,7 @@ import grpc
 from specdec.config import WorkerConfig
 from specdec.errors import Unavailable
 from specdec.grpc_server import ServerParts, build_server
+from specdec.telemetry import Telemetry
 from specdec.v1 import common_pb2
 from specdec.worker import ModelInfo, WorkerEngine
 
@@ -95,7 +96,9 @@ def load_in_background(
     def run():
         t0 = time.perf_counter()
         try:
-            slot.set(make_engine(config))
+            engine = make_engine(config)
+            engine.instrument(parts.telemetry, config.role)
+            slot.set(engine)
         except Exception as exc:  # noqa: BLE001 - reported through health and UNAVAILABLE
             slot.error = f"{type(exc).__name__}: {exc}"
             log.exception("%s worker: loading %s failed", config.role, config.model)
@@ -116,7 +119,9 @@ def serve_until_signalled(server: grpc.Server, parts: ServerParts | None = None,
     stop.wait()
     if parts is not None:
         parts.set_serving(False)
-    server.stop(grace_s).wait()
+        parts.stop(grace_s)
+    else:
+        server.stop(grace_s).wait()
 
 
 def create_worker_server(
@@ -125,21 +130,24 @@ def create_worker_server(
     make_engine: Callable[[WorkerConfig], WorkerEngine],
     add_servicer: Callable[[EngineSlot, grpc.Server], None],
     service_name: str,
+    telemetry: Telemetry | None = None,
 ) -> tuple[ServerParts, int]:
     """Starts a worker server; with no engine, loads the model in the background
     (health NOT_SERVING and RPCs UNAVAILABLE until it is ready). Returns (parts, port)."""
     slot = EngineSlot(engine)
-    parts = build_server(config.address, lambda s: add_servicer(slot, s), [service_name], max_workers=config.max_workers)
+    parts = build_server(config.address, lambda s: add_servicer(slot, s), [service_name],
+                         max_workers=config.max_workers, telemetry=telemetry)
     if engine is not None:
+        engine.instrument(parts.telemetry, config.role)
         parts.set_serving(True)
     else:
         parts.loader = load_in_background(config, make_engine, slot, parts)
     return parts, parts.port
 
 
-def run_worker(create_server: Callable[[WorkerConfig], tuple[ServerParts, int]], role: str, argv, default_port: int) -> None:
+def run_worker(create_server: Callable[..., tuple[ServerParts, int]], role: str, argv, default_port: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     config = WorkerConfig.from_args(role, argv, default_port=default_port)
-    parts, port = create_server(config)
+    parts, port = create_server(config, telemetry=Telemetry.from_env(f"specdec-{role}"))
     log.info("%s worker on port %d, loading %s", role, port, config.model)
     serve_until_signalled(parts.server, parts)

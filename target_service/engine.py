@@ -41,7 +41,7 @@ class TargetEngine(WorkerEngine):
             t0 = time.perf_counter()
             session.check_start(start, len(token_ids))
             self.check_tokens([*token_ids, *draft_token_ids], already=start)
-            session.truncate(start)
+            self.truncate_to(session, start)
             session.tokens.extend(token_ids)
             session.uncache_last()
             session.tokens.extend(draft_token_ids)
@@ -49,7 +49,7 @@ class TargetEngine(WorkerEngine):
             return Verification(argmax, probs, len(session.tokens), time.perf_counter() - t0)
 
     def _score(self, session, positions: int, params: SamplingParams):
-        logits = self.forward(session, positions)  # [gamma + 1, vocab]
+        logits = self.forward(session, positions, "verify")  # [gamma + 1, vocab]
         if params.greedy:
             return logits.argmax(dim=-1).tolist(), None
         return None, [process_logits(row, params, self.vocab_size) for row in logits]

@@ -6,6 +6,7 @@ from target_service.engine import TargetEngine
 from target_service.servicer import TargetServicer
 from specdec.config import WorkerConfig
 from specdec.modeling import load_model
+from specdec.telemetry import Telemetry
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.worker_servicer import create_worker_server, run_worker
 
@@ -19,13 +20,14 @@ def make_engine(config: WorkerConfig) -> TargetEngine:
     return TargetEngine(loaded, max_sessions=config.max_sessions)
 
 
-def create_server(config: WorkerConfig, engine: TargetEngine | None = None):
+def create_server(config: WorkerConfig, engine: TargetEngine | None = None, telemetry: Telemetry | None = None):
     return create_worker_server(
         config,
         engine,
         make_engine,
         lambda slot, server: target_pb2_grpc.add_TargetWorkerServicer_to_server(TargetServicer(slot), server),
         SERVICE_NAME,
+        telemetry,
     )
 
 

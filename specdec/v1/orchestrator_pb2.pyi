@@ -131,3 +131,43 @@ class GenerateChunk(_message.Message):
     finish_reason: FinishReason
     stats: GenerationStats
     def __init__(self, text_delta: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("role", "address", "source", "state", "message", "model_name", "open_sessions", "active_sessions", "placed_sessions")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PLACED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    source: str
+    state: str
+    message: str
+    model_name: str
+    open_sessions: int
+    active_sessions: int
+    placed_sessions: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., source: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., model_name: _Optional[str] = ..., open_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., placed_sessions: _Optional[int] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class AddWorkersRequest(_message.Message):
+    __slots__ = ("target", "draft")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    target: _containers.RepeatedScalarFieldContainer[str]
+    draft: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, target: _Optional[_Iterable[str]] = ..., draft: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -44,6 +44,16 @@ class OrchestratorStub:
                 request_serializer=specdec_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_orchestrator__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/specdec.v1.Orchestrator/ListWorkers',
+                request_serializer=specdec_dot_v1_dot_orchestrator__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_orchestrator__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+        self.AddWorkers = channel.unary_unary(
+                '/specdec.v1.Orchestrator/AddWorkers',
+                request_serializer=specdec_dot_v1_dot_orchestrator__pb2.AddWorkersRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_orchestrator__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorServicer:
@@ -63,6 +73,20 @@ class OrchestratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListWorkers(self, request, context):
+        """The workers this orchestrator places sessions on, with their state and load.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddWorkers(self, request, context):
+        """Adds workers at run time (HOST:PORT; a name may resolve to many); nothing restarts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +99,16 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=specdec_dot_v1_dot_orchestrator__pb2.GenerateRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_orchestrator__pb2.GenerateChunk.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=specdec_dot_v1_dot_orchestrator__pb2.ListWorkersRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_orchestrator__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'AddWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddWorkers,
+                    request_deserializer=specdec_dot_v1_dot_orchestrator__pb2.AddWorkersRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_orchestrator__pb2.ListWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +165,60 @@ class Orchestrator:
             '/specdec.v1.Orchestrator/GenerateStream',
             specdec_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
             specdec_dot_v1_dot_orchestrator__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Orchestrator/ListWorkers',
+            specdec_dot_v1_dot_orchestrator__pb2.ListWorkersRequest.SerializeToString,
+            specdec_dot_v1_dot_orchestrator__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Orchestrator/AddWorkers',
+            specdec_dot_v1_dot_orchestrator__pb2.AddWorkersRequest.SerializeToString,
+            specdec_dot_v1_dot_orchestrator__pb2.ListWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

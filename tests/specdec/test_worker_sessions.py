@@ -27,7 +27,7 @@ def test_truncate_then_forward_equals_fresh_computation(target_engine):
         assert target_engine.truncate("rollback", 7) == 7  # idempotent
         assert session.cached == 7  # the accepted prefix stays cached: nothing recomputed
         session.tokens.extend([77, 78])
-        logits = target_engine.on_model_thread(target_engine.forward, session, 2)
+        logits = target_engine.on_model_thread(target_engine.forward, session, 2, "verify")
         expected = fresh_logits(target_engine, [*prompt, 11, 77, 78], 2)
         torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
     finally:

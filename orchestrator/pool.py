@@ -1,0 +1,286 @@
+"""Pools of draft and target workers: discovery, health, least-loaded placement, pinning.
+
+A pool is built from address entries, HOST:PORT each; a host name may resolve to many addresses
+(every replica of a scaled compose service, every pod behind a Kubernetes headless Service).
+A monitor thread re-resolves names every `resolve_s` and polls each member's Describe every
+`poll_s`; Describe reports the sessions a worker holds for every orchestrator, so replicas of the
+orchestrator see each other's load. A new member must pass `accept` (same vocabulary as the
+target) before it gets sessions.
+
+Placement: a new session goes to the serving member with the fewest sessions (ours, counted
+exactly, plus others', as of the last poll), ties to the one we used least. The session stays
+pinned to that member for its whole life, because its KV cache lives there.
+Adding a worker: start it where a name already resolves to, or call add() (the orchestrator's
+AddWorkers RPC); nothing else restarts.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from orchestrator.workers import check_pair
+from specdec.errors import FailedPrecondition, ServiceError, Unavailable
+from specdec.worker import ModelInfo
+
+log = logging.getLogger(__name__)
+
+# member states
+JOINING, SERVING, UNAVAILABLE, REFUSED, GONE = "joining", "serving", "unavailable", "refused", "gone"
+
+
+def parse_entries(spec: str | Iterable[str] | None) -> list[str]:
+    """'a:1, b:2' or ['a:1', 'b:2'] -> ['a:1', 'b:2'] (each checked to be HOST:PORT)."""
+    if spec is None:
+        return []
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    entries = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"worker address {item!r} is not HOST:PORT")
+        entries.append(item)
+    return entries
+
+
+def resolve_addresses(entry: str) -> list[str]:
+    """HOST:PORT -> every address the host resolves to (IPv4 first), or [entry] if it is literal
+    or does not resolve now (gRPC will keep trying, and so will the next resolution)."""
+    host, _, port = entry.rpartition(":")
+    bare = host.strip("[]")
+    try:
+        ipaddress.ip_address(bare)
+        return [entry]
+    except ValueError:
+        pass
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            infos = socket.getaddrinfo(bare, int(port), family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        ips = sorted({info[4][0] for info in infos})
+        if ips:
+            return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+    log.warning("%s does not resolve now; keeping it as given", entry)
+    return [entry]
+
+
+@dataclass
+class Member:
+    address: str
+    entry: str  # the configured entry it came from (a name for DNS members)
+    worker: object  # RemoteDraft / RemoteTarget, or an engine in-process
+    state: str = JOINING
+    message: str = ""
+    info: ModelInfo | None = None
+    active: int = 0  # sessions of this orchestrator there now (exact)
+    others: int = 0  # sessions of other orchestrators there, as of the last poll
+    placed: int = 0  # sessions this orchestrator has placed there in total
+
+    @property
+    def load(self) -> int:
+        return self.active + self.others
+
+
+class WorkerPool:
+    """The workers of one role. Thread-safe; acquire()/release() bracket one session."""
+
+    def __init__(
+        self,
+        role: str,
+        entries: Iterable[str] = (),
+        *,
+        connect: Callable[[str], object] | None = None,
+        resolve: Callable[[str], list[str]] = resolve_addresses,
+        poll_s: float = 1.0,
+        resolve_s: float = 10.0,
+    ):
+        self.role = role
+        self._entries = list(dict.fromkeys(entries))
+        self._connect = connect
+        self._resolve = resolve
+        self.poll_s, self.resolve_s = poll_s, resolve_s
+        self._members: dict[str, Member] = {}
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self.accept: Callable[[ModelInfo], None] | None = None  # raises FailedPrecondition to refuse; see pair_pools
+        self.reference: ModelInfo | None = None  # the model every member must serve (targets)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def fixed(cls, role: str, workers: Iterable[object]) -> "WorkerPool":
+        """A pool of given workers (in-process engines, or clients built by the caller)."""
+        pool = cls(role)
+        for i, worker in enumerate(workers):
+            name = getattr(worker, "address", f"in-process-{role}-{i}")
+            pool._members[name] = Member(name, name, worker)
+        return pool
+
+    # ---- membership ----------------------------------------------------------------------
+
+    def add(self, entries: Iterable[str]) -> None:
+        """Adds address entries (resolved now and at every re-resolution)."""
+        if self._connect is None:
+            raise FailedPrecondition(f"the {self.role} pool holds in-process workers; it cannot add addresses")
+        new = [e for e in parse_entries(entries) if e not in self._entries]
+        self._entries.extend(new)
+        self._resolve_entries(new)
+        self.poll()
+
+    def _resolve_entries(self, entries: Iterable[str]) -> None:
+        for entry in entries:
+            for address in self._resolve(entry):
+                with self._lock:
+                    if address in self._members and self._members[address].state != GONE:
+                        continue
+                    if address in self._members:  # came back under the same address
+                        self._members[address].state = JOINING
+                        continue
+                    self._members[address] = Member(address, entry, self._connect(address))
+                log.info("%s pool: new member %s (from %s)", self.role, address, entry)
+
+    def _forget_vanished(self) -> None:
+        """Members whose name no longer resolves to them get no new sessions; they leave when idle."""
+        current = {a for e in self._entries for a in self._resolve(e)}
+        with self._lock:
+            for address, m in list(self._members.items()):
+                if m.entry in self._entries and address not in current:
+                    m.state, m.message = GONE, "no longer in DNS"
+                if m.state == GONE and m.active == 0:
+                    del self._members[address]
+                    close = getattr(m.worker, "close", None)
+                    if close is not None:
+                        close()
+                    log.info("%s pool: %s left", self.role, address)
+
+    def poll(self) -> None:
+        """Describes every member: its state and load. One pass; the monitor repeats it."""
+        with self._lock:
+            members = [m for m in self._members.values() if m.state != GONE]
+        for m in members:
+            try:
+                info = m.worker.describe()
+                if (m.state in (JOINING, UNAVAILABLE) or m.info is None) and self.accept is not None:
+                    self.accept(info)
+                state, message = SERVING, ""
+            except FailedPrecondition as exc:
+                info, state, message = None, REFUSED, exc.message
+            except ServiceError as exc:
+                info, state, message = None, UNAVAILABLE, exc.message
+            except Exception as exc:  # noqa: BLE001 - a member must never take the pool down
+                info, state, message = None, UNAVAILABLE, f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                if m.state != state:
+                    log.log(logging.WARNING if state != SERVING else logging.INFO,
+                            "%s pool: %s is %s %s", self.role, m.address, state, message)
+                if m.state == REFUSED and state != SERVING:
+                    state, message = REFUSED, m.message  # stays refused until it serves an accepted model
+                m.state, m.message = state, message
+                if info is not None:
+                    m.info = info
+                    m.others = max(0, info.open_sessions - m.active)
+                self._changed.notify_all()
+
+    def start(self) -> None:
+        """Resolves the entries and starts the monitor thread."""
+        self._resolve_entries(self._entries)
+        self._thread = threading.Thread(target=self._monitor, name=f"{self.role}-pool", daemon=True)
+        self._thread.start()
+
+    def _monitor(self) -> None:
+        last_resolve = time.monotonic()
+        while not self._stop.is_set():
+            self.poll()
+            if time.monotonic() - last_resolve >= self.resolve_s:
+                self._resolve_entries(self._entries)
+                self._forget_vanished()
+                last_resolve = time.monotonic()
+            self._stop.wait(self.poll_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            members, self._members = list(self._members.values()), {}
+        for m in members:
+            close = getattr(m.worker, "close", None)
+            if close is not None:
+                close()
+
+    def wait_for_member(self, timeout_s: float) -> Member:
+        """Blocks until a member serves (FailedPrecondition if every member refused, Unavailable on timeout)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                serving = [m for m in self._members.values() if m.state == SERVING]
+                if serving:
+                    return serving[0]
+                states = [m.state for m in self._members.values()]
+                if states and all(s == REFUSED for s in states):
+                    raise FailedPrecondition(next(iter(self._members.values())).message)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Unavailable(f"no {self.role} worker is serving after {timeout_s:.0f} s: {self.summary()}")
+                self._changed.wait(min(left, 1.0))
+
+    # ---- placement -----------------------------------------------------------------------
+
+    def acquire(self) -> Member:
+        """The least-loaded serving member, now holding one more session of ours."""
+        with self._lock:
+            serving = [m for m in self._members.values() if m.state == SERVING]
+            if not serving:
+                raise Unavailable(f"no {self.role} worker is serving: {self.summary()}")
+            member = min(serving, key=lambda m: (m.load, m.placed))
+            member.active += 1
+            member.placed += 1
+            return member
+
+    def release(self, member: Member) -> None:
+        with self._lock:
+            member.active -= 1
+
+    def members(self) -> list[Member]:
+        with self._lock:
+            return [Member(**m.__dict__) for m in self._members.values()]  # snapshots
+
+    def first_info(self) -> ModelInfo | None:
+        with self._lock:
+            return next((m.info for m in self._members.values() if m.state == SERVING), None)
+
+    def summary(self) -> str:
+        """One line per member; called with or without the lock (reads only)."""
+        members = list(self._members.values())
+        if not members:
+            return f"no {self.role} worker configured" if not self._entries else f"{', '.join(self._entries)} resolved to nothing"
+        return "; ".join(f"{m.address} {m.state}" + (f" ({m.message})" if m.message else "") for m in members)
+
+
+def pair_pools(targets: WorkerPool, drafts: WorkerPool | None) -> None:
+    """Every target must serve the model the first accepted target serves; every draft must share
+    its vocabulary. A member that does not is REFUSED (and its message names both models)."""
+
+    def accept_target(info: ModelInfo) -> None:
+        with targets._lock:
+            reference = targets.reference = targets.reference or info
+        if (info.model_name, info.vocab_fingerprint) != (reference.model_name, reference.vocab_fingerprint):
+            raise FailedPrecondition(
+                f"target model '{info.model_name}' differs from '{reference.model_name}', which the other "
+                f"targets serve: one pool serves one model"
+            )
+
+    def accept_draft(info: ModelInfo) -> None:
+        if targets.reference is None:
+            raise Unavailable("waiting for a target worker to pair with")
+        check_pair(targets.reference, info)
+
+    targets.accept = accept_target
+    if drafts is not None:
+        drafts.accept = accept_draft

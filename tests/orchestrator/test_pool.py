@@ -1,0 +1,171 @@
+"""Worker pools against real worker servers: spreading, pinning, DNS discovery, adding workers.
+
+Every worker here is a real gRPC server with its own tiny engine; only DNS is faked (a resolver
+function), since this machine cannot serve a name that resolves to several addresses.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from draft_service.engine import DraftEngine
+from draft_service.server import create_server as create_draft
+from orchestrator.client import Client
+from orchestrator.config import OrchestratorConfig
+from orchestrator.pool import GONE, REFUSED, SERVING, WorkerPool, pair_pools, parse_entries
+from orchestrator.remote import RemoteTarget
+from orchestrator.server import create_server as create_orchestrator
+from specdec.config import WorkerConfig
+from specdec.errors import ServiceError
+from specdec.modeling import load_model
+from target_service.engine import TargetEngine
+from target_service.server import create_server as create_target
+from tests.orchestrator.test_greedy_equivalence import reference
+
+
+@pytest.fixture(scope="module")
+def workers(model_dirs):
+    """Two target and two draft servers, each with an engine of its own."""
+    servers = {"target": [], "draft": []}
+    for role, make, create, d in (("target", TargetEngine, create_target, "target"),
+                                  ("draft", DraftEngine, create_draft, "draft")):
+        for _ in range(2):
+            engine = make(load_model(str(model_dirs[d]), dtype="float64"))
+            parts, port = create(WorkerConfig(role, "tiny", host="127.0.0.1"), engine)
+            servers[role].append({"parts": parts, "address": f"127.0.0.1:{port}", "engine": engine})
+    yield servers
+    for role in servers.values():
+        for w in role:
+            w["parts"].stop(None)
+
+
+@pytest.fixture(scope="module")
+def orchestrator(workers):
+    config = OrchestratorConfig(
+        target=",".join(w["address"] for w in workers["target"]),
+        draft=",".join(w["address"] for w in workers["draft"]),
+        host="127.0.0.1", poll_s=0.2)
+    parts, port = create_orchestrator(config)
+    parts.loader.join(60)
+    assert parts.slot.decoder is not None
+    with Client(f"127.0.0.1:{port}", timeout_s=120) as client:
+        client.wait_until_ready(30)
+        _wait_for(lambda: [w["state"] for w in client.workers()] == [SERVING] * 4)
+        yield {"parts": parts, "client": client}
+    parts.stop(None)
+
+
+def _wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_entries_are_checked():
+    assert parse_entries(" a:1, b:2 ,") == ["a:1", "b:2"]
+    for bad in ("a", "a:", ":1", "a:b"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_entries(bad)
+    with pytest.raises(SystemExit):
+        OrchestratorConfig.from_args(["--target", "nohostport"])
+
+
+def test_concurrent_sessions_spread_over_both_pools_and_stay_correct(orchestrator, workers, target_engine):
+    client = orchestrator["client"]
+    prompts = ["def fib(n):", "import numpy", "The quick brown fox", "x = [", "class A:", "print(", "for i in", "# a"]
+    ids = [target_engine.tokenizer(p).input_ids for p in prompts]
+    before = {w["address"]: w["placed_sessions"] for w in client.workers()}
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(
+            lambda i: client.generate(token_ids=i, max_new_tokens=16, temperature=0, gamma=3), ids))
+
+    for prompt_ids, r in zip(ids, results):
+        assert r.token_ids == reference(target_engine, prompt_ids, 16)
+    placed = {w["address"]: w["placed_sessions"] - before[w["address"]] for w in client.workers()}
+    for role in ("target", "draft"):
+        counts = [placed[w["address"]] for w in workers[role]]
+        assert sum(counts) == len(prompts)
+        assert min(counts) >= 2, f"{role} sessions were not spread: {counts}"
+    # every session was closed on the worker it was pinned to
+    _wait_for(lambda: all(w["engine"].describe().open_sessions == 0 for r in workers.values() for w in r))
+    assert all(w["active_sessions"] == 0 and w["state"] == SERVING for w in client.workers())
+
+
+def test_a_new_session_goes_to_the_least_loaded_worker(workers):
+    """Load includes sessions other orchestrators hold, as the workers report it."""
+    pool = WorkerPool("target", [w["address"] for w in workers["target"]], connect=RemoteTarget, poll_s=0.1)
+    pair_pools(pool, None)
+    pool.start()
+    busy = RemoteTarget(workers["target"][0]["address"])
+    try:
+        pool.wait_for_member(10)
+        for i in range(3):  # "another orchestrator" holds three sessions on the first target
+            busy.open_session(f"elsewhere-{i}", [1, 2, 3])
+        _wait_for(lambda: {m.address: m.others for m in pool.members()}[workers["target"][0]["address"]] == 3)
+        chosen = [pool.acquire() for _ in range(3)]
+        assert {m.address for m in chosen} == {workers["target"][1]["address"]}
+        fourth = pool.acquire()  # now both hold three: ties go to the one we used least
+        assert fourth.address == workers["target"][0]["address"]
+        for m in chosen + [fourth]:
+            pool.release(m)
+    finally:
+        for i in range(3):
+            busy.close_session(f"elsewhere-{i}")
+        busy.close()
+        pool.stop()
+
+
+def test_a_name_resolving_to_many_addresses_and_replicas_coming_and_going(model_dirs, target_engine):
+    # two servers on one port, on two loopback addresses, as two pods behind one name would be
+    first, port = create_target(WorkerConfig("target", "t", host="127.0.0.1"), target_engine)
+    second, _ = create_target(WorkerConfig("target", "t", host="127.0.0.2", port=port), target_engine)
+    dns = {"targets.test": [f"127.0.0.1:{port}"]}
+    resolve = lambda entry: dns[entry.rpartition(":")[0]]  # noqa: E731 - the fake DNS
+    pool = WorkerPool("target", [f"targets.test:{port}"], connect=RemoteTarget, resolve=resolve,
+                      poll_s=0.05, resolve_s=0.1)
+    pair_pools(pool, None)
+    pool.start()
+    try:
+        pool.wait_for_member(10)
+        assert [m.address for m in pool.members()] == [f"127.0.0.1:{port}"]
+        dns["targets.test"] = [f"127.0.0.1:{port}", f"127.0.0.2:{port}"]  # scaled up
+        _wait_for(lambda: sorted(m.state for m in pool.members()) == [SERVING, SERVING])
+        held = pool.acquire()
+        dns["targets.test"] = [a for a in dns["targets.test"] if a != held.address]  # that replica leaves
+        _wait_for(lambda: {m.address: m.state for m in pool.members()}.get(held.address) == GONE)
+        assert pool.acquire().address != held.address, "a vanished replica gets no new session"
+        pool.release(held)  # its last session ends: it leaves the pool
+        _wait_for(lambda: held.address not in {m.address for m in pool.members()})
+    finally:
+        pool.stop()
+        first.stop(None)
+        second.stop(None)
+
+
+def test_workers_are_added_at_run_time_and_a_mismatch_is_refused(orchestrator, target_engine, model_dirs):
+    client = orchestrator["client"]
+    extra, port = create_target(WorkerConfig("target", "t", host="127.0.0.1"), target_engine)
+    other = DraftEngine(load_model(str(model_dirs["other"])))
+    wrong, wrong_port = create_draft(WorkerConfig("draft", "x", host="127.0.0.1"), other)
+    try:
+        client.add_workers(target=[f"127.0.0.1:{port}"], draft=[f"127.0.0.1:{wrong_port}"])
+        _wait_for(lambda: {w["address"]: w["state"] for w in client.workers()}.get(f"127.0.0.1:{port}") == SERVING)
+        refused = {w["address"]: w for w in client.workers()}[f"127.0.0.1:{wrong_port}"]
+        assert refused["state"] == REFUSED and "tiny-other-vocab" in refused["message"]
+        # requests keep working, and never land on the refused draft
+        for _ in range(4):
+            client.generate(prompt="hello", max_new_tokens=4, temperature=0, gamma=2)
+        assert {w["address"]: w for w in client.workers()}[f"127.0.0.1:{wrong_port}"]["placed_sessions"] == 0
+        with pytest.raises(ServiceError) as e:
+            client.add_workers(target=["no-port"])
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        extra.stop(None)
+        wrong.stop(None)
