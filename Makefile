@@ -1,7 +1,10 @@
 # Two set-up commands (see README.md):
 #   make run    install what is missing, then run the whole stack on the default model pair
 #   make test   install what is missing, then run the test suite
-# Everything installs into .venv/ of this checkout; nothing is installed system-wide.
+# Python packages install into .venv/ of this checkout. The one system-wide install: `make test`
+# run as root on a Debian-like machine adds Debian's docker-compose package when it is missing
+# (tests/deploy checks the compose files with `docker-compose config`, offline); elsewhere that
+# test is skipped. `make run` installs nothing outside .venv/.
 
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +13,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: install run test bench protos clean
+.PHONY: install run test compose-tool bench protos clean
 
 install: $(STAMP)
 
@@ -25,8 +28,20 @@ $(STAMP): pyproject.toml
 run: install
 	$(VENV)/bin/specdec run $(RUN_ARGS)
 
-test: install
+test: install compose-tool
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Debian's docker-compose (1.29) validates and merges compose files offline (no Docker engine).
+# Installed only when missing, and only as root with apt-get; an install that fails stops here.
+compose-tool:
+	@command -v docker-compose >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing docker-compose (Debian package) for tests/deploy" && \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; \
+	  else \
+	    echo "docker-compose not found and not installable here (needs root and apt-get): its test will be skipped"; \
+	  fi; }
 
 protos: install
 	$(PY) scripts/gen_protos.py
