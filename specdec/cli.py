@@ -2,6 +2,9 @@
 
   specdec generate --server HOST:PORT --prompt TEXT [...] [--json]   one request to an orchestrator
   specdec run [--prompt TEXT] [--target M] [--draft M]               the whole stack on loopback
+  specdec workers --server HOST:PORT [--add-target A] [--add-draft A]  an orchestrator's worker pools
+  specdec timeline SPANS|JAEGER_URL --out timeline.png                  draw one request's trace
+  specdec bench ...                                                    benchmarks (see specdec/bench.py)
 """
 
 from __future__ import annotations
@@ -54,6 +57,28 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_workers(a: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+
+    with Client(a.server, timeout_s=a.timeout) as client:
+        try:
+            if a.add_target or a.add_draft:
+                workers = client.add_workers(target=a.add_target, draft=a.add_draft)
+            else:
+                workers = client.workers()
+        except ServiceError as err:
+            print(f"{err.code.name}: {err.message}", file=sys.stderr)
+            return 1
+    if a.json:
+        print(json.dumps(workers))
+        return 0
+    print(f"{'role':<7} {'address':<24} {'state':<12} {'open':>5} {'ours':>5} {'placed':>7}  model / message")
+    for w in workers:
+        print(f"{w['role']:<7} {w['address']:<24} {w['state']:<12} {w['open_sessions']:>5} {w['active_sessions']:>5} "
+              f"{w['placed_sessions']:>7}  {w['model_name'] or w['message']}")
+    return 0
+
+
 def format_stats(finish_reason: str, s: dict) -> str:
     return (
         f"[{finish_reason}] {s['generated_tokens']} tokens in {s['total_s']:.2f} s ({s['tokens_per_second']:.2f} tok/s), "
@@ -76,6 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
+    w = sub.add_parser("workers", help="list an orchestrator's workers, or add some (no restart)")
+    w.add_argument("--server", default="localhost:50050", help="orchestrator HOST:PORT")
+    w.add_argument("--add-target", action="append", default=[], metavar="HOST:PORT")
+    w.add_argument("--add-draft", action="append", default=[], metavar="HOST:PORT")
+    w.add_argument("--json", action="store_true")
+    w.add_argument("--timeout", type=float, default=30.0)
+    w.set_defaults(func=cmd_workers)
+
+    t = sub.add_parser("timeline", help="draw one request's trace (console-exporter spans or Jaeger) as a PNG",
+                       add_help=False)
+    t.set_defaults(func=None)
+
     from specdec import stack
 
     r = sub.add_parser("run", help="start target, draft and orchestrator on loopback and answer a prompt")
@@ -88,6 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="compare target alone, HF assisted, and specdec in-process and over gRPC")
     bench.add_arguments(b)
     b.set_defaults(func=bench.cmd_bench)
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["timeline"]:  # its own parser: python -m specdec.timeline takes the same arguments
+        from specdec import timeline
+
+        return timeline.main(argv[1:])
+    from specdec import bench_tracing
+
+    bt = sub.add_parser("bench-tracing", help="what tracing and metrics cost: telemetry off vs on, side by side")
+    bench_tracing.add_arguments(bt)
+    bt.set_defaults(func=bench_tracing.cmd_bench_tracing)
 
     a = parser.parse_args(argv)
     return a.func(a)

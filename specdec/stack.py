@@ -27,6 +27,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PROMETHEUS_OFFSETS = {"orchestrator": 0, "target_service": 1, "draft_service": 2}
+
+
+def child_env(module: str) -> dict:
+    """The OTEL_* settings, made to fit three processes on one host: each serves Prometheus
+    metrics on a port of its own (orchestrator on the configured port, target +1, draft +2),
+    and a service name given for the stack gets the role appended."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if "prometheus" in env.get("OTEL_METRICS_EXPORTER", ""):
+        base = int(env.get("OTEL_EXPORTER_PROMETHEUS_PORT", "9464"))
+        if base:  # 0: each picks a free port
+            env["OTEL_EXPORTER_PROMETHEUS_PORT"] = str(base + PROMETHEUS_OFFSETS[module])
+    if env.get("OTEL_SERVICE_NAME"):
+        env["OTEL_SERVICE_NAME"] += "-" + module.removesuffix("_service")
+    return env
+
+
 class ProcessStack:
     """Target, draft and orchestrator as child processes on loopback."""
 
@@ -48,10 +65,10 @@ class ProcessStack:
     def address(self) -> str:
         return f"127.0.0.1:{self.ports['orchestrator']}"
 
-    def start(self) -> "ProcessStack":
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def start(self, stdout=None) -> "ProcessStack":
         # own sessions: Ctrl-C reaches only us, and we stop the children in order
-        self.procs = [subprocess.Popen([sys.executable, "-m", *cmd], start_new_session=True, env=env)
+        self.procs = [subprocess.Popen([sys.executable, "-m", *cmd], start_new_session=True, env=child_env(cmd[0]),
+                                       stdout=stdout)
                       for cmd in self.commands]
         return self
 

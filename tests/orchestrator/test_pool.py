@@ -6,7 +6,9 @@ function), since this machine cannot serve a name that resolves to several addre
 
 from __future__ import annotations
 
-import threading
+import json
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,7 +58,7 @@ def orchestrator(workers):
     with Client(f"127.0.0.1:{port}", timeout_s=120) as client:
         client.wait_until_ready(30)
         _wait_for(lambda: [w["state"] for w in client.workers()] == [SERVING] * 4)
-        yield {"parts": parts, "client": client}
+        yield {"parts": parts, "client": client, "address": f"127.0.0.1:{port}"}
     parts.stop(None)
 
 
@@ -169,3 +171,24 @@ def test_workers_are_added_at_run_time_and_a_mismatch_is_refused(orchestrator, t
     finally:
         extra.stop(None)
         wrong.stop(None)
+
+
+def test_workers_command_lists_the_pools(orchestrator, workers):
+    out = subprocess.run([sys.executable, "-m", "specdec.cli", "workers", "--server", orchestrator["address"], "--json"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    listed = {(w["role"], w["address"]) for w in json.loads(out)}
+    assert {(role, w["address"]) for role in workers for w in workers[role]} <= listed
+    table = subprocess.run([sys.executable, "-m", "specdec.cli", "workers", "--server", orchestrator["address"]],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "serving" in table and "tiny-target" in table
+
+
+def test_stack_gives_each_process_its_own_metrics_port(monkeypatch):
+    from specdec.stack import child_env
+
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "9500")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "demo")
+    ports = {m: child_env(m)["OTEL_EXPORTER_PROMETHEUS_PORT"] for m in ("orchestrator", "target_service", "draft_service")}
+    assert ports == {"orchestrator": "9500", "target_service": "9501", "draft_service": "9502"}
+    assert child_env("draft_service")["OTEL_SERVICE_NAME"] == "demo-draft"
