@@ -25,7 +25,7 @@ def not_serving():
     """A real server that never leaves NOT_SERVING, like a worker still loading its model."""
     parts = build_server("127.0.0.1:0", lambda server: None, [], max_workers=8)
     yield f"127.0.0.1:{parts.port}"
-    parts.server.stop(None)
+    parts.stop(None)
 
 
 @pytest.mark.parametrize("role", ["target", "draft", "orchestrator"])
