@@ -104,6 +104,7 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
         parts.set_serving(True)
     else:
         slot.pools = build_pools(config, parts.telemetry)
+        parts.on_stop += [pool.stop for pool in slot.pools if pool is not None]
         parts.loader = _pair_in_background(config, slot, parts)
     return parts, parts.port
 

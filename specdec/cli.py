@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["timeline"]:  # its own parser: python -m specdec.timeline takes the same arguments
         from specdec import timeline
 
-        return timeline.main(argv[1:])
+        return timeline.main(argv[1:], prog="specdec timeline")
     from specdec import bench_tracing
 
     bt = sub.add_parser("bench-tracing", help="what tracing and metrics cost: telemetry off vs on, side by side")

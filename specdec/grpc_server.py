@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -47,10 +47,13 @@ class ServerParts:
     service_names: tuple[str, ...] = ()
     loader: object = None  # the model-loading thread, when the server loads its own model
     telemetry: Telemetry | None = None
+    on_stop: list = field(default_factory=list)  # callables run after the server stops
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Stops serving, then flushes telemetry (spans of the last calls included)."""
+        """Stops serving, runs on_stop, then flushes telemetry (spans of the last calls included)."""
         self.server.stop(grace_s).wait()
+        for fn in self.on_stop:
+            fn()
         if self.telemetry is not None:
             self.telemetry.shutdown()
 

@@ -54,7 +54,7 @@ def stack(target_engine, draft_engine):
     yield {"target": target, "draft": draft, "orchestrator": orch, "ports": (tport, dport, oport),
            "address": f"127.0.0.1:{oport}"}
     for parts in (orch, draft, target):
-        parts.server.stop(None)
+        parts.stop(None)
 
 
 @pytest.fixture(scope="session")

@@ -115,7 +115,7 @@ def test_worker_is_not_serving_until_its_model_loads(model_dirs):
         assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
         channel.close()
     finally:
-        parts.server.stop(None)
+        parts.stop(None)
 
 
 def test_loading_worker_answers_unavailable():
@@ -145,8 +145,8 @@ def test_mismatched_vocabulary_is_refused(stack, model_dirs):
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "tiny-other-vocab" in e.value.message and "tiny-target" in e.value.message
     finally:
-        orch.server.stop(None)
-        draft.server.stop(None)
+        orch.stop(None)
+        draft.stop(None)
 
 
 def test_stop_strings_cut_text(client):

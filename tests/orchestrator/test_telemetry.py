@@ -315,3 +315,29 @@ def test_sdk_disabled_and_unknown_exporters():
         Telemetry.from_env("x", env={"OTEL_TRACES_EXPORTER": "zipkin-typo"})
     with pytest.raises(ValueError, match="OTEL_METRICS_EXPORTER"):
         Telemetry.from_env("x", env={"OTEL_METRICS_EXPORTER": "statsd"})
+
+
+def test_timeline_is_drawn_from_a_real_request(traced, tmp_path):
+    """The spans a real request produced, written as the console exporter writes them, become a PNG."""
+    import subprocess
+    import sys
+
+    from specdec.timeline import summarize
+
+    spans, client = traced["spans"], traced["client"]
+    spans.clear()
+    r = client.generate(prompt="def fib(n):", max_new_tokens=16, temperature=0, gamma=4)
+    got = _finished_trace(spans)
+    source = tmp_path / "spans.log"
+    source.write_text("\n".join(s.to_json() for s in got))
+    out = tmp_path / "timeline.png"
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "timeline", str(source), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    from specdec.timeline import load_spans
+
+    summary = summarize(load_spans(str(source)))
+    assert (summary.rounds, summary.output_tokens) == (r.stats["rounds"], len(r.token_ids))
+    assert (summary.drafted_tokens, summary.accepted_tokens) == (r.stats["drafted_tokens"], r.stats["accepted_tokens"])
+    assert summary.missing_worker_spans == 0 and summary.draft_compute_s > 0 and summary.verify_compute_s > 0
