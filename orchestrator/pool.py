@@ -178,9 +178,9 @@ class WorkerPool:
             except Exception as exc:  # noqa: BLE001 - a member must never take the pool down
                 info, state, message = None, UNAVAILABLE, f"{type(exc).__name__}: {exc}"
             with self._lock:
-                if m.state != state:
-                    log.log(logging.WARNING if state != SERVING else logging.INFO,
-                            "%s pool: %s is %s %s", self.role, m.address, state, message)
+                if m.state != state:  # a worker still starting is news, not a warning
+                    level = logging.WARNING if m.state == SERVING or state == REFUSED else logging.INFO
+                    log.log(level, "%s pool: %s is %s %s", self.role, m.address, state, message)
                 if m.state == REFUSED and state != SERVING:
                     state, message = REFUSED, m.message  # stays refused until it serves an accepted model
                 m.state, m.message = state, message

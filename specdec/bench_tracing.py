@@ -6,7 +6,10 @@ Two measurements, side by side in one run:
 1. The three services as processes (as `specdec run` starts them), telemetry off, then on, in
    alternation: on = every span exported through the console exporter (serialised to JSON, sent
    to /dev/null) plus metrics on the Prometheus endpoint. The same greedy requests each time;
-   the outputs must be identical. Reported: tok/s of each mode and the ratio.
+   the outputs must be identical. Reported: tok/s of each mode and the ratio, and per round the
+   model compute (as the workers time it) and the overhead around it (RPC, serialisation,
+   Python, telemetry): tok/s moves a few % with this machine's noise in compute, the overhead
+   is where telemetry's own cost shows.
 2. Telemetry off, in isolation: the per-round instrumentation (five no-op spans, the metric
    calls) timed in a loop, in microseconds per round, to compare with a round's duration.
 """
@@ -77,8 +80,8 @@ def noop_round_cost_us(rounds: int = 20000) -> float:
     return (min(timed(instrumented) for _ in range(3)) - min(timed(bare) for _ in range(3))) / rounds * 1e6
 
 
-def _run_mode(target_dir, draft_dir, a, telemetry_on: bool) -> tuple[float, list[list[int]], float]:
-    """Starts the stack, runs the requests; returns (tok/s, outputs, mean round seconds)."""
+def _run_mode(target_dir, draft_dir, a, telemetry_on: bool) -> tuple[float, list[list[int]], dict]:
+    """Starts the stack, runs the requests; returns (tok/s, outputs, per-round ms by part)."""
     from orchestrator.client import Client
     from specdec.stack import ProcessStack
 
@@ -92,6 +95,7 @@ def _run_mode(target_dir, draft_dir, a, telemetry_on: bool) -> tuple[float, list
         stack.start(stdout=subprocess.DEVNULL)  # the console exporter's JSON goes to /dev/null
         stack.wait_until_ready(a.startup_timeout)
         outputs, tokens, seconds, rounds = [], 0, 0.0, 0
+        parts = dict.fromkeys(("draft_compute_s", "verify_compute_s", "draft_s", "verify_s", "sampling_s"), 0.0)
         with Client(stack.address, timeout_s=600) as client:
             client.generate(prompt="warm up", max_new_tokens=4, temperature=0, gamma=a.gamma)
             for prompt in PROMPTS[: a.requests]:
@@ -100,7 +104,16 @@ def _run_mode(target_dir, draft_dir, a, telemetry_on: bool) -> tuple[float, list
                 tokens += r.stats["generated_tokens"]
                 seconds += r.stats["total_s"]
                 rounds += r.stats["rounds"]
-        return tokens / seconds, outputs, seconds / rounds
+                seconds_decoding = r.stats["total_s"] - r.stats["prefill_s"]
+                parts["total_s"] = parts.get("total_s", 0.0) + seconds_decoding
+                for k in parts:
+                    if k != "total_s":
+                        parts[k] += r.stats[k]
+        per_round_ms = {k.removesuffix("_s"): v / rounds * 1e3 for k, v in parts.items()}
+        # what is neither model compute nor sampling: RPC, serialisation, network, Python around them
+        per_round_ms["overhead"] = per_round_ms["total"] - per_round_ms["draft_compute"] - \
+            per_round_ms["verify_compute"] - per_round_ms["sampling"]
+        return tokens / seconds, outputs, per_round_ms
     finally:
         stack.stop()
         for k, v in saved.items():
@@ -124,21 +137,27 @@ def cmd_bench_tracing(a: argparse.Namespace) -> int:
 
         target_dir, draft_dir = str(resolve_model(a.target)), str(resolve_model(a.draft))
     rates = {False: [], True: []}
-    reference, round_s = None, []
+    rounds_ms = {False: [], True: []}
+    reference = None
     for repeat in range(a.repeats):
         for on in (False, True):
-            rate, outputs, mean_round = _run_mode(target_dir, draft_dir, a, on)
+            rate, outputs, per_round = _run_mode(target_dir, draft_dir, a, on)
             rates[on].append(rate)
-            round_s.append(mean_round)
+            rounds_ms[on].append(per_round)
             reference = reference or outputs
             same = outputs == reference
             print(f"[bench-tracing] repeat {repeat + 1}, telemetry {'on ' if on else 'off'}: {rate:.2f} tok/s, "
-                  f"outputs {'identical' if same else 'DIFFER'}", file=sys.stderr)
+                  f"outputs {'identical' if same else 'DIFFER'}; ms per round: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in per_round.items()), file=sys.stderr)
             if not same:
                 return 1
-    off, on = statistics.mean(rates[False]), statistics.mean(rates[True])
     noop_us = noop_round_cost_us()
-    mean_round = statistics.mean(round_s)
+    mean_round = statistics.mean(r["total"] for r in rounds_ms[False]) / 1e3
+    for mode in (False, True):
+        keys = rounds_ms[mode][0].keys()
+        print(f"telemetry {'on ' if mode else 'off'}, ms per round: "
+              + ", ".join(f"{k} {statistics.mean(r[k] for r in rounds_ms[mode]):.1f}" for k in keys))
+    off, on = statistics.mean(rates[False]), statistics.mean(rates[True])
     print(f"telemetry off: {off:.2f} tok/s   on (console spans + Prometheus): {on:.2f} tok/s   "
           f"on/off: {on / off:.3f}")
     print(f"telemetry off, instrumentation alone: {noop_us:.1f} us per round = "
