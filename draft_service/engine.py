@@ -47,6 +47,7 @@ class DraftEngine(WorkerEngine):
             session.check_start(start, len(token_ids))
             self.check_tokens(token_ids, already=start)
             self.check_tokens([], already=start + len(token_ids) + gamma)
+            self.grow(session, start + len(token_ids) + gamma)
             self.truncate_to(session, start)
             session.tokens.extend(token_ids)
             session.uncache_last()

@@ -17,7 +17,8 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 def make_engine(config: WorkerConfig) -> DraftEngine:
     loaded = load_model(config.model, device=config.device, dtype=config.dtype, device_map=config.device_map,
                         quantization=config.quantization, head_rows=config.draft_vocab)
-    return DraftEngine(loaded, max_sessions=config.max_sessions)
+    return DraftEngine(loaded, max_sessions=config.max_sessions, max_cached_tokens=config.max_cached_tokens,
+                       session_ttl_s=config.session_ttl_s)
 
 
 def create_server(config: WorkerConfig, engine: DraftEngine | None = None, telemetry: Telemetry | None = None):

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.speculative import GenerationChunk, GenerationResult
 from specdec.errors import InvalidArgument, ServiceError, Unavailable
 from specdec.grpc_server import CLIENT_MAX_MESSAGE_BYTES, message_options
+from specdec.security import ClientTls, open_channel
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 FINISH_NAMES = {
@@ -75,16 +76,20 @@ def _build_request(prompt, messages, token_ids, max_new_tokens, temperature, top
 
 
 class Client:
-    def __init__(self, address: str, *, timeout_s: float | None = None):
+    def __init__(self, address: str, *, timeout_s: float | None = None, tls: ClientTls | None = None,
+                 token: str | None = None):
+        """tls: verify the orchestrator (and present a client certificate, for mutual TLS);
+        token: sent as 'authorization: Bearer <token>' on every call."""
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address, options=message_options(CLIENT_MAX_MESSAGE_BYTES))
+        self.channel = open_channel(address, tls, message_options(CLIENT_MAX_MESSAGE_BYTES))
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         request = build_request(prompt, **kwargs)
         try:
-            r = self.stub.Generate(request, timeout=self.timeout_s)
+            r = self.stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise ServiceError(err.details(), err.code()) from None
         return GenerationResult(r.text, list(r.token_ids), FINISH_NAMES.get(r.finish_reason, ""), stats_to_dict(r.stats))
@@ -92,8 +97,10 @@ class Client:
     def stream(self, prompt: str | None = None, **kwargs) -> Iterator[GenerationChunk]:
         """Yields chunks as rounds complete; the last has finish_reason and stats (a dict)."""
         request = build_request(prompt, **kwargs)
+        call = None
         try:
-            for c in self.stub.GenerateStream(request, timeout=self.timeout_s):
+            call = self.stub.GenerateStream(request, timeout=self.timeout_s, metadata=self._metadata)
+            for c in call:
                 last = c.HasField("stats")
                 yield GenerationChunk(
                     c.text_delta, list(c.token_ids), FINISH_NAMES.get(c.finish_reason) if last else None,
@@ -101,6 +108,9 @@ class Client:
                 )
         except grpc.RpcError as err:
             raise ServiceError(err.details(), err.code()) from None
+        finally:
+            if call is not None:
+                call.cancel()  # a caller that stops reading cancels the request (a no-op once it is done)
 
     def workers(self) -> list[dict]:
         """The orchestrator's worker pools: one dict per worker (role, address, state, load...)."""
@@ -113,7 +123,7 @@ class Client:
 
     def _worker_list(self, method, request) -> list[dict]:
         try:
-            r = method(request, timeout=self.timeout_s)
+            r = method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise ServiceError(err.details(), err.code()) from None
         return [{f.name: getattr(w, f.name) for f in w.DESCRIPTOR.fields} for w in r.workers]

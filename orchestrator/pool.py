@@ -31,7 +31,7 @@ from specdec.worker import ModelInfo
 log = logging.getLogger(__name__)
 
 # member states
-JOINING, SERVING, UNAVAILABLE, REFUSED, GONE = "joining", "serving", "unavailable", "refused", "gone"
+JOINING, SERVING, UNAVAILABLE, REFUSED, GONE, DRAINING = "joining", "serving", "unavailable", "refused", "gone", "draining"
 
 
 def parse_entries(spec: str | Iterable[str] | None) -> list[str]:
@@ -144,7 +144,10 @@ class WorkerPool:
                     if address in self._members:  # came back under the same address
                         self._members[address].state = JOINING
                         continue
-                    self._members[address] = Member(address, entry, self._connect(address))
+                    # an address a name resolved to: TLS must check the certificate for the name
+                    name = entry.rpartition(":")[0].strip("[]") if address != entry else None
+                    worker = self._connect(address, server_name=name) if name else self._connect(address)
+                    self._members[address] = Member(address, entry, worker)
                 log.info("%s pool: new member %s (from %s)", self.role, address, entry)
 
     def _forget_vanished(self) -> None:
@@ -170,7 +173,7 @@ class WorkerPool:
                 info = m.worker.describe()
                 if (m.state in (JOINING, UNAVAILABLE) or m.info is None) and self.accept is not None:
                     self.accept(info)
-                state, message = SERVING, ""
+                state, message = (DRAINING, "shutting down") if info.draining else (SERVING, "")
             except FailedPrecondition as exc:
                 info, state, message = None, REFUSED, exc.message
             except ServiceError as exc:
@@ -232,10 +235,11 @@ class WorkerPool:
 
     # ---- placement -----------------------------------------------------------------------
 
-    def acquire(self) -> Member:
-        """The least-loaded serving member, now holding one more session of ours."""
+    def acquire(self, exclude: Iterable[str] = ()) -> Member:
+        """The least-loaded serving member (not in exclude), now holding one more session of ours."""
+        exclude = set(exclude)
         with self._lock:
-            serving = [m for m in self._members.values() if m.state == SERVING]
+            serving = [m for m in self._members.values() if m.state == SERVING and m.address not in exclude]
             if not serving:
                 raise Unavailable(f"no {self.role} worker is serving: {self.summary()}")
             member = min(serving, key=lambda m: (m.load, m.placed))
@@ -246,6 +250,13 @@ class WorkerPool:
     def release(self, member: Member) -> None:
         with self._lock:
             member.active -= 1
+
+    def report_failure(self, member: Member, exc: ServiceError) -> None:
+        """A call to the member failed: no new sessions there until it answers a poll again."""
+        with self._lock:
+            if member.state == SERVING:
+                member.state, member.message = UNAVAILABLE, f"{exc.code.name}: {exc.message}"
+                log.warning("%s pool: %s failed a call (%s)", self.role, member.address, member.message)
 
     def members(self) -> list[Member]:
         with self._lock:

@@ -17,6 +17,7 @@ from draft_service.engine import Proposal
 from specdec.errors import ServiceError, Unavailable, from_rpc_error
 from specdec.grpc_server import WORKER_MAX_MESSAGE_BYTES, message_options
 from specdec.sampling import CompactProbs, SamplingParams
+from specdec.security import ClientTls, open_channel
 from specdec.telemetry import Telemetry
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.worker import ModelInfo
@@ -33,10 +34,11 @@ def _wire(*messages) -> int:
 class _RemoteWorker:
     role = "worker"
 
-    def __init__(self, address: str, *, timeout_s: float = 60.0, telemetry: Telemetry | None = None):
+    def __init__(self, address: str, *, timeout_s: float = 60.0, telemetry: Telemetry | None = None,
+                 tls: ClientTls | None = None, server_name: str | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self._raw_channel = grpc.insecure_channel(address, options=message_options(WORKER_MAX_MESSAGE_BYTES))
+        self._raw_channel = open_channel(address, tls, message_options(WORKER_MAX_MESSAGE_BYTES), server_name)
         # with tracing on: a client span per call, and the trace context in the call's metadata
         self.channel = telemetry.instrument_channel(self._raw_channel) if telemetry else self._raw_channel
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -90,9 +92,11 @@ class _RemoteWorker:
 class RemoteDraft(_RemoteWorker):
     role = "draft"
 
-    def __init__(self, address: str, **kwargs):
+    def __init__(self, address: str, *, round_timeout_s: float | None = None, **kwargs):
         super().__init__(address, **kwargs)
         self._stub = draft_pb2_grpc.DraftWorkerStub(self.channel)
+        # a Propose must finish within this: a stalled draft costs one round, not the request
+        self.round_timeout_s = round_timeout_s or self.timeout_s
 
     def propose(
         self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int
@@ -102,7 +106,7 @@ class RemoteDraft(_RemoteWorker):
         )
         request_bytes = _wire(request)
         try:
-            for msg in self._stub.Propose(request, timeout=self.timeout_s):
+            for msg in self._stub.Propose(request, timeout=self.round_timeout_s):
                 probs = CompactProbs.from_proto(msg.probs, self.vocab_size) if msg.HasField("probs") else None
                 yield Proposal(msg.index, msg.token_id, probs, msg.compute_s, request_bytes + _wire(msg))
                 request_bytes = 0

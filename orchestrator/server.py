@@ -19,9 +19,10 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.pool import WorkerPool, pair_pools, parse_entries
 from orchestrator.remote import RemoteDraft, RemoteTarget
 from orchestrator.servicer import DecoderSlot, OrchestratorServicer
-from orchestrator.speculative import SpeculativeDecoder
+from orchestrator.speculative import RequestLimits, SpeculativeDecoder
 from specdec.errors import FailedPrecondition, ServiceError
 from specdec.grpc_server import CLIENT_MAX_MESSAGE_BYTES, ServerParts, build_server
+from specdec.security import BearerTokenInterceptor, read_tokens
 from specdec.telemetry import Telemetry
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.worker_servicer import serve_until_signalled
@@ -32,14 +33,16 @@ SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full
 
 def build_pools(config: OrchestratorConfig, telemetry: Telemetry) -> tuple[WorkerPool, WorkerPool | None]:
     """The target and draft pools, paired and monitoring (they connect lazily, so this never blocks)."""
-    def connect(cls):
-        return lambda address: cls(address, timeout_s=config.worker_timeout_s, telemetry=telemetry)
+    def connect(cls, **kwargs):
+        return lambda address, server_name=None: cls(address, timeout_s=config.worker_timeout_s, telemetry=telemetry,
+                                                     tls=config.worker_tls, server_name=server_name, **kwargs)
 
     targets = WorkerPool("target", parse_entries(config.target), connect=connect(RemoteTarget),
                          poll_s=config.poll_s, resolve_s=config.resolve_s)
     drafts = None
     if config.draft:
-        drafts = WorkerPool("draft", parse_entries(config.draft), connect=connect(RemoteDraft),
+        drafts = WorkerPool("draft", parse_entries(config.draft),
+                            connect=connect(RemoteDraft, round_timeout_s=config.draft_timeout_s),
                             poll_s=config.poll_s, resolve_s=config.resolve_s)
     pair_pools(targets, drafts)
     for pool in (targets, drafts):
@@ -57,7 +60,8 @@ def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry)
     if drafts is not None:
         slot.waiting_for = f"a draft worker at {config.draft} to load its model"
         drafts.wait_for_member(config.startup_timeout_s)
-    return SpeculativeDecoder(targets, drafts, parallel_prefill=config.parallel_prefill, telemetry=telemetry)
+    return SpeculativeDecoder(targets, drafts, parallel_prefill=config.parallel_prefill, telemetry=telemetry,
+                              limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens))
 
 
 def _pair_in_background(config: OrchestratorConfig, slot: DecoderSlot, parts: ServerParts) -> threading.Thread:
@@ -87,6 +91,15 @@ def _pair_in_background(config: OrchestratorConfig, slot: DecoderSlot, parts: Se
     return thread
 
 
+def _auth(config: OrchestratorConfig) -> list:
+    tokens = read_tokens(config.auth_token_file)
+    if not tokens:
+        return []
+    if not config.tls.enabled:
+        log.warning("bearer tokens over plaintext can be read on the wire: serve TLS (--tls-cert) as well")
+    return [BearerTokenInterceptor(tokens, f"/{SERVICE_NAME}/")]
+
+
 def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None = None,
                   telemetry: Telemetry | None = None) -> tuple[ServerParts, int]:
     slot = DecoderSlot(decoder)
@@ -97,6 +110,8 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
         max_workers=config.max_workers,
         max_message_bytes=CLIENT_MAX_MESSAGE_BYTES,
         telemetry=telemetry,
+        tls=config.tls,
+        interceptors=_auth(config),
     )
     parts.slot = slot
     if decoder is not None:
@@ -117,4 +132,4 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(config.torch_threads)
     parts, port = create_server(config, telemetry=Telemetry.from_env("specdec-orchestrator"))
     log.info("orchestrator on port %d; target %s, draft %s", port, config.target, config.draft)
-    serve_until_signalled(parts.server, parts)
+    serve_until_signalled(parts.server, parts, grace_s=config.drain_timeout_s)

@@ -32,13 +32,14 @@ from opentelemetry import trace
 
 from orchestrator.detokenizer import TextAssembler
 from orchestrator.metrics import DecodingMetrics
+from orchestrator.placement import Placement, is_worker_fault
 from orchestrator.pool import WorkerPool, pair_pools
 from orchestrator.rejection_sampler import greedy_verify, rejection_sample
 from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
-from specdec.errors import Cancelled, InvalidArgument, ServiceError, Unavailable
+from specdec.errors import Cancelled, InvalidArgument, ServiceError
 from specdec.sampling import DEFAULT_GAMMA, DEFAULT_MAX_NEW_TOKENS, MAX_GAMMA, SamplingParams
-from specdec.telemetry import Telemetry, current_context, run_in_context
+from specdec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,14 @@ class GenerationRequest:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for; beyond it, INVALID_ARGUMENT naming the limit."""
+
+    max_new_tokens: int = 4096
+    max_prompt_tokens: int = 0  # 0: what the context allows
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -88,6 +97,8 @@ class GenerationStats:
     gamma: int = 0
     draft_compute_s: float = 0.0
     verify_compute_s: float = 0.0
+    target_failovers: int = 0
+    draft_failovers: int = 0
 
     def record_round(self, gamma: int, num_accepted: int) -> None:
         self.rounds += 1
@@ -145,7 +156,9 @@ class SpeculativeDecoder:
     """Runs requests against pools of targets and drafts (or one of each, in-process)."""
 
     def __init__(self, target: TargetWorker | WorkerPool, draft: DraftWorker | WorkerPool | None = None,
-                 tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None):
+                 tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
+                 limits: RequestLimits = RequestLimits()):
+        self.limits = limits
         self.targets = target if isinstance(target, WorkerPool) else WorkerPool.fixed("target", [target])
         self.drafts = draft if isinstance(draft, WorkerPool) or draft is None else WorkerPool.fixed("draft", [draft])
         if self.targets.accept is None:  # fixed pools: pair them and describe their members now
@@ -209,6 +222,12 @@ class SpeculativeDecoder:
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the context "
                 f"of {self.max_context} tokens"
             )
+        if request.max_new_tokens > self.limits.max_new_tokens:
+            raise InvalidArgument(f"max_new_tokens {request.max_new_tokens} exceeds this server's limit of "
+                                  f"{self.limits.max_new_tokens} (--max-new-tokens)")
+        if self.limits.max_prompt_tokens and prompt_len > self.limits.max_prompt_tokens:
+            raise InvalidArgument(f"the prompt has {prompt_len} tokens; this server accepts at most "
+                                  f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)")
         if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
             raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
         if request.gamma > 0 and self.drafts is None:
@@ -232,37 +251,22 @@ class SpeculativeDecoder:
         })
         ctx = trace.set_span_in_context(span)
         session_id = uuid.uuid4().hex
-        members, opened = [], []
+        placement = Placement(session_id, self.targets, self.drafts if request.gamma > 0 else None, self.tracer,
+                              self._prefill_pool)
         try:
             prompt = self.encode(request)
             params = self.validate(request, len(prompt))
             seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             generator = torch.Generator().manual_seed(seed)
-            target = self.targets.acquire()
-            members.append((self.targets, target))
-            draft = None
-            if request.gamma > 0:
-                try:
-                    draft = self.drafts.acquire()
-                    members.append((self.drafts, draft))
-                except Unavailable as exc:  # target-only decoding: same tokens greedily, same distribution sampled
-                    log.warning("request %s runs without speculation: %s", session_id, exc)
-                    span.set_attribute(t.FALLBACK, str(exc))
-            span.set_attributes({
-                t.SESSION_ID: session_id, t.GEN_AI_SEED: seed, t.GEN_AI_INPUT_TOKENS: len(prompt),
-                t.TARGET_ADDRESS: target.address, t.TARGET_MODEL: self.target_info.model_name,
-                **({t.DRAFT_ADDRESS: draft.address, t.DRAFT_MODEL: self.draft_info.model_name} if draft else {}),
-            })
+            span.set_attributes({t.SESSION_ID: session_id, t.GEN_AI_SEED: seed, t.GEN_AI_INPUT_TOKENS: len(prompt)})
             stats = GenerationStats(prompt_tokens=len(prompt), gamma=request.gamma)
             with self.tracer.start_as_current_span("prefill", context=ctx):
                 t0 = time.perf_counter()
-                workers = [target.worker] + ([draft.worker] if draft else [])
-                self._open_sessions(session_id, prompt, workers, opened)
+                placement.open(prompt)
                 stats.prefill_s = time.perf_counter() - t0
             self.metrics.record_prefill(stats.prefill_s)
             first_token_s = None
-            for chunk in self._rounds(session_id, prompt, request, params, generator,
-                                      target.worker, draft.worker if draft else None, stats, ctx):
+            for chunk in self._rounds(placement, prompt, request, params, generator, stats, ctx):
                 if first_token_s is None and chunk.token_ids:
                     first_token_s = time.perf_counter() - t_start
                     self.metrics.record_first_token(first_token_s)
@@ -273,14 +277,12 @@ class SpeculativeDecoder:
                         t.DRAFTED: stats.drafted_tokens, t.ACCEPTED: stats.accepted_tokens,
                         t.ACCEPTANCE_RATE: stats.acceptance_rate, t.WIRE_BYTES: stats.wire_bytes,
                     })
-                    self.metrics.record_finished(stats, first_token_s)
                 yield chunk
+                if chunk.stats is not None:
+                    self.metrics.record_finished(stats, first_token_s)
         except ServiceError as exc:
-            if exc.code == grpc.StatusCode.NOT_FOUND:  # our own session vanished: a worker restarted
-                exc = ServiceError(f"a worker lost this request's session (restarted or expired): {exc}",
-                                   grpc.StatusCode.ABORTED)
             self._failed(span, exc)
-            raise exc from None
+            raise
         except GeneratorExit:  # the client went away
             self._failed(span, Cancelled("the client cancelled the request"))
             raise
@@ -288,14 +290,15 @@ class SpeculativeDecoder:
             self._failed(span, ServiceError(f"{type(exc).__name__}: {exc}", grpc.StatusCode.INTERNAL))
             raise
         finally:
+            span.set_attributes({
+                **({t.TARGET_ADDRESS: placement.target.address} if placement.target else {}),
+                **({t.DRAFT_ADDRESS: placement.draft.address} if placement.draft else {}),
+                **({t.FALLBACK: placement.draft_dropped} if placement.draft_dropped else {}),
+                t.TARGET_MODEL: self.target_info.model_name,
+                **({t.DRAFT_MODEL: self.draft_info.model_name} if self.draft_info and request.gamma > 0 else {}),
+            })
             with self.tracer.start_as_current_span("close", context=ctx):
-                for worker in opened:
-                    try:
-                        worker.close_session(session_id)
-                    except Exception:  # noqa: BLE001 - the request's own outcome matters more
-                        log.warning("could not close session %s", session_id, exc_info=True)
-            for pool, member in members:
-                pool.release(member)
+                placement.close()
             span.end()
 
     def _failed(self, span, exc: ServiceError) -> None:
@@ -303,27 +306,7 @@ class SpeculativeDecoder:
         span.set_attribute(t.STATUS, exc.code.value[0])
         self.metrics.record_failed(exc.code.value[0])
 
-    def _open_sessions(self, session_id: str, prompt: list[int], workers: list, opened: list) -> None:
-        """Prefills on every worker; `opened` collects those that succeeded, for the caller to close."""
-        if self._prefill_pool is None:
-            for worker in workers:
-                worker.open_session(session_id, prompt)
-                opened.append(worker)
-            return
-        ctx = current_context()  # the pool's threads need it for the RPCs' spans
-        pending = [(w, self._prefill_pool.submit(run_in_context, ctx, w.open_session, session_id, prompt))
-                   for w in workers]
-        errors = []
-        for worker, future in pending:
-            try:
-                future.result()
-                opened.append(worker)
-            except Exception as exc:  # noqa: BLE001 - re-raised below, once every prefill is known
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def _rounds(self, session_id, prompt, request, params, generator, target, draft, stats,
+    def _rounds(self, placement: Placement, prompt, request, params, generator, stats,
                 ctx) -> Iterator[GenerationChunk]:
         t_start = time.perf_counter() - stats.prefill_s
         tokens = list(prompt)
@@ -331,8 +314,10 @@ class SpeculativeDecoder:
         assembler = TextAssembler(self.tokenizer, request.stop)
         tracer = self.tracer
         finish = None
+        session_id = placement.session_id
         while finish is None:
             remaining = request.max_new_tokens - (len(tokens) - len(prompt))
+            draft = placement.draft.worker if placement.draft is not None else None
             gamma = min(request.gamma, remaining - 1) if draft is not None else 0
             wire_before = stats.wire_bytes
             # the round's span ends before its chunk is yielded: a generator must not hold a
@@ -341,17 +326,34 @@ class SpeculativeDecoder:
                 t0 = time.perf_counter()
                 drafts, draft_probs = [], []
                 if gamma > 0:
-                    with tracer.start_as_current_span("draft"):
-                        round_seed = int(torch.randint(0, 2**63 - 1, (), generator=generator))
-                        for p in draft.propose(session_id, draft_synced, tokens[draft_synced:], gamma, params,
-                                               round_seed):
-                            drafts.append(p.token_id)
-                            draft_probs.append(p.probs)
-                            stats.wire_bytes += p.wire_bytes
-                            stats.draft_compute_s += p.compute_s
+                    round_seed = int(torch.randint(0, 2**63 - 1, (), generator=generator))
+                    try:
+                        with tracer.start_as_current_span("draft"):
+                            for p in draft.propose(session_id, draft_synced, tokens[draft_synced:], gamma, params,
+                                                   round_seed):
+                                drafts.append(p.token_id)
+                                draft_probs.append(p.probs)
+                                stats.wire_bytes += p.wire_bytes
+                                stats.draft_compute_s += p.compute_s
+                    except ServiceError as exc:
+                        if not is_worker_fault(exc):
+                            raise
+                        # this round goes on without drafts; the next uses the new draft, or none
+                        drafts, draft_probs, gamma = [], [], 0
+                        placement.draft_failed(exc, tokens)
+                        draft_synced = len(tokens)
                 t1 = time.perf_counter()
-                with tracer.start_as_current_span("verify"):
-                    v = target.verify(session_id, target_synced, tokens[target_synced:], drafts, params)
+                while True:
+                    try:
+                        with tracer.start_as_current_span("verify"):
+                            v = placement.target.worker.verify(session_id, target_synced, tokens[target_synced:],
+                                                               drafts, params)
+                        break
+                    except ServiceError as exc:
+                        if not is_worker_fault(exc):
+                            raise
+                        placement.target_failed(exc, tokens)  # the new target holds every validated token
+                        target_synced = len(tokens)
                 t2 = time.perf_counter()
                 with tracer.start_as_current_span("rejection_sampling"):
                     if params.greedy:
@@ -395,6 +397,7 @@ class SpeculativeDecoder:
             if finish is not None:
                 if finish != "stop_string":
                     delta += assembler.finish()
+                stats.target_failovers, stats.draft_failovers = placement.failovers["target"], placement.failovers["draft"]
                 stats.finalize(len(tokens) - len(prompt), time.perf_counter() - t_start)
                 yield GenerationChunk(delta, new, finish, stats)
             else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from specdec.errors import ServiceError
@@ -31,10 +32,25 @@ def _request_kwargs(a: argparse.Namespace) -> dict:
                 seed=a.seed, gamma=a.gamma, stop=a.stop)
 
 
-def cmd_generate(a: argparse.Namespace) -> int:
-    from orchestrator.client import Client
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default="localhost:50050", help="orchestrator HOST:PORT")
+    p.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA"),
+                   help="the orchestrator speaks TLS: verify it against this PEM CA")
+    p.add_argument("--tls-cert", default=os.environ.get("SPECDEC_TLS_CERT"), help="mutual TLS: our PEM certificate")
+    p.add_argument("--tls-key", default=os.environ.get("SPECDEC_TLS_KEY"), help="mutual TLS: our PEM key")
+    p.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN"),
+                   help="bearer token for an orchestrator that requires one (default $SPECDEC_TOKEN)")
 
-    with Client(a.server, timeout_s=a.timeout) as client:
+
+def _client(a: argparse.Namespace, timeout_s):
+    from orchestrator.client import Client
+    from specdec.security import ClientTls
+
+    return Client(a.server, timeout_s=timeout_s, tls=ClientTls(a.tls_ca, a.tls_cert, a.tls_key), token=a.token)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    with _client(a, a.timeout) as client:
         kwargs = _request_kwargs(a)
         if a.chat:
             kwargs["messages"] = [{"role": "user", "content": a.prompt}]
@@ -58,9 +74,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_workers(a: argparse.Namespace) -> int:
-    from orchestrator.client import Client
-
-    with Client(a.server, timeout_s=a.timeout) as client:
+    with _client(a, a.timeout) as client:
         try:
             if a.add_target or a.add_draft:
                 workers = client.add_workers(target=a.add_target, draft=a.add_draft)
@@ -93,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="send one request to an orchestrator")
-    g.add_argument("--server", default="localhost:50050", help="orchestrator HOST:PORT")
+    _add_connection_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -102,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(func=cmd_generate)
 
     w = sub.add_parser("workers", help="list an orchestrator's workers, or add some (no restart)")
-    w.add_argument("--server", default="localhost:50050", help="orchestrator HOST:PORT")
+    _add_connection_args(w)
     w.add_argument("--add-target", action="append", default=[], metavar="HOST:PORT")
     w.add_argument("--add-draft", action="append", default=[], metavar="HOST:PORT")
     w.add_argument("--json", action="store_true")

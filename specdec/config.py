@@ -10,6 +10,15 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from specdec.security import ServerTls
+
+
+def add_server_tls_arguments(p: argparse.ArgumentParser, env) -> None:
+    p.add_argument("--tls-cert", default=env("TLS_CERT"), help="serve TLS: PEM certificate chain")
+    p.add_argument("--tls-key", default=env("TLS_KEY"), help="serve TLS: PEM private key")
+    p.add_argument("--tls-client-ca", default=env("TLS_CLIENT_CA"),
+                   help="mutual TLS: accept only clients whose certificate this PEM CA signed")
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -23,7 +32,17 @@ class WorkerConfig:
     quantization: str = "auto"  # auto: fp16 Linear weights on CPU, none elsewhere
     draft_vocab: int = 0  # draft only: score just the first N token ids (0: all)
     max_sessions: int = 64
+    max_cached_tokens: int = 131072  # tokens in all sessions' KV caches (the target's: ~7.5 GB in fp32)
+    session_ttl_s: float = 600.0  # an idle session is freed after this (its orchestrator may be gone)
+    drain_timeout_s: float = 20.0  # on SIGTERM: how long open sessions may take to finish
     max_workers: int = 64  # gRPC handler threads: calls mostly wait for the model thread
+    tls_cert: str | None = None  # serve TLS with this PEM certificate chain ...
+    tls_key: str | None = None  # ... and key
+    tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
+
+    @property
+    def tls(self) -> ServerTls:
+        return ServerTls(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     @property
     def address(self) -> str:
@@ -48,7 +67,15 @@ class WorkerConfig:
             p.add_argument("--draft-vocab", type=int, default=int(env("DRAFT_VOCAB", 0)),
                            help="propose only from the first N token ids (smaller output head; 0 = all)")
         p.add_argument("--max-sessions", type=int, default=int(env("MAX_SESSIONS", 64)))
+        p.add_argument("--max-cached-tokens", type=int, default=int(env("MAX_CACHED_TOKENS", 131072)),
+                       help="tokens all sessions may hold together; beyond it RESOURCE_EXHAUSTED")
+        p.add_argument("--session-ttl", type=float, default=float(env("SESSION_TTL", 600.0)),
+                       help="seconds an idle session is kept (frees what a vanished orchestrator left)")
+        p.add_argument("--drain-timeout", type=float, default=float(env("DRAIN_TIMEOUT", 20.0)),
+                       help="on SIGTERM: seconds open sessions get to finish before the worker exits")
         p.add_argument("--max-workers", type=int, default=int(env("MAX_WORKERS", 64)))
+        add_server_tls_arguments(p, env)
         a = p.parse_args(argv)
         return cls(role, a.model, a.host, a.port, a.device, a.dtype, a.device_map, a.quantize,
-                   getattr(a, "draft_vocab", 0), a.max_sessions, a.max_workers)
+                   getattr(a, "draft_vocab", 0), a.max_sessions, a.max_cached_tokens, a.session_ttl, a.drain_timeout, a.max_workers,
+                   a.tls_cert, a.tls_key, a.tls_client_ca)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import ErrorInterceptor
+from specdec.security import ServerTls, bind
 from specdec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -66,13 +67,16 @@ def build_server(
     max_workers: int = 16,
     max_message_bytes: int = WORKER_MAX_MESSAGE_BYTES,
     telemetry: Telemetry | None = None,
+    tls: ServerTls | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> ServerParts:
-    """Binds and starts a server; health says NOT_SERVING until set_serving(True)."""
+    """Binds (TLS when configured) and starts a server; health says NOT_SERVING until
+    set_serving(True). interceptors run inside tracing and outside error mapping (e.g. auth)."""
     telemetry = telemetry or Telemetry.off()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         # tracing outermost, so its server span sees the status the error interceptor sets
-        interceptors=[*telemetry.server_interceptors(), ErrorInterceptor()],
+        interceptors=[*telemetry.server_interceptors(), *interceptors, ErrorInterceptor()],
         options=message_options(max_message_bytes),
         # beyond this, calls get RESOURCE_EXHAUSTED instead of queueing, so the pool always has
         # threads left for health checks
@@ -82,7 +86,7 @@ def build_server(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    port = bind(server, address, tls)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     server.start()

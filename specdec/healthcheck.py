@@ -19,6 +19,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.security import ClientTls, open_channel
+
 DEFAULT_TIMEOUT_S = 3.0
 
 
@@ -35,12 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service", default="",
                    help="health service name to ask about (default: '', the whole server)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the answer")
+    p.add_argument("--tls-ca", default=None, help="the server speaks TLS: verify it against this PEM CA")
+    p.add_argument("--tls-cert", default=None, help="mutual TLS: present this PEM certificate ...")
+    p.add_argument("--tls-key", default=None, help="... with this key")
+    p.add_argument("--tls-server-name", default=None, help="the name in the server's certificate, when it "
+                                                          "is not the address's host (e.g. probing localhost)")
     return p
 
 
-def check(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[bool, str]:
+def check(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
+          tls: ClientTls | None = None, server_name: str | None = None) -> tuple[bool, str]:
     """(serving, status name): the status the server reports, or the gRPC error when it cannot answer."""
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls, [], server_name) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -53,7 +61,8 @@ def check(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S)
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    serving, status = check(args.address, args.service, args.timeout)
+    tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
+    serving, status = check(args.address, args.service, args.timeout, tls, args.tls_server_name)
     print(f"{args.address}{' ' + args.service if args.service else ''}: {status}")
     return 0 if serving else 1
 

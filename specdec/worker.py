@@ -25,7 +25,8 @@ import torch
 from opentelemetry import metrics, trace
 from transformers import DynamicCache
 
-from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+from specdec.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange,
+                            ResourceExhausted, Unavailable)
 from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
 from specdec import telemetry as t
 from specdec.sampling import MAX_GAMMA
@@ -48,6 +49,8 @@ class ModelInfo:
     dtype: str
     max_gamma: int = MAX_GAMMA
     open_sessions: int = 0
+    draining: bool = False
+    held_tokens: int = 0
 
 
 @dataclass
@@ -98,6 +101,7 @@ class WorkerEngine:
         loaded: LoadedModel,
         *,
         max_sessions: int = 64,
+        max_cached_tokens: int = 131072,
         max_context: int | None = None,
         model_thread: ThreadPoolExecutor | None = None,
         session_ttl_s: float = 600.0,
@@ -111,6 +115,8 @@ class WorkerEngine:
         self.vocab_size = int(config.vocab_size)
         self.max_context = int(max_context or getattr(config, "max_position_embeddings", 0) or 2048)
         self.max_sessions = max_sessions
+        self.max_cached_tokens = max_cached_tokens
+        self.draining = False
         self.input_device = self.model.get_input_embeddings().weight.device
         self._sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()
@@ -168,7 +174,23 @@ class WorkerEngine:
     def describe(self) -> ModelInfo:
         with self._sessions_lock:
             n = len(self._sessions)
-        return ModelInfo(**{**self.info.__dict__, "open_sessions": n})
+            held = sum(len(s.tokens) for s in self._sessions.values())
+        return ModelInfo(**{**self.info.__dict__, "open_sessions": n, "draining": self.draining, "held_tokens": held})
+
+    def drain(self, timeout_s: float) -> int:
+        """Takes no new session, waits up to timeout_s for the open ones to close; returns how
+        many were still open (their orchestrators move them elsewhere on their next call)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._sessions_lock:
+                if not self._sessions:
+                    return 0
+            time.sleep(0.1)
+        with self._sessions_lock:
+            left = len(self._sessions)
+            self._sessions.clear()
+        return left
 
     def open_session(self, session_id: str, token_ids: list[int]) -> tuple[int, float]:
         """Prefills all but the last token; returns (tokens held, seconds spent)."""
@@ -176,6 +198,8 @@ class WorkerEngine:
             raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LENGTH} characters")
         if not token_ids:
             raise InvalidArgument("cannot open a session with an empty prompt")
+        if self.draining:
+            raise Unavailable("this worker is shutting down; open the session on another worker")
         self.check_tokens(token_ids, already=0)
         session = Session(session_id, list(token_ids[:-1]), DynamicCache(config=self.model.config))
         session.lock.acquire()  # held from before the session is visible until its prefill is done
@@ -185,6 +209,7 @@ class WorkerEngine:
                     raise AlreadyExists(f"session {session_id} is already open")
                 if len(self._sessions) >= self.max_sessions:
                     raise ResourceExhausted(f"this worker already holds its maximum of {self.max_sessions} sessions")
+                self._check_capacity(len(token_ids), locked=True)
                 self._sessions[session_id] = session
             t0 = time.perf_counter()
             try:
@@ -242,6 +267,24 @@ class WorkerEngine:
         return session
 
     # ---- shared model work -------------------------------------------------------------
+
+    def held_tokens(self) -> int:
+        with self._sessions_lock:
+            return sum(len(s.tokens) for s in self._sessions.values())
+
+    def _check_capacity(self, extra: int, *, locked: bool = False) -> None:
+        """RESOURCE_EXHAUSTED if `extra` more tokens would take the sessions past max_cached_tokens."""
+        held = sum(len(s.tokens) for s in self._sessions.values()) if locked else self.held_tokens()
+        if held + extra > self.max_cached_tokens:
+            raise ResourceExhausted(
+                f"this worker holds {held} tokens in its sessions; {extra} more would pass its limit of "
+                f"{self.max_cached_tokens} (--max-cached-tokens)"
+            )
+
+    def grow(self, session: Session, new_length: int) -> None:
+        """Checks that the session may grow to new_length tokens (a Propose or Verify about to run)."""
+        if new_length > len(session.tokens):
+            self._check_capacity(new_length - len(session.tokens))
 
     def check_tokens(self, token_ids: list[int], *, already: int) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

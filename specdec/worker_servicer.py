@@ -59,6 +59,8 @@ def info_from_proto(msg: common_pb2.ModelInfo) -> ModelInfo:
         dtype=msg.dtype,
         max_gamma=msg.max_gamma,
         open_sessions=msg.open_sessions,
+        draining=msg.draining,
+        held_tokens=msg.held_tokens,
     )
 
 
@@ -111,17 +113,23 @@ def load_in_background(
     return thread
 
 
-def serve_until_signalled(server: grpc.Server, parts: ServerParts | None = None, grace_s: float = 5.0) -> None:
-    """Blocks until SIGINT/SIGTERM, then reports NOT_SERVING and stops within grace_s."""
+def serve_until_signalled(server: grpc.Server, parts: ServerParts | None = None, grace_s: float = 5.0,
+                          drain: Callable[[], None] | None = None) -> None:
+    """Blocks until SIGINT/SIGTERM; then reports NOT_SERVING, runs drain (a worker lets its
+    sessions finish), and stops, letting calls in flight end within grace_s."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    log.info("stopping: NOT_SERVING, draining")
     if parts is not None:
         parts.set_serving(False)
+        if drain is not None:
+            drain()
         parts.stop(grace_s)
     else:
         server.stop(grace_s).wait()
+    log.info("stopped")
 
 
 def create_worker_server(
@@ -136,7 +144,8 @@ def create_worker_server(
     (health NOT_SERVING and RPCs UNAVAILABLE until it is ready). Returns (parts, port)."""
     slot = EngineSlot(engine)
     parts = build_server(config.address, lambda s: add_servicer(slot, s), [service_name],
-                         max_workers=config.max_workers, telemetry=telemetry)
+                         max_workers=config.max_workers, telemetry=telemetry, tls=config.tls)
+    parts.slot = slot
     if engine is not None:
         engine.instrument(parts.telemetry, config.role)
         parts.set_serving(True)
@@ -150,4 +159,15 @@ def run_worker(create_server: Callable[..., tuple[ServerParts, int]], role: str,
     config = WorkerConfig.from_args(role, argv, default_port=default_port)
     parts, port = create_server(config, telemetry=Telemetry.from_env(f"specdec-{role}"))
     log.info("%s worker on port %d, loading %s", role, port, config.model)
-    serve_until_signalled(parts.server, parts)
+
+    def drain():
+        try:
+            engine = parts.slot.get()
+        except Unavailable:
+            return  # still loading: nothing to hand back
+        left = engine.drain(config.drain_timeout_s)
+        if left:
+            log.warning("%d sessions still open after %.0f s; their orchestrators move them", left,
+                        config.drain_timeout_s)
+
+    serve_until_signalled(parts.server, parts, drain=drain)

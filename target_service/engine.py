@@ -41,6 +41,7 @@ class TargetEngine(WorkerEngine):
             t0 = time.perf_counter()
             session.check_start(start, len(token_ids))
             self.check_tokens([*token_ids, *draft_token_ids], already=start)
+            self.grow(session, start + len(token_ids) + len(draft_token_ids))
             self.truncate_to(session, start)
             session.tokens.extend(token_ids)
             session.uncache_last()

@@ -17,7 +17,8 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
 def make_engine(config: WorkerConfig) -> TargetEngine:
     loaded = load_model(config.model, device=config.device, dtype=config.dtype, device_map=config.device_map,
                         quantization=config.quantization)
-    return TargetEngine(loaded, max_sessions=config.max_sessions)
+    return TargetEngine(loaded, max_sessions=config.max_sessions, max_cached_tokens=config.max_cached_tokens,
+                       session_ttl_s=config.session_ttl_s)
 
 
 def create_server(config: WorkerConfig, engine: TargetEngine | None = None, telemetry: Telemetry | None = None):

@@ -150,8 +150,9 @@ def test_probes(docs):
         grace = _pod(deployments[name]).get("terminationGracePeriodSeconds")
         prestop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
         pause = int(prestop[1]) if prestop[:1] == ["sleep"] else 0
-        # the servers drain for 5 s after SIGTERM, which comes after the preStop pause
-        assert grace is not None and grace >= pause + 5 + 5, (name, grace, pause)
+        # after the preStop pause and SIGTERM, the servers drain (--drain-timeout, 20 s by
+        # default) and then give calls in flight 5 s
+        assert grace is not None and grace >= pause + 20 + 5, (name, grace, pause)
 
 
 def test_resources(docs):

@@ -1,0 +1,175 @@
+"""Where one request's sessions live, and moving them when a worker fails.
+
+The orchestrator holds every validated token of a request, so a session can be rebuilt on any
+worker by one prefill. A target that fails (gone, stalled past its deadline, restarted and
+lost the session) is replaced by another serving target, or the request fails UNAVAILABLE with
+the reason; a draft that fails is replaced by another draft, or dropped, and the request goes on
+target-only. Either way the tokens are the ones the undisturbed run would give: greedily the
+same, sampled from the same distribution, since every token is still the target's verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from orchestrator.pool import Member, WorkerPool
+from specdec import telemetry as t
+from specdec.errors import ServiceError, Unavailable
+from specdec.telemetry import current_context, run_in_context
+
+log = logging.getLogger(__name__)
+
+# statuses that say "this worker, not this request": another worker may well succeed
+FAILOVER_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNKNOWN,
+})
+MAX_FAILOVERS = 4  # per role and request: beyond this, the fault is not one worker's
+
+
+def is_worker_fault(exc: BaseException) -> bool:
+    return isinstance(exc, ServiceError) and exc.code in FAILOVER_CODES
+
+
+class Placement:
+    """A request's target and (optional) draft session, pinned until one fails."""
+
+    def __init__(self, session_id: str, targets: WorkerPool, drafts: WorkerPool | None, tracer,
+                 prefill_pool: ThreadPoolExecutor | None = None):
+        self.session_id = session_id
+        self.targets, self.drafts = targets, drafts
+        self.tracer = tracer
+        self._prefill_pool = prefill_pool
+        self.target: Member | None = None
+        self.draft: Member | None = None
+        self._held: list[tuple[WorkerPool, Member]] = []  # acquired members, released at close
+        self._open: list[Member] = []  # members holding our session
+        self.failovers = {"target": 0, "draft": 0}
+        self._failed: set[str] = set()  # addresses that failed this request: not tried again
+        self.draft_dropped: str | None = None  # why the request went on without a draft
+
+    # ---- opening ---------------------------------------------------------------------------
+
+    def open(self, prompt: list[int]) -> None:
+        """Places and prefills the target (and the draft, when there is a draft pool)."""
+        self.target = self._acquire(self.targets)
+        if self.drafts is not None:
+            try:
+                self.draft = self._acquire(self.drafts)
+            except Unavailable as exc:
+                self._drop_draft(exc)
+        pending = [m for m in (self.target, self.draft) if m is not None]
+        if self._prefill_pool is None:
+            results = [self._try_open(m, prompt) for m in pending]
+        else:
+            ctx = current_context()  # the pool's threads need it for the RPCs' spans
+            futures = [self._prefill_pool.submit(run_in_context, ctx, self._try_open, m, prompt) for m in pending]
+            results = [f.result() for f in futures]
+        for member, error in zip(pending, results):
+            if error is None:
+                continue
+            if member is self.target:
+                self.target_failed(error, prompt)
+            else:
+                self.draft_failed(error, prompt)
+
+    def _try_open(self, member: Member, tokens: list[int]) -> ServiceError | None:
+        """Opens our session there; a worker fault is returned (for failover), others raised."""
+        try:
+            member.worker.open_session(self.session_id, tokens)
+        except ServiceError as exc:
+            if not is_worker_fault(exc):
+                raise
+            return exc
+        self._open.append(member)
+        return None
+
+    def _acquire(self, pool: WorkerPool, exclude=()) -> Member:
+        member = pool.acquire(exclude)
+        self._held.append((pool, member))
+        return member
+
+    # ---- failover --------------------------------------------------------------------------
+
+    def target_failed(self, exc: ServiceError, tokens: list[int]) -> None:
+        """Moves the session to another target holding `tokens`; raises Unavailable if none can."""
+        while True:
+            failed = self.target
+            self._forget(failed, exc)
+            self.failovers["target"] += 1
+            if self.failovers["target"] > MAX_FAILOVERS:
+                raise Unavailable(f"target workers keep failing ({exc.message}); giving up on this request")
+            with self.tracer.start_as_current_span("failover", attributes={
+                    t.ROLE: "target", t.TARGET_ADDRESS: failed.address, t.STATUS: exc.code.value[0]}) as span:
+                try:
+                    self.target = self._acquire(self.targets, exclude=self._failed)
+                except Unavailable:
+                    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise exc from None  # full, not broken: the client should back off
+                    raise Unavailable(f"target worker {failed.address} failed ({exc.code.name}: {exc.message}) "
+                                      f"and no other target is serving") from None
+                span.set_attribute("specdec.failover.to", self.target.address)
+                log.warning("session %s: target %s failed (%s); moving to %s", self.session_id, failed.address,
+                            exc.code.name, self.target.address)
+                error = self._try_open(self.target, tokens)
+            if error is None:
+                return
+            exc = error
+
+    def draft_failed(self, exc: ServiceError, tokens: list[int]) -> None:
+        """Moves the draft session to another draft holding `tokens`, or drops speculation."""
+        while True:
+            failed = self.draft
+            self._forget(failed, exc)
+            self.draft = None
+            self.failovers["draft"] += 1
+            with self.tracer.start_as_current_span("failover", attributes={
+                    t.ROLE: "draft", t.DRAFT_ADDRESS: failed.address, t.STATUS: exc.code.value[0]}):
+                if self.failovers["draft"] > MAX_FAILOVERS:
+                    self._drop_draft(exc)
+                    return
+                try:
+                    self.draft = self._acquire(self.drafts, exclude=self._failed)
+                except Unavailable as none_left:
+                    self._drop_draft(none_left)
+                    return
+                log.warning("session %s: draft %s failed (%s); moving to %s", self.session_id, failed.address,
+                            exc.code.name, self.draft.address)
+                error = self._try_open(self.draft, tokens)
+            if error is None:
+                return
+            exc = error
+
+    def _forget(self, member: Member, exc: ServiceError) -> None:
+        """The member failed us: it gets no new sessions until it answers a poll again."""
+        if member in self._open:
+            self._open.remove(member)
+        if exc.code != grpc.StatusCode.NOT_FOUND:  # a worker that only lost the session may take it again
+            self._failed.add(member.address)
+        pool = next(p for p, m in self._held if m is member)
+        # NOT_FOUND: it answers, it only lost our session; RESOURCE_EXHAUSTED: full, not broken
+        if exc.code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            pool.report_failure(member, exc)
+
+    def _drop_draft(self, reason: Exception) -> None:
+        self.draft = None
+        self.draft_dropped = str(reason)
+        log.warning("session %s goes on without speculation: %s", self.session_id, reason)
+
+    # ---- closing ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes our session where it is open and gives every member back to its pool."""
+        for member in self._open:
+            try:
+                member.worker.close_session(self.session_id)
+            except Exception:  # noqa: BLE001 - the request's own outcome matters more (the TTL frees it)
+                log.warning("could not close session %s on %s", self.session_id, member.address, exc_info=True)
+        self._open.clear()
+        for pool, member in self._held:
+            pool.release(member)
+        self._held.clear()

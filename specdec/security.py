@@ -1,0 +1,124 @@
+"""Transport security and client authentication, for every hop.
+
+TLS: a server given a certificate and key serves TLS only; given a client CA as well, it also
+demands a client certificate signed by that CA (mutual TLS) and refuses any other at the
+handshake. A client given a CA verifies the server against it; given a certificate and key, it
+presents them. Paths come from flags (and SPECDEC_<ROLE>_* variables); files are read once.
+
+Bearer tokens (client-facing API only): with tokens configured, every call to the Orchestrator
+service must carry `authorization: Bearer <token>`, else UNAUTHENTICATED. Health and reflection
+stay open, so probes need no secret. Tokens over plaintext are readable on the wire: use TLS.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    cert: str | None = None  # PEM certificate chain of this server
+    key: str | None = None  # its PEM private key
+    client_ca: str | None = None  # PEM CA bundle: require client certificates it signed (mTLS)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        if not (self.cert and self.key):
+            raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+        ca = _read(self.client_ca)
+        return grpc.ssl_server_credentials([(_read(self.key), _read(self.cert))], root_certificates=ca,
+                                           require_client_auth=ca is not None)
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    ca: str | None = None  # PEM CA bundle that signed the server's certificate (None: system roots)
+    cert: str | None = None  # PEM certificate to present (mTLS)
+    key: str | None = None
+    enabled: bool = False  # TLS even with no file given (public CAs)
+
+    @property
+    def on(self) -> bool:
+        return self.enabled or bool(self.ca or self.cert)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("a client certificate needs its key, and a key its certificate")
+        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),
+                                            certificate_chain=_read(self.cert))
+
+
+def bind(server: grpc.Server, address: str, tls: ServerTls | None) -> int:
+    """Adds the listening port, TLS when configured; returns the bound port."""
+    if tls is not None and tls.enabled:
+        return server.add_secure_port(address, tls.credentials())
+    return server.add_insecure_port(address)
+
+
+def open_channel(address: str, tls: ClientTls | None, options: list, server_name: str | None = None) -> grpc.Channel:
+    """A channel to address; server_name: the name its certificate carries when address is an IP
+    that a DNS name resolved to."""
+    if tls is None or not tls.on:
+        return grpc.insecure_channel(address, options=options)
+    if server_name:
+        options = [*options, ("grpc.ssl_target_name_override", server_name)]
+    return grpc.secure_channel(address, tls.credentials(), options=options)
+
+
+def read_tokens(path: str | None) -> frozenset[str]:
+    """Bearer tokens, one per line (blank lines and # comments skipped)."""
+    if not path:
+        return frozenset()
+    tokens = [line.strip() for line in Path(path).read_text().splitlines()]
+    tokens = frozenset(t for t in tokens if t and not t.startswith("#"))
+    if not tokens:
+        raise ValueError(f"{path} holds no token")
+    return tokens
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Refuses calls to the protected services without a valid `authorization: Bearer` header."""
+
+    def __init__(self, tokens: frozenset[str], protected_prefix: str):
+        self._tokens = [t.encode() for t in tokens]
+        self._prefix = protected_prefix
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token "
+                          "(send metadata 'authorization: Bearer <token>')")
+
+        self._refusals = {
+            (False, False): grpc.unary_unary_rpc_method_handler(refuse),
+            (False, True): grpc.unary_stream_rpc_method_handler(refuse),
+        }
+
+    def _valid(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+                given = value[len("Bearer "):].strip().encode()
+                # compare with every token, in constant time each: no early exit to time
+                return any([hmac.compare_digest(given, t) for t in self._tokens])
+        return False
+
+    def intercept_service(self, continuation, handler_call_details):
+        if not handler_call_details.method.startswith(self._prefix) or self._valid(
+                handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        return self._refusals[(handler.request_streaming, handler.response_streaming)]

@@ -1,0 +1,327 @@
+"""Worker faults with real processes: SIGKILL and SIGSTOP mid-request, orchestrator death,
+client cancellation. Greedy output must equal the undisturbed run; nothing may leak.
+
+Workers run as subprocesses (`python -m target_service ...`) on the tiny float64 models; the
+orchestrator runs in this process, where the test can see its pools.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from orchestrator.client import Client
+from orchestrator.config import OrchestratorConfig
+from orchestrator.remote import RemoteDraft, RemoteTarget
+from orchestrator.server import create_server as create_orchestrator
+from specdec.errors import ServiceError
+from tests.orchestrator.test_greedy_equivalence import reference
+
+LONG = 300  # tokens: enough rounds that a kill after the first chunk lands mid-request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProcess:
+    def __init__(self, role: str, model_dir, *extra: str):
+        self.role, self.port = role, free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", f"{role}_service", "--model", str(model_dir), "--host", "127.0.0.1",
+                     "--port", str(self.port), "--dtype", "float64", "--quantize", "none", *extra]
+        self.proc = None
+        self.start()
+
+    def start(self):
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(self.args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self
+
+    def client(self):
+        return (RemoteTarget if self.role == "target" else RemoteDraft)(self.address, timeout_s=5)
+
+    def wait_serving(self, timeout_s=120.0):
+        worker = self.client()
+        try:
+            worker.wait_until_serving(timeout_s)
+        finally:
+            worker.close()
+
+    def open_sessions(self) -> int:
+        worker = self.client()
+        try:
+            return worker.describe().open_sessions
+        finally:
+            worker.close()
+
+    def kill(self, sig=signal.SIGKILL):
+        self.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait(10)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def workers(model_dirs):
+    started = []
+
+    def start(role, *extra):
+        w = WorkerProcess(role, model_dirs[role], *extra)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def orchestrator_for(targets, drafts, **kwargs):
+    config = OrchestratorConfig(target=",".join(w.address for w in targets),
+                                draft=",".join(w.address for w in drafts) or None,
+                                host="127.0.0.1", poll_s=0.2, worker_timeout_s=10, **kwargs)
+    parts, port = create_orchestrator(config)
+    parts.loader.join(120)
+    assert parts.slot.decoder is not None
+    return parts, Client(f"127.0.0.1:{port}", timeout_s=120)
+
+
+def holder(client, role):
+    """The address of the worker of `role` holding this orchestrator's one active session."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        active = [w["address"] for w in client.workers() if w["role"] == role and w["active_sessions"]]
+        if active:
+            return active[0]
+        time.sleep(0.01)
+    raise AssertionError(f"no {role} holds a session")
+
+
+def kill_mid_request(client, ids, role, workers_by_address, sig=signal.SIGKILL, **kwargs):
+    """Streams a long greedy request and kills the worker of `role` holding it after chunk one."""
+    chunks = client.stream(token_ids=ids, max_new_tokens=LONG, temperature=0, gamma=3, **kwargs)
+    tokens = list(next(chunks).token_ids)
+    victim = workers_by_address[holder(client, role)]
+    victim.kill(sig)
+    last = None
+    for chunk in chunks:
+        tokens.extend(chunk.token_ids)
+        last = chunk
+    return tokens, last.stats, victim
+
+
+@pytest.fixture(scope="module")
+def prompt(target_engine):
+    return target_engine.tokenizer("The quick brown fox").input_ids  # no EOS within LONG tokens
+
+
+@pytest.fixture(scope="module")
+def expected(target_engine, prompt):
+    out = reference(target_engine, prompt, LONG)
+    assert len(out) == LONG, "the reference must not stop early, or the kill may come after the end"
+    return out
+
+
+def test_draft_killed_mid_request_moves_to_the_other_draft(workers, prompt, expected):
+    target = workers("target")
+    drafts = [workers("draft"), workers("draft")]
+    for w in (target, *drafts):
+        w.wait_serving()
+    parts, client = orchestrator_for([target], drafts)
+    try:
+        tokens, stats, victim = kill_mid_request(client, prompt, "draft", {d.address: d for d in drafts})
+        assert tokens == expected
+        assert stats["draft_failovers"] == 1 and stats["target_failovers"] == 0
+        survivor = next(d for d in drafts if d is not victim)
+        # the request finished speculating on the survivor, and closed its session there
+        assert stats["drafted_tokens"] > 0
+        assert survivor.open_sessions() == 0 and target.open_sessions() == 0
+        # the pool knows: new requests go to the survivor only
+        states = {w["address"]: w["state"] for w in client.workers()}
+        assert states[victim.address] == "unavailable"
+        r = client.generate(token_ids=prompt, max_new_tokens=20, temperature=0, gamma=3)
+        assert r.token_ids == expected[:20] and r.stats["draft_failovers"] == 0
+    finally:
+        client.close()
+        parts.stop(None)
+
+
+def test_last_draft_killed_falls_back_to_target_only(workers, prompt, expected):
+    target, draft = workers("target"), workers("draft")
+    for w in (target, draft):
+        w.wait_serving()
+    parts, client = orchestrator_for([target], [draft])
+    try:
+        tokens, stats, _ = kill_mid_request(client, prompt, "draft", {draft.address: draft})
+        assert tokens == expected
+        assert stats["draft_failovers"] == 1
+        # later rounds ran without drafts: fewer drafted tokens than rounds * gamma
+        assert stats["drafted_tokens"] < 3 * stats["rounds"]
+        assert target.open_sessions() == 0
+    finally:
+        client.close()
+        parts.stop(None)
+
+
+def test_stalled_draft_costs_one_round_deadline_not_the_request(workers, prompt, expected):
+    target, draft = workers("target"), workers("draft")
+    for w in (target, draft):
+        w.wait_serving()
+    parts, client = orchestrator_for([target], [draft], draft_timeout_s=1.0)
+    try:
+        t0 = time.monotonic()
+        tokens, stats, _ = kill_mid_request(client, prompt, "draft", {draft.address: draft}, sig=signal.SIGSTOP)
+        assert tokens == expected
+        assert stats["draft_failovers"] == 1
+        assert time.monotonic() - t0 < 60, "a stalled draft must not hold the request"
+    finally:
+        draft.proc.send_signal(signal.SIGCONT)
+        client.close()
+        parts.stop(None)
+
+
+def test_target_killed_mid_request_moves_to_the_other_target(workers, prompt, expected):
+    targets = [workers("target"), workers("target")]
+    draft = workers("draft")
+    for w in (*targets, draft):
+        w.wait_serving()
+    parts, client = orchestrator_for(targets, [draft])
+    try:
+        tokens, stats, victim = kill_mid_request(client, prompt, "target", {t.address: t for t in targets})
+        assert tokens == expected
+        assert stats["target_failovers"] == 1 and stats["draft_failovers"] == 0
+        survivor = next(t for t in targets if t is not victim)
+        assert survivor.open_sessions() == 0 and draft.open_sessions() == 0
+    finally:
+        client.close()
+        parts.stop(None)
+
+
+def test_only_target_killed_gives_unavailable_not_a_hang(workers, prompt):
+    target, draft = workers("target"), workers("draft")
+    for w in (target, draft):
+        w.wait_serving()
+    parts, client = orchestrator_for([target], [draft])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError) as e:
+            kill_mid_request(client, prompt, "target", {target.address: target})
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        assert target.address in e.value.message and "no other target" in e.value.message
+        assert time.monotonic() - t0 < 30
+        assert draft.open_sessions() == 0, "the draft session is closed even when the request fails"
+        # the target comes back (same address): the pool takes it again and requests succeed
+        target.start().wait_serving()
+        deadline = time.monotonic() + 10
+        while {w["address"]: w["state"] for w in client.workers()}[target.address] != "serving":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert client.generate(token_ids=prompt, max_new_tokens=5, temperature=0).finish_reason == "length"
+    finally:
+        client.close()
+        parts.stop(None)
+
+
+def test_client_cancel_and_deadline_free_both_sessions(workers, prompt):
+    target, draft = workers("target"), workers("draft")
+    for w in (target, draft):
+        w.wait_serving()
+    parts, client = orchestrator_for([target], [draft])
+    try:
+        stream = client.stream(token_ids=prompt, max_new_tokens=LONG, temperature=0, gamma=3)
+        next(stream)
+        assert target.open_sessions() == 1
+        stream.close()  # the client goes away
+        _eventually(lambda: target.open_sessions() == 0 and draft.open_sessions() == 0)
+        with Client(client.address, timeout_s=0.3) as hasty, pytest.raises(ServiceError) as e:
+            hasty.generate(token_ids=prompt, max_new_tokens=LONG, temperature=0, gamma=3)
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        _eventually(lambda: target.open_sessions() == 0 and draft.open_sessions() == 0)
+        assert all(w["active_sessions"] == 0 for w in client.workers())
+    finally:
+        client.close()
+        parts.stop(None)
+
+
+def test_dead_orchestrator_sessions_expire_on_the_workers(workers, prompt, model_dirs):
+    target, draft = workers("target", "--session-ttl", "2"), workers("draft", "--session-ttl", "2")
+    for w in (target, draft):
+        w.wait_serving()
+    port = free_port()
+    orch = subprocess.Popen([sys.executable, "-m", "orchestrator", "--host", "127.0.0.1", "--port", str(port),
+                             "--target", target.address, "--draft", draft.address],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with Client(f"127.0.0.1:{port}", timeout_s=60) as c:
+            c.wait_until_ready(120)
+            stream = c.stream(token_ids=prompt, max_new_tokens=LONG, temperature=0, gamma=3)
+            next(stream)
+            orch.kill()  # mid-request: nobody will close these sessions
+            orch.wait(10)
+        assert target.open_sessions() + draft.open_sessions() >= 1
+        _eventually(lambda: target.open_sessions() == 0 and draft.open_sessions() == 0, timeout_s=15)
+    finally:
+        if orch.poll() is None:
+            orch.kill()
+
+
+def _eventually(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_sigterm_lets_the_session_finish_then_the_worker_exits(workers, prompt, expected):
+    target, draft = workers("target"), workers("draft")
+    spare = workers("target")
+    for w in (target, draft, spare):
+        w.wait_serving()
+    parts, client = orchestrator_for([target, spare], [draft])
+    try:
+        chunks = client.stream(token_ids=prompt, max_new_tokens=LONG, temperature=0, gamma=3)
+        tokens = list(next(chunks).token_ids)
+        victim = {target.address: target, spare.address: spare}[holder(client, "target")]
+        victim.kill(signal.SIGTERM)
+        for chunk in chunks:
+            tokens.extend(chunk.token_ids)
+            stats = chunk.stats or {}
+        assert tokens == expected and stats["target_failovers"] == 0, "the draining worker finished the session"
+        assert victim.proc.wait(30) == 0, "it exits cleanly once its sessions are done"
+        # while it drained, it took no new session
+        assert {w["address"]: w["state"] for w in client.workers()}[victim.address] in ("draining", "unavailable")
+    finally:
+        client.close()
+        parts.stop(None)
+
+
+def test_sigterm_past_the_drain_timeout_hands_the_session_to_another_target(workers, prompt, expected):
+    target = workers("target", "--drain-timeout", "0.2")
+    spare, draft = workers("target"), workers("draft")
+    for w in (target, spare, draft):
+        w.wait_serving()
+    parts, client = orchestrator_for([target, spare], [draft])
+    try:
+        tokens, stats, victim = kill_mid_request(client, prompt, "target", {target.address: target, spare.address: spare},
+                                                 sig=signal.SIGTERM)
+        assert tokens == expected
+        if victim is target:  # drained in 0.2 s: the session moved
+            assert stats["target_failovers"] == 1
+        assert victim.proc.wait(30) == 0
+    finally:
+        client.close()
+        parts.stop(None)

@@ -1,0 +1,112 @@
+"""Mutual TLS on every hop and bearer tokens on the client API, with certificates made here.
+
+A CA of ours signs the servers' certificates (localhost, 127.0.0.1) and a client certificate; a
+second, rogue CA signs another client certificate that every server must refuse.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import trustme
+
+from draft_service.server import create_server as create_draft
+from orchestrator.client import Client
+from orchestrator.config import OrchestratorConfig
+from orchestrator.remote import RemoteTarget
+from orchestrator.server import create_server as create_orchestrator
+from specdec import healthcheck
+from specdec.config import WorkerConfig
+from specdec.errors import ServiceError
+from specdec.security import ClientTls
+from target_service.server import create_server as create_target
+from tests.orchestrator.test_greedy_equivalence import reference
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pki")
+    ca, rogue = trustme.CA(), trustme.CA()
+    files = {"ca": root / "ca.pem"}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    for name, issuer, identities in (("server", ca, ("localhost", "127.0.0.1")), ("client", ca, ("client.test",)),
+                                     ("rogue", rogue, ("client.test",))):
+        cert = issuer.issue_cert(*identities)
+        files[f"{name}_cert"], files[f"{name}_key"] = root / f"{name}.pem", root / f"{name}.key"
+        files[f"{name}_cert"].write_bytes(b"".join(p.bytes() for p in cert.cert_chain_pems))
+        cert.private_key_pem.write_to_path(str(files[f"{name}_key"]))
+    (root / "tokens").write_text(f"# clients\n{TOKEN}\n\nanother-token\n")
+    files["tokens"] = root / "tokens"
+    return {k: str(v) for k, v in files.items()}
+
+
+@pytest.fixture(scope="module")
+def secure_stack(pki, target_engine, draft_engine):
+    server_tls = dict(tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_client_ca=pki["ca"])
+    target, tport = create_target(WorkerConfig("target", "t", host="127.0.0.1", **server_tls), target_engine)
+    draft, dport = create_draft(WorkerConfig("draft", "d", host="127.0.0.1", **server_tls), draft_engine)
+    orch, oport = create_orchestrator(OrchestratorConfig(
+        target=f"localhost:{tport}", draft=f"localhost:{dport}", host="127.0.0.1", **server_tls,
+        worker_tls_ca=pki["ca"], worker_tls_cert=pki["client_cert"], worker_tls_key=pki["client_key"],
+        auth_token_file=pki["tokens"]))
+    orch.loader.join(60)
+    assert orch.slot.decoder is not None, "the orchestrator could not reach its workers over mutual TLS"
+    yield {"address": f"localhost:{oport}", "target": f"localhost:{tport}"}
+    for parts in (orch, draft, target):
+        parts.stop(None)
+
+
+def good_tls(pki):
+    return ClientTls(pki["ca"], pki["client_cert"], pki["client_key"])
+
+
+def test_mutual_tls_on_every_hop_gives_the_right_answer(secure_stack, pki, target_engine):
+    ids = target_engine.tokenizer("def fibonacci(n):").input_ids
+    with Client(secure_stack["address"], tls=good_tls(pki), token=TOKEN, timeout_s=60) as client:
+        r = client.generate(token_ids=ids, max_new_tokens=12, temperature=0, gamma=3)
+    assert r.token_ids == reference(target_engine, ids, 12)
+
+
+@pytest.mark.parametrize("who", ["plaintext", "no client certificate", "certificate from another CA"])
+def test_client_without_a_valid_certificate_is_refused(secure_stack, pki, who):
+    tls = {"plaintext": None, "no client certificate": ClientTls(pki["ca"]),
+           "certificate from another CA": ClientTls(pki["ca"], pki["rogue_cert"], pki["rogue_key"])}[who]
+    with Client(secure_stack["address"], tls=tls, token=TOKEN, timeout_s=10) as client, \
+            pytest.raises(ServiceError) as e:
+        client.generate(prompt="hello", max_new_tokens=2)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_worker_refuses_a_caller_without_a_valid_certificate(secure_stack, pki):
+    for tls in (ClientTls(pki["ca"]), ClientTls(pki["ca"], pki["rogue_cert"], pki["rogue_key"]), None):
+        worker = RemoteTarget(secure_stack["target"], timeout_s=10, tls=tls)
+        with pytest.raises(ServiceError) as e:
+            worker.describe()
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        worker.close()
+    worker = RemoteTarget(secure_stack["target"], timeout_s=10, tls=good_tls(pki))
+    assert worker.describe().model_name == "tiny-target"
+    worker.close()
+
+
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x", ""])
+def test_missing_or_wrong_bearer_token_is_unauthenticated(secure_stack, pki, token):
+    with Client(secure_stack["address"], tls=good_tls(pki), token=token, timeout_s=10) as client:
+        for call in (lambda: client.generate(prompt="hello", max_new_tokens=2),
+                     lambda: list(client.stream(prompt="hello", max_new_tokens=2)),
+                     client.workers):
+            with pytest.raises(ServiceError) as e:
+                call()
+            assert e.value.code == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in e.value.message
+
+
+def test_every_listed_token_works_and_health_needs_none(secure_stack, pki):
+    with Client(secure_stack["address"], tls=good_tls(pki), token="another-token", timeout_s=30) as client:
+        assert client.generate(prompt="hello", max_new_tokens=2).finish_reason in ("length", "eos")
+        client.wait_until_ready(5)  # the health service, without a token
+    args = [secure_stack["address"], "--tls-ca", pki["ca"], "--tls-cert", pki["client_cert"],
+            "--tls-key", pki["client_key"]]
+    assert healthcheck.main(args) == 0
+    assert healthcheck.main(args[:3]) == 1, "no client certificate: the handshake fails"
