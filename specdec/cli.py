@@ -5,6 +5,7 @@
   specdec workers --server HOST:PORT [--add-target A] [--add-draft A]  an orchestrator's worker pools
   specdec timeline SPANS|JAEGER_URL --out timeline.png                  draw one request's trace
   specdec bench ...                                                    benchmarks (see specdec/bench.py)
+  specdec bench-tracing / specdec loadtest                             telemetry cost / load with faults
 """
 
 from __future__ import annotations
@@ -150,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     bt = sub.add_parser("bench-tracing", help="what tracing and metrics cost: telemetry off vs on, side by side")
     bench_tracing.add_arguments(bt)
     bt.set_defaults(func=bench_tracing.cmd_bench_tracing)
+
+    from specdec import loadtest
+
+    lt = sub.add_parser("loadtest", help="many clients for minutes on tiny models, workers killed and restarted")
+    loadtest.add_arguments(lt)
+    lt.set_defaults(func=loadtest.cmd_loadtest)
 
     a = parser.parse_args(argv)
     return a.func(a)
