@@ -171,6 +171,7 @@ class SpeculativeDecoder:
         self.draft_info = self.drafts.wait_for_member(0).info if self.drafts is not None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_from(self.targets.wait_for_member(0).worker)
         self.eos = frozenset(self.target_info.eos_token_ids)
+        self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
         self.max_context = min(i.max_context for i in (self.target_info, self.draft_info) if i is not None)
         # prefilling both at once hides the draft's prefill when the workers have their own
         # hardware; on shared cores (in-process, one host) it only makes them contend
@@ -188,12 +189,14 @@ class SpeculativeDecoder:
         if request.prompt is not None:
             if not request.prompt:
                 raise InvalidArgument("prompt is empty")
+            self._check_text_fits(len(request.prompt))
             ids = self.tokenizer(request.prompt).input_ids
         elif request.messages is not None:
             if not request.messages:
                 raise InvalidArgument("chat has no messages")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InvalidArgument(f"model '{self.target_info.model_name}' has no chat template; send a prompt")
+            self._check_text_fits(sum(len(str(m.get("content", ""))) for m in request.messages))
             try:
                 text = self.tokenizer.apply_chat_template(list(request.messages), tokenize=False,
                                                           add_generation_prompt=True)
@@ -210,6 +213,15 @@ class SpeculativeDecoder:
         if not ids:
             raise InvalidArgument("the prompt encodes to no tokens")
         return list(ids)
+
+    def _check_text_fits(self, chars: int) -> None:
+        """Refuses text that cannot fit the context before tokenizing it (which costs seconds and
+        gigabytes for a prompt near the 16 MiB message limit): a token covers at most as many
+        characters as its longest vocabulary entry, so the text needs at least chars / that."""
+        limit = min(self.max_context, self.limits.max_prompt_tokens or self.max_context)
+        if chars > limit * self._max_token_chars:
+            raise InvalidArgument(f"a prompt of {chars} characters needs at least {chars // self._max_token_chars} "
+                                  f"tokens; at most {limit} fit (context {self.max_context})")
 
     def validate(self, request: GenerationRequest, prompt_len: int) -> SamplingParams:
         params = request.sampling.validate()

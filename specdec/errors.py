@@ -69,11 +69,18 @@ def from_rpc_error(err: grpc.RpcError, peer: str) -> ServiceError:
     return ServiceError(f"{peer}: {details}", code)
 
 
+MAX_MESSAGE_CHARS = 1024  # a status message travels in a header: one quoting a huge input must not burst it
+
+
+def _clip(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE_CHARS else message[: MAX_MESSAGE_CHARS - 1] + "…"
+
+
 def _abort(context: grpc.ServicerContext, exc: BaseException):
     if isinstance(exc, ServiceError):
-        context.abort(exc.code, exc.message)
+        context.abort(exc.code, _clip(exc.message))
     log.exception("unexpected error in %s", type(exc).__name__)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    context.abort(grpc.StatusCode.INTERNAL, _clip(f"internal error: {type(exc).__name__}: {exc}"))
 
 
 def _wrap_unary(behavior):

@@ -241,6 +241,8 @@ class WorkerEngine:
             session.truncate(length)
 
     def close_session(self, session_id: str) -> None:
+        if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
+            raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LENGTH} characters, got {len(session_id)}")
         with self._sessions_lock:
             if self._sessions.pop(session_id, None) is None:
                 raise NotFound(f"no open session {session_id!r} on this worker")
@@ -259,6 +261,8 @@ class WorkerEngine:
                 log.warning("freed session %s after %.0f s idle", s.session_id, now - s.last_used)
 
     def session(self, session_id: str) -> Session:
+        if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
+            raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LENGTH} characters, got {len(session_id)}")
         with self._sessions_lock:
             session = self._sessions.get(session_id)
         if session is None:
