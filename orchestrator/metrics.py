@@ -56,7 +56,7 @@ class DecodingMetrics:
         self.stage.record(sampling_s, {t.STAGE: "sampling"})
         self.wire_bytes.add(wire_bytes)
 
-    def record_prefill(self, seconds: float, wire_bytes: int = 0) -> None:
+    def record_prefill(self, seconds: float) -> None:
         self.stage.record(seconds, {t.STAGE: "prefill"})
 
     def record_first_token(self, seconds: float) -> None:

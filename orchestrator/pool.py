@@ -135,9 +135,13 @@ class WorkerPool:
         self._resolve_entries(new)
         self.poll()
 
-    def _resolve_entries(self, entries: Iterable[str]) -> None:
+    def _resolve_entries(self, entries: Iterable[str]) -> set[str]:
+        """Adds a member for every new address the entries resolve to; returns all of them."""
+        resolved = set()
         for entry in entries:
-            for address in self._resolve(entry):
+            addresses = self._resolve(entry)
+            resolved.update(addresses)
+            for address in addresses:
                 with self._lock:
                     if address in self._members and self._members[address].state != GONE:
                         continue
@@ -149,10 +153,10 @@ class WorkerPool:
                     worker = self._connect(address, server_name=name) if name else self._connect(address)
                     self._members[address] = Member(address, entry, worker)
                 log.info("%s pool: new member %s (from %s)", self.role, address, entry)
+        return resolved
 
-    def _forget_vanished(self) -> None:
+    def _forget_vanished(self, current: set[str]) -> None:
         """Members whose name no longer resolves to them get no new sessions; they leave when idle."""
-        current = {a for e in self._entries for a in self._resolve(e)}
         with self._lock:
             for address, m in list(self._members.items()):
                 if m.entry in self._entries and address not in current:
@@ -203,8 +207,7 @@ class WorkerPool:
         while not self._stop.is_set():
             self.poll()
             if time.monotonic() - last_resolve >= self.resolve_s:
-                self._resolve_entries(self._entries)
-                self._forget_vanished()
+                self._forget_vanished(self._resolve_entries(self._entries))
                 last_resolve = time.monotonic()
             self._stop.wait(self.poll_s)
 

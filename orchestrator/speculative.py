@@ -166,10 +166,10 @@ class SpeculativeDecoder:
             for pool in (self.targets, self.drafts):
                 if pool is not None:
                     pool.poll()
-        self.targets.wait_for_member(0)
+        first_target = self.targets.wait_for_member(0)
         self.target_info = self.targets.reference
         self.draft_info = self.drafts.wait_for_member(0).info if self.drafts is not None else None
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_from(self.targets.wait_for_member(0).worker)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_from(first_target.worker)
         self.eos = frozenset(self.target_info.eos_token_ids)
         self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
         self.max_context = min(i.max_context for i in (self.target_info, self.draft_info) if i is not None)
@@ -386,8 +386,9 @@ class SpeculativeDecoder:
                     target_synced = len(tokens) + result.num_accepted
                     if gamma > 0:
                         draft_synced = target_synced
-                    rollback_span.set_attributes({t.TARGET_LENGTH: target_synced, t.DRAFT_LENGTH: draft_synced,
-                                                  t.DISCARDED: gamma - result.num_accepted})
+                    if rollback_span.is_recording():  # tracing off: build no attributes per round
+                        rollback_span.set_attributes({t.TARGET_LENGTH: target_synced, t.DRAFT_LENGTH: draft_synced,
+                                                      t.DISCARDED: gamma - result.num_accepted})
                 new = result.token_ids[:remaining]
                 for i, tok in enumerate(new):
                     if tok in self.eos:
@@ -397,11 +398,12 @@ class SpeculativeDecoder:
                 if keep is not None:
                     new, finish = new[: keep - (len(tokens) - len(prompt))], "stop_string"
                 tokens.extend(new)
-                round_span.set_attributes({
-                    t.ROUND: stats.rounds - 1, t.GAMMA: gamma, t.DRAFTED: gamma, t.ACCEPTED: result.num_accepted,
-                    t.EMITTED: len(new), t.WIRE_BYTES: stats.wire_bytes - wire_before,
-                    t.ACCEPTED_BY_POSITION: [1] * result.num_accepted + [0] * (gamma - result.num_accepted),
-                })
+                if round_span.is_recording():
+                    round_span.set_attributes({
+                        t.ROUND: stats.rounds - 1, t.GAMMA: gamma, t.DRAFTED: gamma, t.ACCEPTED: result.num_accepted,
+                        t.EMITTED: len(new), t.WIRE_BYTES: stats.wire_bytes - wire_before,
+                        t.ACCEPTED_BY_POSITION: [1] * result.num_accepted + [0] * (gamma - result.num_accepted),
+                    })
             self.metrics.record_round(gamma, result.num_accepted, t1 - t0, t2 - t1, t3 - t2,
                                       stats.wire_bytes - wire_before)
             if finish is None and len(tokens) - len(prompt) >= request.max_new_tokens:

@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 MAX_SESSION_ID_LENGTH = 128
 
 
+def check_session_id(session_id: str) -> None:
+    """Every session RPC: an id no session can have is refused before it is looked up (or
+    quoted in a message: a huge one would not fit gRPC's status header)."""
+    if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
+        raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LENGTH} characters, got {len(session_id)}")
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     model_name: str
@@ -173,8 +180,7 @@ class WorkerEngine:
 
     def describe(self) -> ModelInfo:
         with self._sessions_lock:
-            n = len(self._sessions)
-            held = sum(len(s.tokens) for s in self._sessions.values())
+            n, held = len(self._sessions), self._held_locked()
         return ModelInfo(**{**self.info.__dict__, "open_sessions": n, "draining": self.draining, "held_tokens": held})
 
     def drain(self, timeout_s: float) -> int:
@@ -194,8 +200,7 @@ class WorkerEngine:
 
     def open_session(self, session_id: str, token_ids: list[int]) -> tuple[int, float]:
         """Prefills all but the last token; returns (tokens held, seconds spent)."""
-        if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
-            raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LENGTH} characters")
+        check_session_id(session_id)
         if not token_ids:
             raise InvalidArgument("cannot open a session with an empty prompt")
         if self.draining:
@@ -241,8 +246,7 @@ class WorkerEngine:
             session.truncate(length)
 
     def close_session(self, session_id: str) -> None:
-        if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
-            raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LENGTH} characters, got {len(session_id)}")
+        check_session_id(session_id)
         with self._sessions_lock:
             if self._sessions.pop(session_id, None) is None:
                 raise NotFound(f"no open session {session_id!r} on this worker")
@@ -261,8 +265,7 @@ class WorkerEngine:
                 log.warning("freed session %s after %.0f s idle", s.session_id, now - s.last_used)
 
     def session(self, session_id: str) -> Session:
-        if not session_id or len(session_id) > MAX_SESSION_ID_LENGTH:
-            raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LENGTH} characters, got {len(session_id)}")
+        check_session_id(session_id)
         with self._sessions_lock:
             session = self._sessions.get(session_id)
         if session is None:
@@ -272,13 +275,17 @@ class WorkerEngine:
 
     # ---- shared model work -------------------------------------------------------------
 
-    def held_tokens(self) -> int:
-        with self._sessions_lock:
-            return sum(len(s.tokens) for s in self._sessions.values())
+    def _held_locked(self) -> int:
+        """Tokens all sessions hold; call with _sessions_lock held."""
+        return sum(len(s.tokens) for s in self._sessions.values())
 
     def _check_capacity(self, extra: int, *, locked: bool = False) -> None:
         """RESOURCE_EXHAUSTED if `extra` more tokens would take the sessions past max_cached_tokens."""
-        held = sum(len(s.tokens) for s in self._sessions.values()) if locked else self.held_tokens()
+        if locked:
+            held = self._held_locked()
+        else:
+            with self._sessions_lock:
+                held = self._held_locked()
         if held + extra > self.max_cached_tokens:
             raise ResourceExhausted(
                 f"this worker holds {held} tokens in its sessions; {extra} more would pass its limit of "

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from orchestrator.client import Client
 from specdec.errors import ServiceError
-from specdec.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 BAD_REQUESTS = {
     "empty prompt": (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),

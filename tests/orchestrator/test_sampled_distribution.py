@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from itertools import product
 
 import numpy as np
 import torch
