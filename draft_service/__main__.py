@@ -1,3 +1,13 @@
-from draft_service.server import main
+"""The draft worker: a small causal LM that proposes gamma tokens per round over gRPC.
 
-main()
+`python -m draft_service`: role.py says what a draft is, specdec/worker/server.py serves it,
+servicer.py maps gRPC to engine.py, which does the model work.
+"""
+from specdec.threads import prefer_passive_openmp
+
+prefer_passive_openmp()  # before torch is imported (specdec/threads.py says why)
+
+from draft_service.role import DRAFT  # noqa: E402
+from specdec.worker.server import main  # noqa: E402
+
+main(DRAFT)

@@ -9,23 +9,14 @@ the same proposals.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from specdec.errors import InvalidArgument
-from specdec.sampling import MAX_GAMMA, CompactProbs, SamplingParams, process_logits
-from specdec.worker import WorkerEngine
-
-
-@dataclass
-class Proposal:
-    index: int
-    token_id: int
-    probs: CompactProbs | None  # q at this position; None when greedy
-    compute_s: float
-    wire_bytes: int = 0  # filled in by the gRPC client
+from specdec.errors import Aborted, InvalidArgument
+from specdec.protocol import MAX_GAMMA, CompactProbs, Proposal, SamplingParams
+from specdec.sampling import process_logits
+from specdec.worker.engine import WorkerEngine
 
 
 class DraftEngine(WorkerEngine):
@@ -38,7 +29,10 @@ class DraftEngine(WorkerEngine):
         params: SamplingParams,
         seed: int,
     ) -> Iterator[Proposal]:
-        """Truncates to `start`, appends token_ids, then yields gamma proposals as they come."""
+        """Truncates to `start`, appends token_ids, then yields gamma proposals as they come.
+
+        The session lock is held for each step, never across a yield (the caller may take its time
+        reading a proposal); a call that changes the session in between aborts this one."""
         if not 1 <= gamma <= MAX_GAMMA:
             raise InvalidArgument(f"gamma must lie in [1, {MAX_GAMMA}] for a proposal, got {gamma}")
         params.validate()
@@ -51,15 +45,20 @@ class DraftEngine(WorkerEngine):
             self.truncate_to(session, start)
             session.tokens.extend(token_ids)
             session.uncache_last()
-            generator = torch.Generator().manual_seed(seed)
-            for index in range(gamma):
+            version = session.version
+        generator = torch.Generator().manual_seed(seed)
+        for index in range(gamma):
+            with session.lock:
+                if session.version != version:
+                    raise Aborted(f"session {session_id} was changed by another call during this Propose")
                 t0 = time.perf_counter()
-                token, probs = self.on_model_thread(self._step, session, params, generator)
+                token, probs = self.run(session, 1, "propose", lambda logits: self._pick(logits[-1], params, generator))
                 session.tokens.append(token)  # the last one stays uncached until the next round
-                yield Proposal(index, token, probs, time.perf_counter() - t0)
+            yield Proposal(index, token, probs, time.perf_counter() - t0)
 
-    def _step(self, session, params: SamplingParams, generator: torch.Generator) -> tuple[int, CompactProbs | None]:
-        logits = self.forward(session, 1, "propose")[-1]
+    def _pick(self, logits: torch.Tensor, params: SamplingParams,
+              generator: torch.Generator) -> tuple[int, CompactProbs | None]:
+        """logits: [vocab] -> (proposal, q); q is None when greedy."""
         if params.greedy:
             return int(logits.argmax()), None
         probs = process_logits(logits, params, self.vocab_size)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from specdec.sampling import SamplingParams
+from specdec.protocol import SamplingParams
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec.worker_servicer import SessionRpcs
+from specdec.worker.server import SessionRpcs
 
 
 class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftWorkerServicer):

@@ -16,64 +16,11 @@ from typing import Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.speculative import GenerationChunk, GenerationResult
-from specdec.errors import InvalidArgument, ServiceError, Unavailable
-from specdec.grpc_server import CLIENT_MAX_MESSAGE_BYTES, message_options
+from specdec.errors import ServiceError, Unavailable
+from specdec.protocol import (CLIENT_MAX_MESSAGE_BYTES, GenerationChunk, GenerationResult, chunk_from_proto,
+                              message_options, request_to_proto, result_from_proto)
 from specdec.security import ClientTls, open_channel
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-
-FINISH_NAMES = {
-    orchestrator_pb2.FINISH_REASON_LENGTH: "length",
-    orchestrator_pb2.FINISH_REASON_EOS: "eos",
-    orchestrator_pb2.FINISH_REASON_STOP_STRING: "stop_string",
-}
-
-
-def stats_to_dict(msg: orchestrator_pb2.GenerationStats) -> dict:
-    return {
-        f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name)
-        for f in msg.DESCRIPTOR.fields
-    }
-
-
-def build_request(
-    prompt: str | None = None,
-    *,
-    messages: Sequence[dict] | None = None,
-    token_ids: Sequence[int] | None = None,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    gamma: int | None = None,
-    stop: Sequence[str] = (),
-) -> orchestrator_pb2.GenerateRequest:
-    """The request message; values protobuf cannot hold raise InvalidArgument, as the server would."""
-    if sum(x is not None for x in (prompt, messages, token_ids)) > 1:
-        raise InvalidArgument("give exactly one of prompt, messages or token_ids")
-    try:
-        return _build_request(prompt, messages, token_ids, max_new_tokens, temperature, top_k, top_p, seed, gamma, stop)
-    except (ValueError, TypeError) as exc:  # e.g. a negative seed or a token id beyond int32
-        raise InvalidArgument(f"invalid request: {exc}") from None
-
-
-def _build_request(prompt, messages, token_ids, max_new_tokens, temperature, top_k, top_p, seed, gamma, stop):
-    req = orchestrator_pb2.GenerateRequest(stop=list(stop))
-    if prompt is not None:
-        req.prompt = prompt
-    if messages is not None:
-        req.chat.messages.extend(orchestrator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
-        req.chat.SetInParent()
-    if token_ids is not None:
-        req.tokens.token_ids.extend(token_ids)
-        req.tokens.SetInParent()
-    for name, value in dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed, gamma=gamma).items():
-        if value is not None:
-            setattr(req, name, value)
-    return req
-
 
 class Client:
     def __init__(self, address: str, *, timeout_s: float | None = None, tls: ClientTls | None = None,
@@ -87,25 +34,21 @@ class Client:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
-        request = build_request(prompt, **kwargs)
+        request = request_to_proto(prompt, **kwargs)
         try:
             r = self.stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise ServiceError(err.details(), err.code()) from None
-        return GenerationResult(r.text, list(r.token_ids), FINISH_NAMES.get(r.finish_reason, ""), stats_to_dict(r.stats))
+        return result_from_proto(r)
 
     def stream(self, prompt: str | None = None, **kwargs) -> Iterator[GenerationChunk]:
         """Yields chunks as rounds complete; the last has finish_reason and stats (a dict)."""
-        request = build_request(prompt, **kwargs)
+        request = request_to_proto(prompt, **kwargs)
         call = None
         try:
             call = self.stub.GenerateStream(request, timeout=self.timeout_s, metadata=self._metadata)
             for c in call:
-                last = c.HasField("stats")
-                yield GenerationChunk(
-                    c.text_delta, list(c.token_ids), FINISH_NAMES.get(c.finish_reason) if last else None,
-                    stats_to_dict(c.stats) if last else None,
-                )
+                yield chunk_from_proto(c)
         except grpc.RpcError as err:
             raise ServiceError(err.details(), err.code()) from None
         finally:

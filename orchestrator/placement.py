@@ -97,49 +97,43 @@ class Placement:
 
     def target_failed(self, exc: ServiceError, tokens: list[int]) -> None:
         """Moves the session to another target holding `tokens`; raises Unavailable if none can."""
-        while True:
-            failed = self.target
-            self._forget(failed, exc)
-            self.failovers["target"] += 1
-            if self.failovers["target"] > MAX_FAILOVERS:
+        def give_up(exc: ServiceError, failed: Member, none_left: Unavailable | None) -> None:
+            if none_left is None:
                 raise Unavailable(f"target workers keep failing ({exc.message}); giving up on this request")
-            with self.tracer.start_as_current_span("failover", attributes={
-                    t.ROLE: "target", t.TARGET_ADDRESS: failed.address, t.STATUS: exc.code.value[0]}) as span:
-                try:
-                    self.target = self._acquire(self.targets, exclude=self._failed)
-                except Unavailable:
-                    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise exc from None  # full, not broken: the client should back off
-                    raise Unavailable(f"target worker {failed.address} failed ({exc.code.name}: {exc.message}) "
-                                      f"and no other target is serving") from None
-                span.set_attribute("specdec.failover.to", self.target.address)
-                log.warning("session %s: target %s failed (%s); moving to %s", self.session_id, failed.address,
-                            exc.code.name, self.target.address)
-                error = self._try_open(self.target, tokens)
-            if error is None:
-                return
-            exc = error
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise exc from None  # full, not broken: the client should back off
+            raise Unavailable(f"target worker {failed.address} failed ({exc.code.name}: {exc.message}) "
+                              f"and no other target is serving") from None
+
+        self._fail_over("target", exc, tokens, give_up)
 
     def draft_failed(self, exc: ServiceError, tokens: list[int]) -> None:
         """Moves the draft session to another draft holding `tokens`, or drops speculation."""
+        self._fail_over("draft", exc, tokens, lambda exc, failed, none_left: self._drop_draft(none_left or exc))
+
+    def _fail_over(self, role: str, exc: ServiceError, tokens: list[int], give_up) -> None:
+        """Replaces the failed `role` member with another that opens the session on `tokens`, retrying
+        while new ones fail; give_up(exc, failed, none_left) ends it after MAX_FAILOVERS
+        (none_left None) or when the pool has no other member (the pool's Unavailable)."""
+        pool = self.targets if role == "target" else self.drafts
         while True:
-            failed = self.draft
+            failed = getattr(self, role)
             self._forget(failed, exc)
-            self.draft = None
-            self.failovers["draft"] += 1
+            self.failovers[role] += 1
+            address = t.TARGET_ADDRESS if role == "target" else t.DRAFT_ADDRESS
             with self.tracer.start_as_current_span("failover", attributes={
-                    t.ROLE: "draft", t.DRAFT_ADDRESS: failed.address, t.STATUS: exc.code.value[0]}):
-                if self.failovers["draft"] > MAX_FAILOVERS:
-                    self._drop_draft(exc)
-                    return
+                    t.ROLE: role, address: failed.address, t.STATUS: exc.code.value[0]}) as span:
+                if self.failovers[role] > MAX_FAILOVERS:
+                    return give_up(exc, failed, None)
                 try:
-                    self.draft = self._acquire(self.drafts, exclude=self._failed)
+                    member = self._acquire(pool, exclude=self._failed)
                 except Unavailable as none_left:
-                    self._drop_draft(none_left)
-                    return
-                log.warning("session %s: draft %s failed (%s); moving to %s", self.session_id, failed.address,
-                            exc.code.name, self.draft.address)
-                error = self._try_open(self.draft, tokens)
+                    return give_up(exc, failed, none_left)
+                setattr(self, role, member)
+                span.set_attribute("specdec.failover.to", member.address)
+                log.warning("session %s: %s %s failed (%s); moving to %s", self.session_id, role, failed.address,
+                            exc.code.name, member.address)
+                error = self._try_open(member, tokens)
             if error is None:
                 return
             exc = error

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.sampling import CompactProbs
+from specdec.protocol import CompactProbs
 
 
 @dataclass(frozen=True)

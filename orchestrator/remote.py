@@ -13,16 +13,12 @@ from typing import Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from draft_service.engine import Proposal
 from specdec.errors import ServiceError, Unavailable, from_rpc_error
-from specdec.grpc_server import WORKER_MAX_MESSAGE_BYTES, message_options
-from specdec.sampling import CompactProbs, SamplingParams
+from specdec.protocol import (WORKER_MAX_MESSAGE_BYTES, CompactProbs, ModelInfo, Proposal, SamplingParams,
+                              Verification, message_options)
 from specdec.security import ClientTls, open_channel
 from specdec.telemetry import Telemetry
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdec.worker import ModelInfo
-from specdec.worker_servicer import info_from_proto
-from target_service.engine import Verification
 
 GRPC_PREFIX_BYTES = 5  # each gRPC message is framed by a flag byte and a 4-byte length
 # gRPC backs off reconnecting up to 120 s by default; a restarted worker should rejoin its pool
@@ -78,7 +74,7 @@ class _RemoteWorker:
 
     def describe(self) -> ModelInfo:
         # polled every second by the pool: a stalled worker must not hold the poll for long
-        info = info_from_proto(self._call(self._stub.Describe, common_pb2.DescribeRequest(),
+        info = ModelInfo.from_proto(self._call(self._stub.Describe, common_pb2.DescribeRequest(),
                                           timeout=min(DESCRIBE_TIMEOUT_S, self.timeout_s)))
         self.vocab_size = info.vocab_size
         return info

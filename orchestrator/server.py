@@ -19,13 +19,13 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.pool import WorkerPool, pair_pools, parse_entries
 from orchestrator.remote import RemoteDraft, RemoteTarget
 from orchestrator.servicer import DecoderSlot, OrchestratorServicer
-from orchestrator.speculative import RequestLimits, SpeculativeDecoder
+from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import FailedPrecondition, ServiceError
-from specdec.grpc_server import CLIENT_MAX_MESSAGE_BYTES, ServerParts, build_server
+from specdec.grpc_server import ServerParts, build_server, serve_until_signalled
+from specdec.protocol import CLIENT_MAX_MESSAGE_BYTES, RequestLimits
 from specdec.security import BearerTokenInterceptor, read_tokens
 from specdec.telemetry import Telemetry
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from specdec.worker_servicer import serve_until_signalled
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
+from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.pool import parse_entries
 from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from specdec.protocol import chunk_to_proto, request_from_proto, result_to_proto
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-
-from orchestrator.speculative import GenerationChunk, GenerationRequest, GenerationStats, SpeculativeDecoder
-
-FINISH_REASONS = {
-    "length": orchestrator_pb2.FINISH_REASON_LENGTH,
-    "eos": orchestrator_pb2.FINISH_REASON_EOS,
-    "stop_string": orchestrator_pb2.FINISH_REASON_STOP_STRING,
-}
-
 
 class DecoderSlot:
     """Holds the decoder once both workers answer and are paired; until then, UNAVAILABLE."""
@@ -32,34 +25,6 @@ class DecoderSlot:
         raise Unavailable(f"orchestrator is starting: waiting for {self.waiting_for}")
 
 
-def request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationRequest:
-    kwargs = {}
-    which = msg.WhichOneof("input")
-    if which == "prompt":
-        kwargs["prompt"] = msg.prompt
-    elif which == "chat":
-        kwargs["messages"] = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
-    elif which == "tokens":
-        kwargs["token_ids"] = list(msg.tokens.token_ids)
-    for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma"):
-        if msg.HasField(name):
-            kwargs[name] = getattr(msg, name)
-    return GenerationRequest(**kwargs, stop=tuple(msg.stop))
-
-
-def stats_to_proto(stats: GenerationStats) -> orchestrator_pb2.GenerationStats:
-    return orchestrator_pb2.GenerationStats(**stats.to_dict())
-
-
-def chunk_to_proto(chunk: GenerationChunk) -> orchestrator_pb2.GenerateChunk:
-    return orchestrator_pb2.GenerateChunk(
-        text_delta=chunk.text_delta,
-        token_ids=chunk.token_ids,
-        finish_reason=FINISH_REASONS.get(chunk.finish_reason, 0),
-        stats=stats_to_proto(chunk.stats) if chunk.stats is not None else None,
-    )
-
-
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, slot: DecoderSlot):
         self.slot = slot
@@ -73,12 +38,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             if not context.is_active():  # the client left: stop within one round
                 stream.close()
                 raise Cancelled("the client cancelled the request")
-        return orchestrator_pb2.GenerateResponse(
-            text="".join(text),
-            token_ids=ids,
-            finish_reason=FINISH_REASONS[chunk.finish_reason],
-            stats=stats_to_proto(chunk.stats),
-        )
+        return result_to_proto("".join(text), ids, chunk)
 
     def GenerateStream(self, request, context):
         # a cancelled stream closes this generator, whose finally closes the sessions

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 from typing import Iterator, Protocol
 
-from draft_service.engine import Proposal
 from specdec.errors import FailedPrecondition
-from specdec.sampling import SamplingParams
-from specdec.worker import ModelInfo
-from target_service.engine import Verification
+from specdec.protocol import ModelInfo, Proposal, SamplingParams, Verification
 
 
 class Worker(Protocol):

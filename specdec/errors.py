@@ -62,6 +62,10 @@ class Cancelled(ServiceError):
     code = grpc.StatusCode.CANCELLED
 
 
+class Aborted(ServiceError):
+    code = grpc.StatusCode.ABORTED
+
+
 def from_rpc_error(err: grpc.RpcError, peer: str) -> ServiceError:
     """A worker's failure as seen by the orchestrator, keeping the worker's status code."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN

@@ -7,6 +7,8 @@ Every server gets the error interceptor (ServiceError -> status), the standard h
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -16,21 +18,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import ErrorInterceptor
+from specdec.protocol import WORKER_MAX_MESSAGE_BYTES, message_options
 from specdec.security import ServerTls, bind
 from specdec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-# Worst case on the worker hop: a dense verify response at gamma 16 is 17 x 151,936 x 4 B,
-# about 10.3 MB; 64 MiB leaves room for larger vocabularies. Prompts to the orchestrator
-# are far smaller, but a 128k-token prompt of int32 ids still needs ~0.7 MB.
-WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CLIENT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 HEALTH_RESERVE = 4  # handler threads kept free of long calls
-
-
-def message_options(limit: int) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
 @dataclass
@@ -94,3 +88,22 @@ def build_server(
     parts.set_serving(False)
     log.info("listening on port %d", port)
     return parts
+
+
+def serve_until_signalled(server: grpc.Server, parts: ServerParts | None = None, grace_s: float = 5.0,
+                          drain: Callable[[], None] | None = None) -> None:
+    """Blocks until SIGINT/SIGTERM; then reports NOT_SERVING, runs drain (a worker lets its
+    sessions finish), and stops, letting calls in flight end within grace_s."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("stopping: NOT_SERVING, draining")
+    if parts is not None:
+        parts.set_serving(False)
+        if drain is not None:
+            drain()
+        parts.stop(grace_s)
+    else:
+        server.stop(grace_s).wait()
+    log.info("stopped")

@@ -76,12 +76,15 @@ DRAFT_LENGTH = "specdec.draft.length"
 DISCARDED = "specdec.rollback.discarded_tokens"
 FORWARD_TOKENS = "specdec.forward.tokens"
 FORWARD_KIND = "specdec.forward.kind"  # prefill, propose or verify
+BATCH_ROWS = "specdec.batch.rows"  # tokens of all sessions in the pass this forward ran in
+BATCH_SESSIONS = "specdec.batch.sessions"  # sessions in that pass
 TRUNCATE_FROM = "specdec.truncate.from"
 TRUNCATE_TO = "specdec.truncate.to"
 FALLBACK = "specdec.fallback"
 STATUS = "rpc.grpc.status_code"
 
 # latency buckets in seconds: a tiny model's step is ~1 ms, a CPU prefill can take a minute
+ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 # gRPC calls that are polled, not requested: tracing them would bury the requests

@@ -1,3 +1,13 @@
-from target_service.server import main
+"""The target worker: the large causal LM that verifies a round's drafts in one forward pass.
 
-main()
+`python -m target_service`: role.py says what a target is, specdec/worker/server.py serves it,
+servicer.py maps gRPC to engine.py, which does the model work.
+"""
+from specdec.threads import prefer_passive_openmp
+
+prefer_passive_openmp()  # before torch is imported (specdec/threads.py says why)
+
+from specdec.worker.server import main  # noqa: E402
+from target_service.role import TARGET  # noqa: E402
+
+main(TARGET)

@@ -8,20 +8,11 @@ last gamma + 1 positions only: position i predicts draft i, the last is the bonu
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from specdec.errors import InvalidArgument
-from specdec.sampling import MAX_GAMMA, CompactProbs, SamplingParams, process_logits
-from specdec.worker import WorkerEngine
-
-
-@dataclass
-class Verification:
-    argmax: list[int] | None  # [gamma + 1], greedy only
-    probs: list[CompactProbs] | None  # [gamma + 1], sampling only
-    length: int  # tokens the session holds after the call
-    compute_s: float
-    wire_bytes: int = 0  # filled in by the gRPC client
+from specdec.protocol import MAX_GAMMA, SamplingParams, Verification
+from specdec.sampling import process_logits
+from specdec.worker.engine import WorkerEngine
 
 
 class TargetEngine(WorkerEngine):
@@ -46,11 +37,12 @@ class TargetEngine(WorkerEngine):
             session.tokens.extend(token_ids)
             session.uncache_last()
             session.tokens.extend(draft_token_ids)
-            argmax, probs = self.on_model_thread(self._score, session, len(draft_token_ids) + 1, params)
+            argmax, probs = self.run(session, len(draft_token_ids) + 1, "verify",
+                                     lambda logits: self._score(logits, params))
             return Verification(argmax, probs, len(session.tokens), time.perf_counter() - t0)
 
-    def _score(self, session, positions: int, params: SamplingParams):
-        logits = self.forward(session, positions, "verify")  # [gamma + 1, vocab]
+    def _score(self, logits, params: SamplingParams):
+        """logits: [gamma + 1, vocab] -> (argmax, None) greedy, else (None, p per position)."""
         if params.greedy:
             return logits.argmax(dim=-1).tolist(), None
         return None, [process_logits(row, params, self.vocab_size) for row in logits]

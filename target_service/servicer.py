@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from specdec.sampling import SamplingParams
+from specdec.protocol import SamplingParams
 from specdec.v1 import target_pb2, target_pb2_grpc
-from specdec.worker_servicer import SessionRpcs
+from specdec.worker.server import SessionRpcs
 
 
 class TargetServicer(SessionRpcs, target_pb2_grpc.TargetWorkerServicer):

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from draft_service.engine import DraftEngine
-from specdec.config import WorkerConfig
 from specdec.modeling import load_model
+from specdec_tools.testing.tiny_models import build_model_dir, build_perturbed_copy
 from target_service.engine import TargetEngine
-from tests.tiny_models import build_model_dir, build_perturbed_copy
 
 torch.set_num_threads(1)  # tiny models: threads only add noise on a 2-core machine
 
@@ -40,21 +39,11 @@ def draft_engine(model_dirs):
 @pytest.fixture(scope="session")
 def stack(target_engine, draft_engine):
     """Target, draft and orchestrator as real gRPC servers on free ports, wired together."""
-    from draft_service.server import create_server as create_draft
-    from orchestrator.config import OrchestratorConfig
-    from orchestrator.server import create_server as create_orchestrator
-    from target_service.server import create_server as create_target
+    from tests.support.servers import start_stack, stop_stack
 
-    target, tport = create_target(WorkerConfig("target", "tiny", host="127.0.0.1"), target_engine)
-    draft, dport = create_draft(WorkerConfig("draft", "tiny", host="127.0.0.1"), draft_engine)
-    config = OrchestratorConfig(target=f"127.0.0.1:{tport}", draft=f"127.0.0.1:{dport}", host="127.0.0.1")
-    orch, oport = create_orchestrator(config)
-    orch.loader.join(60)
-    assert orch.slot.decoder is not None, "orchestrator did not pair with the workers"
-    yield {"target": target, "draft": draft, "orchestrator": orch, "ports": (tport, dport, oport),
-           "address": f"127.0.0.1:{oport}"}
-    for parts in (orch, draft, target):
-        parts.stop(None)
+    parts = start_stack(target_engine, draft_engine)
+    yield parts
+    stop_stack(parts)
 
 
 @pytest.fixture(scope="session")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.bench import PROMPTS, hf_generate
 from specdec.model_store import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
 from specdec.modeling import load_model
-from specdec.stack import DEFAULT_DRAFT_VOCAB, ProcessStack
+from specdec_tools.bench import PROMPTS, hf_generate
+from specdec_tools.stack import DEFAULT_DRAFT_VOCAB, ProcessStack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # a first run downloads and converts
 NEW_TOKENS = 128

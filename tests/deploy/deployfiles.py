@@ -176,7 +176,7 @@ def _parse(module: str, args: list[str]) -> Any:
     """The module's own parser on args; SystemExit (a bad flag) becomes an AssertionError."""
     from orchestrator.config import OrchestratorConfig
     from specdec import healthcheck
-    from specdec.config import WorkerConfig
+    from specdec.worker.config import WorkerConfig
 
     parsers = {
         "target_service": lambda a: WorkerConfig.from_args("target", a),

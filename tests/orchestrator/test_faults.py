@@ -7,9 +7,7 @@ orchestrator runs in this process, where the test can see its pools.
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,62 +16,14 @@ import grpc
 import pytest
 
 from orchestrator.client import Client
-from orchestrator.config import OrchestratorConfig
-from orchestrator.remote import RemoteDraft, RemoteTarget
-from orchestrator.server import create_server as create_orchestrator
 from specdec.errors import ServiceError
+from specdec_tools.stack import free_port
 from tests.orchestrator.test_greedy_equivalence import reference
+from tests.support.processes import WorkerProcess
+from tests.support.servers import start_orchestrator
+from tests.support.servers import wait_for as _eventually
 
 LONG = 300  # tokens: enough rounds that a kill after the first chunk lands mid-request
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class WorkerProcess:
-    def __init__(self, role: str, model_dir, *extra: str):
-        self.role, self.port = role, free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", f"{role}_service", "--model", str(model_dir), "--host", "127.0.0.1",
-                     "--port", str(self.port), "--dtype", "float64", "--quantize", "none", *extra]
-        self.proc = None
-        self.start()
-
-    def start(self):
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(self.args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return self
-
-    def client(self):
-        return (RemoteTarget if self.role == "target" else RemoteDraft)(self.address, timeout_s=5)
-
-    def wait_serving(self, timeout_s=120.0):
-        worker = self.client()
-        try:
-            worker.wait_until_serving(timeout_s)
-        finally:
-            worker.close()
-
-    def open_sessions(self) -> int:
-        worker = self.client()
-        try:
-            return worker.describe().open_sessions
-        finally:
-            worker.close()
-
-    def kill(self, sig=signal.SIGKILL):
-        self.proc.send_signal(sig)
-        if sig == signal.SIGKILL:
-            self.proc.wait(10)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture
@@ -91,13 +41,9 @@ def workers(model_dirs):
 
 
 def orchestrator_for(targets, drafts, **kwargs):
-    config = OrchestratorConfig(target=",".join(w.address for w in targets),
-                                draft=",".join(w.address for w in drafts) or None,
-                                host="127.0.0.1", poll_s=0.2, worker_timeout_s=10, **kwargs)
-    parts, port = create_orchestrator(config)
-    parts.loader.join(120)
-    assert parts.slot.decoder is not None
-    return parts, Client(f"127.0.0.1:{port}", timeout_s=120)
+    parts, address = start_orchestrator([w.address for w in targets], [w.address for w in drafts],
+                                        poll_s=0.2, worker_timeout_s=10, **kwargs)
+    return parts, Client(address, timeout_s=120)
 
 
 def holder(client, role):
@@ -277,13 +223,6 @@ def test_dead_orchestrator_sessions_expire_on_the_workers(workers, prompt, model
     finally:
         if orch.poll() is None:
             orch.kill()
-
-
-def _eventually(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_sigterm_lets_the_session_finish_then_the_worker_exits(workers, prompt, expected):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from draft_service.engine import DraftEngine
-from orchestrator.speculative import GenerationRequest, SpeculativeDecoder
+from orchestrator.decoder import SpeculativeDecoder
+from specdec.protocol import GenerationRequest
 
 PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "The quick brown fox", "x"]
 

@@ -102,8 +102,8 @@ def test_health_and_reflection(stack, port_index):
 
 
 def test_worker_is_not_serving_until_its_model_loads(model_dirs):
-    from specdec.config import WorkerConfig
-    from target_service.server import create_server
+    from specdec.worker.config import WorkerConfig
+    from tests.support.servers import create_target as create_server
 
     parts, port = create_server(WorkerConfig("target", str(model_dirs["target"]), host="127.0.0.1"))
     try:
@@ -119,7 +119,7 @@ def test_worker_is_not_serving_until_its_model_loads(model_dirs):
 
 
 def test_loading_worker_answers_unavailable():
-    from specdec.worker_servicer import EngineSlot
+    from specdec.worker.server import EngineSlot
 
     with pytest.raises(ServiceError) as e:
         EngineSlot().get()
@@ -128,11 +128,11 @@ def test_loading_worker_answers_unavailable():
 
 def test_mismatched_vocabulary_is_refused(stack, model_dirs):
     from draft_service.engine import DraftEngine
-    from draft_service.server import create_server as create_draft
     from orchestrator.config import OrchestratorConfig
     from orchestrator.server import create_server as create_orchestrator
-    from specdec.config import WorkerConfig
     from specdec.modeling import load_model
+    from specdec.worker.config import WorkerConfig
+    from tests.support.servers import create_draft
 
     other = DraftEngine(load_model(str(model_dirs["other"])))
     draft, dport = create_draft(WorkerConfig("draft", "x", host="127.0.0.1"), other)
@@ -184,7 +184,7 @@ def test_greedy_sends_no_distributions(client):
 
 def test_cli_json(stack):
     out = subprocess.run(
-        [sys.executable, "-m", "specdec.cli", "generate", "--server", stack["address"], "--prompt", "def",
+        [sys.executable, "-m", "specdec_tools.cli", "generate", "--server", stack["address"], "--prompt", "def",
          "--max-new-tokens", "5", "--temperature", "0", "--gamma", "2", "--json"],
         capture_output=True, text=True, timeout=120,
     )
@@ -197,7 +197,7 @@ def test_cli_json(stack):
 
 def test_cli_refusal_prints_status(stack):
     out = subprocess.run(
-        [sys.executable, "-m", "specdec.cli", "generate", "--server", stack["address"], "--prompt", "def",
+        [sys.executable, "-m", "specdec_tools.cli", "generate", "--server", stack["address"], "--prompt", "def",
          "--gamma", "99", "--json"],
         capture_output=True, text=True, timeout=120,
     )

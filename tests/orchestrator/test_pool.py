@@ -9,25 +9,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from draft_service.engine import DraftEngine
-from draft_service.server import create_server as create_draft
 from orchestrator.client import Client
 from orchestrator.config import OrchestratorConfig
 from orchestrator.pool import GONE, REFUSED, SERVING, WorkerPool, pair_pools, parse_entries
 from orchestrator.remote import RemoteTarget
-from orchestrator.server import create_server as create_orchestrator
-from specdec.config import WorkerConfig
 from specdec.errors import ServiceError
 from specdec.modeling import load_model
+from specdec.worker.config import WorkerConfig
 from target_service.engine import TargetEngine
-from target_service.server import create_server as create_target
 from tests.orchestrator.test_greedy_equivalence import reference
+from tests.support.servers import create_draft, create_target, start_orchestrator
+from tests.support.servers import wait_for as _wait_for
 
 
 @pytest.fixture(scope="module")
@@ -48,25 +46,13 @@ def workers(model_dirs):
 
 @pytest.fixture(scope="module")
 def orchestrator(workers):
-    config = OrchestratorConfig(
-        target=",".join(w["address"] for w in workers["target"]),
-        draft=",".join(w["address"] for w in workers["draft"]),
-        host="127.0.0.1", poll_s=0.2)
-    parts, port = create_orchestrator(config)
-    parts.loader.join(60)
-    assert parts.slot.decoder is not None
-    with Client(f"127.0.0.1:{port}", timeout_s=120) as client:
+    parts, address = start_orchestrator([w["address"] for w in workers["target"]],
+                                        [w["address"] for w in workers["draft"]], poll_s=0.2)
+    with Client(address, timeout_s=120) as client:
         client.wait_until_ready(30)
         _wait_for(lambda: [w["state"] for w in client.workers()] == [SERVING] * 4)
-        yield {"parts": parts, "client": client, "address": f"127.0.0.1:{port}"}
+        yield {"parts": parts, "client": client, "address": address}
     parts.stop(None)
-
-
-def _wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_entries_are_checked():
@@ -174,17 +160,17 @@ def test_workers_are_added_at_run_time_and_a_mismatch_is_refused(orchestrator, t
 
 
 def test_workers_command_lists_the_pools(orchestrator, workers):
-    out = subprocess.run([sys.executable, "-m", "specdec.cli", "workers", "--server", orchestrator["address"], "--json"],
+    out = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "workers", "--server", orchestrator["address"], "--json"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     listed = {(w["role"], w["address"]) for w in json.loads(out)}
     assert {(role, w["address"]) for role in workers for w in workers[role]} <= listed
-    table = subprocess.run([sys.executable, "-m", "specdec.cli", "workers", "--server", orchestrator["address"]],
+    table = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "workers", "--server", orchestrator["address"]],
                            capture_output=True, text=True, timeout=60, check=True).stdout
     assert "serving" in table and "tiny-target" in table
 
 
 def test_stack_gives_each_process_its_own_metrics_port(monkeypatch):
-    from specdec.stack import child_env
+    from specdec_tools.stack import child_env
 
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
     monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "9500")

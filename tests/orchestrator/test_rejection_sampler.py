@@ -14,7 +14,8 @@ import torch
 from scipy import stats
 
 from orchestrator.rejection_sampler import greedy_verify, rejection_sample
-from specdec.sampling import CompactProbs, SamplingParams, process_logits
+from specdec.protocol import CompactProbs, SamplingParams
+from specdec.sampling import process_logits
 
 V = 8
 DRAWS = 20_000

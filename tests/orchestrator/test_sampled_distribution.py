@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from scipy import stats
 
-from specdec.sampling import SamplingParams, process_logits
+from specdec.protocol import SamplingParams
+from specdec.sampling import process_logits
 
 PROMPT = [40, 41, 42, 43]
 PARAMS = SamplingParams(temperature=1.0, top_k=3)

@@ -10,17 +10,13 @@ import grpc
 import pytest
 import trustme
 
-from draft_service.server import create_server as create_draft
 from orchestrator.client import Client
-from orchestrator.config import OrchestratorConfig
 from orchestrator.remote import RemoteTarget
-from orchestrator.server import create_server as create_orchestrator
 from specdec import healthcheck
-from specdec.config import WorkerConfig
 from specdec.errors import ServiceError
 from specdec.security import ClientTls
-from target_service.server import create_server as create_target
 from tests.orchestrator.test_greedy_equivalence import reference
+from tests.support.servers import start_stack, stop_stack
 
 TOKEN = "s3cret-token"
 
@@ -45,17 +41,13 @@ def pki(tmp_path_factory):
 @pytest.fixture(scope="module")
 def secure_stack(pki, target_engine, draft_engine):
     server_tls = dict(tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_client_ca=pki["ca"])
-    target, tport = create_target(WorkerConfig("target", "t", host="127.0.0.1", **server_tls), target_engine)
-    draft, dport = create_draft(WorkerConfig("draft", "d", host="127.0.0.1", **server_tls), draft_engine)
-    orch, oport = create_orchestrator(OrchestratorConfig(
-        target=f"localhost:{tport}", draft=f"localhost:{dport}", host="127.0.0.1", **server_tls,
-        worker_tls_ca=pki["ca"], worker_tls_cert=pki["client_cert"], worker_tls_key=pki["client_key"],
-        auth_token_file=pki["tokens"]))
-    orch.loader.join(60)
-    assert orch.slot.decoder is not None, "the orchestrator could not reach its workers over mutual TLS"
+    # workers are reached as "localhost": the name their certificates carry
+    stack = start_stack(target_engine, draft_engine, worker_tls=server_tls, worker_host="localhost", **server_tls,
+                        worker_tls_ca=pki["ca"], worker_tls_cert=pki["client_cert"],
+                        worker_tls_key=pki["client_key"], auth_token_file=pki["tokens"])
+    tport, _, oport = stack["ports"]
     yield {"address": f"localhost:{oport}", "target": f"localhost:{tport}"}
-    for parts in (orch, draft, target):
-        parts.stop(None)
+    stop_stack(stack)
 
 
 def good_tls(pki):

@@ -20,16 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import grpc
 from draft_service.engine import DraftEngine
-from draft_service.server import create_server as create_draft
 from orchestrator.client import Client
-from orchestrator.config import OrchestratorConfig
-from orchestrator.server import create_server as create_orchestrator
 from specdec import telemetry as t
-from specdec.config import WorkerConfig
 from specdec.modeling import load_model
 from specdec.telemetry import Telemetry, _metric_readers
 from target_service.engine import TargetEngine
-from target_service.server import create_server as create_target
+from tests.support.servers import start_stack, stop_stack
 
 SERVICES = ("specdec-orchestrator", "specdec-target", "specdec-draft")
 
@@ -51,20 +47,12 @@ def traced(model_dirs):
     # engines of their own: instrumenting the session-wide ones would reroute other tests' spans
     target_engine = TargetEngine(load_model(str(model_dirs["target"]), dtype="float64"))
     draft_engine = DraftEngine(load_model(str(model_dirs["draft"]), dtype="float64"))
-    target, tport = create_target(WorkerConfig("target", "tiny", host="127.0.0.1"), target_engine,
-                                  telemetry=tel["specdec-target"])
-    draft, dport = create_draft(WorkerConfig("draft", "tiny", host="127.0.0.1"), draft_engine,
-                                telemetry=tel["specdec-draft"])
-    orch, oport = create_orchestrator(
-        OrchestratorConfig(target=f"127.0.0.1:{tport}", draft=f"127.0.0.1:{dport}", host="127.0.0.1"),
-        telemetry=tel["specdec-orchestrator"])
-    orch.loader.join(60)
-    assert orch.slot.decoder is not None
-    with Client(f"127.0.0.1:{oport}", timeout_s=120) as client:
+    stack = start_stack(target_engine, draft_engine,
+                        telemetry={name.removeprefix("specdec-"): tel[name] for name in SERVICES})
+    with Client(stack["address"], timeout_s=120) as client:
         yield {"spans": spans, "readers": readers, "client": client, "telemetry": tel,
-               "ports": (tport, dport, oport), "engines": (target_engine, draft_engine)}
-    for parts in (orch, draft, target):
-        parts.stop(None)
+               "ports": stack["ports"], "engines": (target_engine, draft_engine)}
+    stop_stack(stack)
 
 
 def _finished_trace(spans: InMemorySpanExporter, expect_services=SERVICES, timeout_s=10.0):
@@ -322,7 +310,7 @@ def test_timeline_is_drawn_from_a_real_request(traced, tmp_path):
     import subprocess
     import sys
 
-    from specdec.timeline import summarize
+    from specdec_tools.timeline import summarize
 
     spans, client = traced["spans"], traced["client"]
     spans.clear()
@@ -331,11 +319,11 @@ def test_timeline_is_drawn_from_a_real_request(traced, tmp_path):
     source = tmp_path / "spans.log"
     source.write_text("\n".join(s.to_json() for s in got))
     out = tmp_path / "timeline.png"
-    done = subprocess.run([sys.executable, "-m", "specdec.cli", "timeline", str(source), "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "timeline", str(source), "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
-    from specdec.timeline import load_spans
+    from specdec_tools.timeline import load_spans
 
     summary = summarize(load_spans(str(source)))
     assert (summary.rounds, summary.output_tokens) == (r.stats["rounds"], len(r.token_ids))

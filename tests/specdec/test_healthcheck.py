@@ -11,7 +11,8 @@ import pytest
 
 from specdec import healthcheck
 from specdec.grpc_server import build_server
-from target_service.server import SERVICE_NAME as TARGET_SERVICE
+from target_service.role import TARGET
+TARGET_SERVICE = TARGET.service_name
 
 
 def _closed_port() -> int:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from orchestrator.speculative import GenerationRequest, RequestLimits, SpeculativeDecoder
+from orchestrator.decoder import SpeculativeDecoder
+from specdec.protocol import GenerationRequest, RequestLimits
 from specdec.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable
-from specdec.sampling import SamplingParams
+from specdec.protocol import SamplingParams
 from target_service.engine import TargetEngine
 from draft_service.engine import DraftEngine
 

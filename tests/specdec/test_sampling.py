@@ -5,7 +5,8 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specdec.errors import InvalidArgument
-from specdec.sampling import CompactProbs, SamplingParams, process_logits
+from specdec.protocol import CompactProbs, SamplingParams
+from specdec.sampling import process_logits
 
 V = 1000
 

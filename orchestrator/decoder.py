@@ -1,14 +1,14 @@
-"""The speculative decoding loop: one request, many rounds, against any pair of workers.
+"""The request lifecycle of speculative decoding: one request, many rounds, any pair of workers.
 
-One round: the draft proposes gamma tokens (each with q), the target scores them in one
-forward pass (gamma + 1 distributions p), the rejection sampler keeps num_accepted drafts plus
-one recovered or bonus token. Rollback costs no extra call: the next round's Propose and Verify
-start at the absolute position where the accepted prefix ends, which truncates both caches.
-gamma = 0 skips the draft entirely: plain target decoding through the same path (the baseline).
+A request is encoded and validated, placed and prefilled, then driven round by round until EOS,
+a stop string or max_new_tokens, then closed. Where a request goes next, one round at a time
+(draft, verify, accept, commit, emit; rollback without an extra call; gamma 0 as the baseline),
+is orchestrator/rounds.py.
 
 Each request takes one target and one draft from their pools (orchestrator/pool.py: least
-loaded) and keeps them to the end, since its KV caches live there. With no draft serving, the
-request runs as gamma 0, which gives the same tokens greedily and the same distribution sampled.
+loaded) and keeps them to the end, since its KV caches live there (orchestrator/placement.py
+moves them when a worker fails). With no draft serving, the request runs as gamma 0, which
+gives the same tokens greedily and the same distribution sampled.
 Spans: a request span (GenAI attributes) holding prefill, one `round` per round (draft, verify,
 rejection_sampling, rollback) and close; the gRPC client spans under them carry the trace to
 the workers. Metrics get the same numbers as the returned stats (orchestrator/metrics.py).
@@ -22,9 +22,8 @@ import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import grpc
 import torch
@@ -32,114 +31,19 @@ from opentelemetry import trace
 
 from orchestrator.detokenizer import TextAssembler
 from orchestrator.metrics import DecodingMetrics
-from orchestrator.placement import Placement, is_worker_fault
+from orchestrator.placement import Placement
 from orchestrator.pool import WorkerPool, pair_pools
-from orchestrator.rejection_sampler import greedy_verify, rejection_sample
+from orchestrator.rounds import RequestState, run_round
 from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
 from specdec.errors import Cancelled, InvalidArgument, ServiceError
-from specdec.sampling import DEFAULT_GAMMA, DEFAULT_MAX_NEW_TOKENS, MAX_GAMMA, SamplingParams
+from specdec.protocol import (MAX_GAMMA, GenerationChunk, GenerationRequest, GenerationResult, GenerationStats,
+                              RequestLimits, SamplingParams)
 from specdec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """Exactly one of prompt, messages (chat, rendered with the chat template) or token_ids."""
-
-    prompt: str | None = None
-    messages: Sequence[dict] | None = None
-    token_ids: Sequence[int] | None = None
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    gamma: int = DEFAULT_GAMMA
-    stop: Sequence[str] = ()
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one request may ask for; beyond it, INVALID_ARGUMENT naming the limit."""
-
-    max_new_tokens: int = 4096
-    max_prompt_tokens: int = 0  # 0: what the context allows
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    rounds: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    acceptance_rate: float = 0.0
-    mean_accepted_length: float = 0.0
-    drafted_by_position: list[int] = field(default_factory=list)
-    accepted_by_position: list[int] = field(default_factory=list)
-    target_forward_passes: int = 0
-    wire_bytes: int = 0
-    wire_bytes_per_round: float = 0.0
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    sampling_s: float = 0.0
-    total_s: float = 0.0
-    tokens_per_second: float = 0.0
-    gamma: int = 0
-    draft_compute_s: float = 0.0
-    verify_compute_s: float = 0.0
-    target_failovers: int = 0
-    draft_failovers: int = 0
-
-    def record_round(self, gamma: int, num_accepted: int) -> None:
-        self.rounds += 1
-        self.target_forward_passes += 1
-        self.drafted_tokens += gamma
-        self.accepted_tokens += num_accepted
-        if len(self.drafted_by_position) < gamma:
-            grow = gamma - len(self.drafted_by_position)
-            self.drafted_by_position += [0] * grow
-            self.accepted_by_position += [0] * grow
-        for i in range(gamma):
-            self.drafted_by_position[i] += 1
-        for i in range(num_accepted):
-            self.accepted_by_position[i] += 1
-
-    def finalize(self, generated: int, total_s: float) -> None:
-        self.generated_tokens = generated
-        self.total_s = total_s
-        self.acceptance_rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-        self.mean_accepted_length = generated / self.rounds if self.rounds else 0.0
-        self.wire_bytes_per_round = self.wire_bytes / self.rounds if self.rounds else 0.0
-        self.tokens_per_second = generated / total_s if total_s > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class GenerationChunk:
-    text_delta: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "length", "eos" or "stop_string" on the last chunk
-    stats: GenerationStats | None = None  # on the last chunk
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: dict
 
 
 def load_tokenizer_from(target: TargetWorker):
@@ -320,99 +224,12 @@ class SpeculativeDecoder:
 
     def _rounds(self, placement: Placement, prompt, request, params, generator, stats,
                 ctx) -> Iterator[GenerationChunk]:
-        t_start = time.perf_counter() - stats.prefill_s
-        tokens = list(prompt)
-        target_synced = draft_synced = len(prompt)  # tokens of `tokens` each worker holds validly
-        assembler = TextAssembler(self.tokenizer, request.stop)
-        tracer = self.tracer
-        finish = None
-        session_id = placement.session_id
-        while finish is None:
-            remaining = request.max_new_tokens - (len(tokens) - len(prompt))
-            draft = placement.draft.worker if placement.draft is not None else None
-            gamma = min(request.gamma, remaining - 1) if draft is not None else 0
-            wire_before = stats.wire_bytes
-            # the round's span ends before its chunk is yielded: a generator must not hold a
-            # context across a yield
-            with tracer.start_as_current_span("round", context=ctx) as round_span:
-                t0 = time.perf_counter()
-                drafts, draft_probs = [], []
-                if gamma > 0:
-                    round_seed = int(torch.randint(0, 2**63 - 1, (), generator=generator))
-                    try:
-                        with tracer.start_as_current_span("draft"):
-                            for p in draft.propose(session_id, draft_synced, tokens[draft_synced:], gamma, params,
-                                                   round_seed):
-                                drafts.append(p.token_id)
-                                draft_probs.append(p.probs)
-                                stats.wire_bytes += p.wire_bytes
-                                stats.draft_compute_s += p.compute_s
-                    except ServiceError as exc:
-                        if not is_worker_fault(exc):
-                            raise
-                        # this round goes on without drafts; the next uses the new draft, or none
-                        drafts, draft_probs, gamma = [], [], 0
-                        placement.draft_failed(exc, tokens)
-                        draft_synced = len(tokens)
-                t1 = time.perf_counter()
-                while True:
-                    try:
-                        with tracer.start_as_current_span("verify"):
-                            v = placement.target.worker.verify(session_id, target_synced, tokens[target_synced:],
-                                                               drafts, params)
-                        break
-                    except ServiceError as exc:
-                        if not is_worker_fault(exc):
-                            raise
-                        placement.target_failed(exc, tokens)  # the new target holds every validated token
-                        target_synced = len(tokens)
-                t2 = time.perf_counter()
-                with tracer.start_as_current_span("rejection_sampling"):
-                    if params.greedy:
-                        result = greedy_verify(drafts, v.argmax)
-                    else:
-                        result = rejection_sample(drafts, draft_probs, v.probs, generator)
-                t3 = time.perf_counter()
-                stats.draft_s += t1 - t0
-                stats.verify_s += t2 - t1
-                stats.sampling_s += t3 - t2
-                stats.verify_compute_s += v.compute_s
-                stats.wire_bytes += v.wire_bytes
-                stats.record_round(gamma, result.num_accepted)
-
-                # Rollback: both caches keep the accepted drafts and drop the rest; no call is
-                # made, the next round's Propose and Verify start right after the accepted prefix.
-                with tracer.start_as_current_span("rollback") as rollback_span:
-                    target_synced = len(tokens) + result.num_accepted
-                    if gamma > 0:
-                        draft_synced = target_synced
-                    if rollback_span.is_recording():  # tracing off: build no attributes per round
-                        rollback_span.set_attributes({t.TARGET_LENGTH: target_synced, t.DRAFT_LENGTH: draft_synced,
-                                                      t.DISCARDED: gamma - result.num_accepted})
-                new = result.token_ids[:remaining]
-                for i, tok in enumerate(new):
-                    if tok in self.eos:
-                        new, finish = new[: i + 1], "eos"
-                        break
-                delta, keep = assembler.add(new)
-                if keep is not None:
-                    new, finish = new[: keep - (len(tokens) - len(prompt))], "stop_string"
-                tokens.extend(new)
-                if round_span.is_recording():
-                    round_span.set_attributes({
-                        t.ROUND: stats.rounds - 1, t.GAMMA: gamma, t.DRAFTED: gamma, t.ACCEPTED: result.num_accepted,
-                        t.EMITTED: len(new), t.WIRE_BYTES: stats.wire_bytes - wire_before,
-                        t.ACCEPTED_BY_POSITION: [1] * result.num_accepted + [0] * (gamma - result.num_accepted),
-                    })
-            self.metrics.record_round(gamma, result.num_accepted, t1 - t0, t2 - t1, t3 - t2,
-                                      stats.wire_bytes - wire_before)
-            if finish is None and len(tokens) - len(prompt) >= request.max_new_tokens:
-                finish = "length"
-            if finish is not None:
-                if finish != "stop_string":
-                    delta += assembler.finish()
-                stats.target_failovers, stats.draft_failovers = placement.failovers["target"], placement.failovers["draft"]
-                stats.finalize(len(tokens) - len(prompt), time.perf_counter() - t_start)
-                yield GenerationChunk(delta, new, finish, stats)
-            else:
-                yield GenerationChunk(delta, new)
+        """Drives the request round by round (orchestrator/rounds.py) and records each round's metrics."""
+        state = RequestState(placement, params, generator, self.tracer, self.eos, request.gamma,
+                             request.max_new_tokens, list(prompt), stats, TextAssembler(self.tokenizer, request.stop),
+                             started=time.perf_counter() - stats.prefill_s)
+        while state.finish is None:
+            rnd = run_round(state, ctx)
+            self.metrics.record_round(rnd.gamma, rnd.num_accepted, rnd.draft_s, rnd.verify_s, rnd.sampling_s,
+                                      rnd.wire_bytes)
+            yield rnd.chunk

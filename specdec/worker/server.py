@@ -1,4 +1,9 @@
-"""The gRPC side both workers share: session RPCs, the engine slot, and background loading.
+"""One gRPC worker server for both roles: create_server(role, config) -> (parts, port), main(role).
+
+A `WorkerRole` (draft_service/role.py, target_service/role.py) says what differs: the engine it
+loads, the servicer it registers, its default port. Everything else is here: the session RPCs
+both roles answer, the engine slot (UNAVAILABLE until the model is loaded), loading in the
+background while health says NOT_SERVING, and draining on SIGTERM.
 
 Servicers are thin: proto in, a call on the engine, proto out. Errors are raised as
 ServiceError and mapped to statuses by specdec.errors.ErrorInterceptor.
@@ -7,23 +12,42 @@ ServiceError and mapped to statuses by specdec.errors.ErrorInterceptor.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
-import grpc
-
-from specdec.config import WorkerConfig
 from specdec.errors import Unavailable
-from specdec.grpc_server import ServerParts, build_server
+from specdec.grpc_server import ServerParts, build_server, serve_until_signalled
 from specdec.telemetry import Telemetry
 from specdec.v1 import common_pb2
-from specdec.worker import ModelInfo, WorkerEngine
+from specdec.worker.config import WorkerConfig
+from specdec.worker.engine import WorkerEngine
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class WorkerRole:
+    """What makes a worker a draft or a target."""
+
+    name: str  # "draft" or "target": also the SPECDEC_<NAME>_* prefix and the telemetry role
+    default_port: int
+    engine_class: type  # a WorkerEngine subclass: DraftEngine or TargetEngine
+    servicer_class: type  # its servicer, built on the EngineSlot
+    add_servicer: Callable  # the generated add_<Service>Servicer_to_server
+    service_name: str  # the full gRPC service name, for health and reflection
+
+    def make_engine(self, config: WorkerConfig) -> WorkerEngine:
+        """Loads the model the config names (a draft may restrict its output head)."""
+        from specdec.modeling import load_model
+
+        loaded = load_model(config.model, device=config.device, dtype=config.dtype, device_map=config.device_map,
+                            quantization=config.quantization, head_rows=config.draft_vocab)
+        return self.engine_class(loaded, max_sessions=config.max_sessions, max_cached_tokens=config.max_cached_tokens,
+                                 session_ttl_s=config.session_ttl_s)
 
 
 class EngineSlot:
@@ -41,27 +65,9 @@ class EngineSlot:
             raise Unavailable(f"model failed to load: {self.error}" if self.error else "model is still loading")
         return self._engine
 
-
-def info_to_proto(info: ModelInfo) -> common_pb2.ModelInfo:
-    return common_pb2.ModelInfo(**{**info.__dict__, "eos_token_ids": list(info.eos_token_ids)})
-
-
-def info_from_proto(msg: common_pb2.ModelInfo) -> ModelInfo:
-    return ModelInfo(
-        model_name=msg.model_name,
-        vocab_size=msg.vocab_size,
-        vocab_fingerprint=msg.vocab_fingerprint,
-        eos_token_ids=tuple(msg.eos_token_ids),
-        bos_token_id=msg.bos_token_id,
-        pad_token_id=msg.pad_token_id,
-        max_context=msg.max_context,
-        device=msg.device,
-        dtype=msg.dtype,
-        max_gamma=msg.max_gamma,
-        open_sessions=msg.open_sessions,
-        draining=msg.draining,
-        held_tokens=msg.held_tokens,
-    )
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
 
 
 class SessionRpcs:
@@ -71,7 +77,7 @@ class SessionRpcs:
         self.slot = slot
 
     def Describe(self, request, context):
-        return info_to_proto(self.slot.get().describe())
+        return self.slot.get().describe().to_proto()
 
     def OpenSession(self, request, context):
         length, compute_s = self.slot.get().open_session(request.session_id, list(request.token_ids))
@@ -113,52 +119,30 @@ def load_in_background(
     return thread
 
 
-def serve_until_signalled(server: grpc.Server, parts: ServerParts | None = None, grace_s: float = 5.0,
-                          drain: Callable[[], None] | None = None) -> None:
-    """Blocks until SIGINT/SIGTERM; then reports NOT_SERVING, runs drain (a worker lets its
-    sessions finish), and stops, letting calls in flight end within grace_s."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("stopping: NOT_SERVING, draining")
-    if parts is not None:
-        parts.set_serving(False)
-        if drain is not None:
-            drain()
-        parts.stop(grace_s)
-    else:
-        server.stop(grace_s).wait()
-    log.info("stopped")
-
-
-def create_worker_server(
-    config: WorkerConfig,
-    engine: WorkerEngine | None,
-    make_engine: Callable[[WorkerConfig], WorkerEngine],
-    add_servicer: Callable[[EngineSlot, grpc.Server], None],
-    service_name: str,
-    telemetry: Telemetry | None = None,
-) -> tuple[ServerParts, int]:
+def create_server(role: WorkerRole, config: WorkerConfig, engine: WorkerEngine | None = None,
+                  telemetry: Telemetry | None = None) -> tuple[ServerParts, int]:
     """Starts a worker server; with no engine, loads the model in the background
-    (health NOT_SERVING and RPCs UNAVAILABLE until it is ready). Returns (parts, port)."""
+    (health NOT_SERVING and RPCs UNAVAILABLE until it is ready). Returns (parts, port).
+    Stopping the parts closes the engine the server loaded (not one it was given)."""
     slot = EngineSlot(engine)
-    parts = build_server(config.address, lambda s: add_servicer(slot, s), [service_name],
+    parts = build_server(config.address, lambda s: role.add_servicer(role.servicer_class(slot), s), [role.service_name],
                          max_workers=config.max_workers, telemetry=telemetry, tls=config.tls)
     parts.slot = slot
     if engine is not None:
         engine.instrument(parts.telemetry, config.role)
         parts.set_serving(True)
     else:
-        parts.loader = load_in_background(config, make_engine, slot, parts)
+        parts.loader = load_in_background(config, role.make_engine, slot, parts)
+        parts.on_stop.append(slot.close)
     return parts, parts.port
 
 
-def run_worker(create_server: Callable[..., tuple[ServerParts, int]], role: str, argv, default_port: int) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s")
-    config = WorkerConfig.from_args(role, argv, default_port=default_port)
-    parts, port = create_server(config, telemetry=Telemetry.from_env(f"specdec-{role}"))
-    log.info("%s worker on port %d, loading %s", role, port, config.model)
+def main(role: WorkerRole, argv: list[str] | None = None) -> None:
+    """`python -m draft_service` / `python -m target_service`."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role.name} %(levelname)s %(message)s")
+    config = WorkerConfig.from_args(role.name, argv, default_port=role.default_port)
+    parts, port = create_server(role, config, telemetry=Telemetry.from_env(f"specdec-{role.name}"))
+    log.info("%s worker on port %d, loading %s", role.name, port, config.model)
 
     def drain():
         try:

@@ -8,7 +8,7 @@ appends (the recovered or bonus token) and a draft the draft model never ran on 
 proposal) are simply the next uncached tokens.
 
 The role-specific work (proposing, verifying) lives in draft_service/engine.py and
-target_service/engine.py; gRPC lives in their servicers.
+target_service/engine.py; gRPC lives in specdec/worker/server.py and the roles' servicers.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from opentelemetry import metrics, trace
@@ -29,7 +30,9 @@ from specdec.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, 
                             ResourceExhausted, Unavailable)
 from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
 from specdec import telemetry as t
-from specdec.sampling import MAX_GAMMA
+from specdec.protocol import ModelInfo
+from specdec.worker.batching import DEFAULT_MAX_BATCH_TOKENS, NO_MASK, Batcher, Pass, RaggedCache, Work, \
+    use_ragged_attention
 
 log = logging.getLogger(__name__)
 
@@ -43,23 +46,6 @@ def check_session_id(session_id: str) -> None:
         raise InvalidArgument(f"session_id must be 1..{MAX_SESSION_ID_LENGTH} characters, got {len(session_id)}")
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    model_name: str
-    vocab_size: int
-    vocab_fingerprint: str
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int
-    pad_token_id: int
-    max_context: int
-    device: str
-    dtype: str
-    max_gamma: int = MAX_GAMMA
-    open_sessions: int = 0
-    draining: bool = False
-    held_tokens: int = 0
-
-
 @dataclass
 class Session:
     session_id: str
@@ -67,6 +53,9 @@ class Session:
     cache: DynamicCache
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
+    # bumped by every call that changes the session; a Propose, which releases the lock while its
+    # caller reads each proposal, checks it did not change in between
+    version: int = 0
 
     @property
     def cached(self) -> int:
@@ -76,6 +65,7 @@ class Session:
         """Keeps the first `length` tokens; crops the cache only if it reaches past them."""
         if length > len(self.tokens):
             raise OutOfRange(f"session {self.session_id} holds {len(self.tokens)} tokens; cannot truncate to {length}")
+        self.version += 1
         del self.tokens[length:]
         if self.cached > length:
             self.cache.crop(length - self.cached)  # transformers 5: a negative count removes tokens
@@ -112,6 +102,7 @@ class WorkerEngine:
         max_context: int | None = None,
         model_thread: ThreadPoolExecutor | None = None,
         session_ttl_s: float = 600.0,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -132,7 +123,10 @@ class WorkerEngine:
         # spin against each other (measured: 11% slower draft steps). One thread also serialises
         # the forwards, which on a shared device would only contend anyway. Engines in one process
         # (the in-process path) should share one: pass model_thread=new_model_thread() to both.
+        self._owns_model_thread = model_thread is None
         self._model_thread = model_thread or new_model_thread()
+        use_ragged_attention(self.model)
+        self._batcher = Batcher(self._run_pass, max_batch_tokens)
         tok = self.tokenizer
         self.info = ModelInfo(
             model_name=loaded.name,
@@ -150,7 +144,20 @@ class WorkerEngine:
         self.instrument(None, "worker")
         # sessions idle this long are freed: an orchestrator that died cannot close its own
         self.session_ttl_s = session_ttl_s
-        threading.Thread(target=self._expire_idle_sessions, name="session-reaper", daemon=True).start()
+        self._closed = threading.Event()
+        self._reaper = threading.Thread(target=self._expire_idle_sessions, name="session-reaper", daemon=True)
+        self._reaper.start()
+
+    def close(self) -> None:
+        """Stops the session reaper and (when this engine made it) the model thread; frees every
+        session. Idempotent."""
+        self._closed.set()
+        self._reaper.join()
+        self._batcher.close()
+        if self._owns_model_thread:
+            self._model_thread.shutdown(wait=True)
+        with self._sessions_lock:
+            self._sessions.clear()
 
     def instrument(self, telemetry, role: str) -> None:
         """Spans for prefill, truncate and every forward pass; gauges of sessions and cached
@@ -167,6 +174,12 @@ class WorkerEngine:
         self._forward_duration = meter.create_histogram(
             "specdec.worker.forward.duration", unit="s", description="One forward pass, by kind",
             explicit_bucket_boundaries_advisory=t.SECONDS_BUCKETS)
+        self._batch_rows = meter.create_histogram(
+            "specdec.worker.batch.rows", unit="{token}", description="Tokens (rows) in one forward pass",
+            explicit_bucket_boundaries_advisory=t.ROWS_BUCKETS)
+        self._batch_sessions = meter.create_histogram(
+            "specdec.worker.batch.sessions", unit="{session}", description="Sessions in one forward pass",
+            explicit_bucket_boundaries_advisory=t.ROWS_BUCKETS)
         self._expired = meter.create_counter(
             "specdec.worker.sessions_expired", unit="{session}", description="Sessions freed after idling")
         self._role = role
@@ -220,7 +233,7 @@ class WorkerEngine:
             try:
                 if session.tokens:
                     with self.tracer.start_as_current_span("prefill", attributes={t.SESSION_ID: session_id}):
-                        self.on_model_thread(self.forward, session, 1, "prefill")  # fills the cache
+                        self.run(session, 1, "prefill")  # fills the cache
                 session.tokens.append(int(token_ids[-1]))
             except BaseException:
                 with self._sessions_lock:
@@ -252,8 +265,7 @@ class WorkerEngine:
                 raise NotFound(f"no open session {session_id!r} on this worker")
 
     def _expire_idle_sessions(self) -> None:
-        while True:
-            time.sleep(min(30.0, self.session_ttl_s / 4))
+        while not self._closed.wait(min(30.0, self.session_ttl_s / 4)):
             now = time.monotonic()
             with self._sessions_lock:
                 idle = [s for s in self._sessions.values()
@@ -306,34 +318,60 @@ class WorkerEngine:
                 f"{already + len(token_ids)} tokens would exceed this model's context of {self.max_context}"
             )
 
-    def on_model_thread(self, fn, *args):
-        """Runs fn(*args) on the model thread, under inference mode (which is per thread), in
-        the caller's trace context (so its forward spans nest under the RPC's)."""
-        return self._model_thread.submit(self._inference, t.current_context(), fn, args).result()
+    def run(self, session: Session, keep: int, kind: str, post: Callable[[torch.Tensor], Any] = lambda x: x):
+        """Runs the session's uncached tokens through the model, in a ragged pass with whatever
+        other sessions have pending, and returns post(logits [keep, vocab]) (run on the model
+        thread: sampling math there keeps to one OpenMP team). kind: prefill, propose or verify.
+        Call it holding session.lock: one pass at a time per session."""
+        assert len(session.tokens) - session.cached >= keep >= 1, (len(session.tokens), session.cached, keep)
+        return self._batcher.submit(Work(session, keep, kind, post, t.current_context()))
 
-    @staticmethod
+    def _run_pass(self, batch: Pass) -> None:
+        self._model_thread.submit(self._pass, batch).result()
+
     @torch.inference_mode()
-    def _inference(ctx, fn, args):
-        return t.run_in_context(ctx, fn, *args)
-
-    def forward(self, session: Session, logits_to_keep: int, kind: str) -> torch.Tensor:
-        """Runs the uncached tokens through the model; returns logits [logits_to_keep, vocab].
-        Call it on the model thread (inside on_model_thread). kind: prefill, propose or verify."""
-        new = session.tokens[session.cached :]
-        assert len(new) >= logits_to_keep >= 1, (len(new), logits_to_keep)
-        input_ids = torch.tensor([new], dtype=torch.long, device=self.input_device)
+    def _pass(self, batch: Pass) -> None:
+        """One forward pass over the batch's tokens, laid end to end (specdec/worker/batching.py)."""
+        ids, positions, keep_rows, done = [], [], [], []
+        for work, n in batch.items:
+            start, row = work.session.cached, len(ids)
+            ids += work.session.tokens[start : start + n]
+            positions += range(start, start + n)
+            if start + n == len(work.session.tokens):  # its last tokens: its logits come from this pass
+                keep_rows += range(row + n - work.keep, row + n)
+                done.append(work)
+        sessions = [work.session for work, _ in batch.items]
+        attributes = {t.BATCH_ROWS: len(ids), t.BATCH_SESSIONS: len(sessions)}
+        spans = [self.tracer.start_span("forward", context=work.context, attributes={
+            t.FORWARD_TOKENS: n, t.FORWARD_KIND: work.kind, **attributes}) for work, n in batch.items]
         t0 = time.perf_counter()
-        with self.tracer.start_as_current_span("forward", attributes={t.FORWARD_TOKENS: len(new), t.FORWARD_KIND: kind}):
-            try:
-                out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
-                                 logits_to_keep=logits_to_keep)
-            except BaseException:
-                # a pass that failed half-way leaves layers of different lengths; start the cache
-                # over (the tokens are kept, so the next call recomputes them) rather than trust it
+        try:
+            out = self.model(input_ids=torch.tensor([ids], device=self.input_device),
+                             position_ids=torch.tensor([positions], device=self.input_device),
+                             attention_mask=NO_MASK, past_key_values=RaggedCache([s.cache for s in sessions],
+                                                                                 [n for _, n in batch.items]),
+                             use_cache=True, logits_to_keep=torch.tensor(keep_rows, dtype=torch.long))
+        except BaseException:
+            # a pass that failed half-way leaves layers of different lengths; start those caches
+            # over (the tokens are kept, so the next call recomputes them) rather than trust them
+            for session in sessions:
                 session.cache = DynamicCache(config=self.model.config)
-                raise
-        self._forward_duration.record(time.perf_counter() - t0, {t.FORWARD_KIND: kind})
-        return out.logits[0]
+            raise
+        finally:
+            for span in spans:
+                span.end()
+        elapsed = time.perf_counter() - t0
+        self._batch_rows.record(len(ids), {t.ROLE: self._role})
+        self._batch_sessions.record(len(sessions), {t.ROLE: self._role})
+        for work, _ in batch.items:
+            self._forward_duration.record(elapsed, {t.FORWARD_KIND: work.kind})
+        logits, row = out.logits[0], 0
+        for work in done:
+            try:
+                work.future.set_result(work.post(logits[row : row + work.keep]))
+            except BaseException as exc:  # noqa: BLE001 - this caller's error, not the pass's
+                work.future.set_exception(exc)
+            row += work.keep
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer as files, so an orchestrator can load it without the model."""

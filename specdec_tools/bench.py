@@ -158,11 +158,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     from draft_service.engine import DraftEngine
     from orchestrator.client import Client
-    from orchestrator.speculative import GenerationRequest, SpeculativeDecoder
+    from orchestrator.decoder import SpeculativeDecoder
+    from specdec.protocol import GenerationRequest
     from specdec.modeling import load_model, quantize, resolve_quantization
     from specdec.model_store import resolve_model
-    from specdec.stack import ProcessStack
-    from specdec.worker import new_model_thread
+    from specdec_tools.stack import ProcessStack
+    from specdec.worker.engine import new_model_thread
     from target_service.engine import TargetEngine
 
     out = Path(a.out or f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")
@@ -286,7 +287,7 @@ def write_results(out: Path, header: str, config: dict, runs: list[Run], rows: l
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from specdec.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
-    from specdec.stack import DEFAULT_DRAFT_VOCAB
+    from specdec_tools.stack import DEFAULT_DRAFT_VOCAB
 
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)

@@ -1,9 +1,9 @@
 """Load test (issue 5): many clients for minutes against the whole stack, with workers killed.
 
   specdec loadtest [--duration 300] [--clients 16] [--no-faults] [--out DIR] [--seed 0]
-  python -m specdec.loadtest ...          (the same, from a checkout)
+  python -m specdec_tools.loadtest ...    (the same)
 
-Builds the tiny models of tests/tiny_models.py, starts 2 targets, 2 drafts (float64, no
+Builds the tiny models of specdec_tools/testing/tiny_models.py, starts 2 targets, 2 drafts (float64, no
 quantization: greedy speculative output equals the target's own greedy output exactly) and the
 orchestrator as processes (logs in OUT/logs/), computes each prompt's greedy reference in this
 process with transformers, then runs --clients threads until --duration: mostly greedy requests
@@ -112,8 +112,7 @@ def stop_all(procs: list[Proc], grace_s: float = 15.0) -> None:
 
 
 def build_models(tmp: Path) -> tuple[str, str]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for tests/
-    from tests.tiny_models import build_model_dir, build_perturbed_copy
+    from specdec_tools.testing.tiny_models import build_model_dir, build_perturbed_copy
 
     target = build_model_dir(tmp / "tiny-target", seed=1, layers=2)
     return str(target), str(build_perturbed_copy(target, tmp / "tiny-draft", seed=2, noise=0.05))
@@ -304,7 +303,7 @@ def markdown(s: dict) -> str:
 
 def cmd_loadtest(a: argparse.Namespace) -> int:
     from orchestrator.client import Client
-    from specdec.stack import free_port
+    from specdec_tools.stack import free_port
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -401,6 +400,6 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m specdec.loadtest", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specdec_tools.loadtest", description=__doc__.splitlines()[0])
     add_arguments(parser)
     sys.exit(cmd_loadtest(parser.parse_args()))

@@ -123,9 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(a: argparse.Namespace) -> int:
     from orchestrator.client import Client
-    from specdec.cli import _request_kwargs, format_stats
     from specdec.errors import ServiceError
     from specdec.model_store import resolve_model
+    from specdec_tools.cli_args import format_stats, request_kwargs
 
     # Ctrl-C and `kill` both stop the children: they run in their own sessions, so nothing else
     # would (and a shell's background job starts with SIGINT ignored)
@@ -141,7 +141,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(f"[specdec] starting target ({a.target}), draft ({a.draft}) and orchestrator ...", file=sys.stderr)
         stack.wait_until_ready(a.startup_timeout)
         print(f"[specdec] all three SERVING after {time.monotonic() - t0:.1f} s", file=sys.stderr)
-        kwargs = _request_kwargs(a)
+        kwargs = request_kwargs(a)
         kwargs["max_new_tokens"] = kwargs["max_new_tokens"] or 128
         kwargs["temperature"] = 0.0 if kwargs["temperature"] is None else kwargs["temperature"]
         kwargs.update({"prompt": a.prompt} if a.raw else {"messages": [{"role": "user", "content": a.prompt}]})

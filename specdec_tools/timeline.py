@@ -17,7 +17,7 @@ The spans it expects (orchestrator `specdec-orchestrator`, workers `specdec-draf
           rejection_sampling, rollback
         close    -> .../CloseSession CLIENT -> SERVER
 
-    python -m specdec.timeline SOURCE --out timeline.png [--trace-id HEX]
+    python -m specdec_tools.timeline SOURCE --out timeline.png [--trace-id HEX]
 """
 
 from __future__ import annotations
@@ -652,7 +652,7 @@ def draw(spans: list[Span], out_path, title: str | None = None, trace_id: str | 
 # ---- command line -----------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m specdec.timeline") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m specdec_tools.timeline") -> int:
     p = argparse.ArgumentParser(prog=prog, description="Draw one speculative-decoding request's timeline "
                                 "from its OpenTelemetry spans.")
     p.add_argument("source", metavar="SOURCE", help="console-exporter log (OTEL_TRACES_EXPORTER=console), "

@@ -1,12 +1,16 @@
-"""Worker sessions: absolute, idempotent rollback without recomputation, and isolation."""
+"""specdec.worker.engine: sessions with absolute, idempotent rollback without recomputation, isolation,
+expiry, and engines that stop their threads."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
 from specdec.errors import FailedPrecondition, NotFound, OutOfRange
-from specdec.sampling import SamplingParams
+from specdec.protocol import SamplingParams
+from tests.support.servers import wait_for
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -27,38 +31,11 @@ def test_truncate_then_forward_equals_fresh_computation(target_engine):
         assert target_engine.truncate("rollback", 7) == 7  # idempotent
         assert session.cached == 7  # the accepted prefix stays cached: nothing recomputed
         session.tokens.extend([77, 78])
-        logits = target_engine.on_model_thread(target_engine.forward, session, 2, "verify")
+        logits = target_engine.run(session, 2, "verify")
         expected = fresh_logits(target_engine, [*prompt, 11, 77, 78], 2)
         torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)
     finally:
         target_engine.close_session("rollback")
-
-
-def test_verify_retry_is_harmless(target_engine):
-    target_engine.open_session("retry", [1, 2, 3])
-    try:
-        first = target_engine.verify("retry", 3, [], [4, 5], GREEDY)
-        again = target_engine.verify("retry", 3, [], [4, 5], GREEDY)
-        assert first.argmax == again.argmax and again.length == 5
-    finally:
-        target_engine.close_session("retry")
-
-
-def test_draft_all_accepted_round(draft_engine):
-    """When all drafts pass, the draft never ran on its last proposal: the next round feeds it
-    together with the bonus token, and the proposals match a fresh greedy run."""
-    draft_engine.open_session("draft", [9, 8, 7])
-    try:
-        first = [p.token_id for p in draft_engine.propose("draft", 3, [], 3, GREEDY, 0)]
-        session = draft_engine.session("draft")
-        assert len(session.tokens) == 6 and session.cached == 5
-        nxt = [p.token_id for p in draft_engine.propose("draft", 6, [100], 2, GREEDY, 0)]
-        seq = [9, 8, 7, *first, 100]
-        for token in nxt:
-            assert token == int(fresh_logits(draft_engine, seq, 1)[-1].argmax())
-            seq.append(token)
-    finally:
-        draft_engine.close_session("draft")
 
 
 def test_sessions_are_isolated(target_engine):
@@ -104,13 +81,39 @@ def test_empty_session_and_gaps_are_failed_preconditions(target_engine):
 
 
 def test_idle_sessions_expire(target_engine):
-    import time
-
     from target_service.engine import TargetEngine
 
     engine = TargetEngine(target_engine.loaded, session_ttl_s=0.4)
-    engine.open_session("idle", [1, 2, 3])
-    time.sleep(1.5)
-    with pytest.raises(NotFound):
-        engine.session("idle")
+    try:
+        engine.open_session("idle", [1, 2, 3])
+        wait_for(lambda: engine.describe().open_sessions == 0, timeout_s=30, what="the idle session's expiry")
+        with pytest.raises(NotFound):
+            engine.session("idle")
+    finally:
+        engine.close()
+
+
+def test_close_stops_the_engines_threads(target_engine):
+    from target_service.engine import TargetEngine
+
+    engine = TargetEngine(target_engine.loaded, session_ttl_s=600)
+    engine.open_session("s", [1, 2, 3])
+    before = {t.name for t in threading.enumerate()}
+    assert "session-reaper" in before and any(n.startswith("model") for n in before)
+    reaper = engine._reaper
+    engine.close()
+    engine.close()  # idempotent
+    assert not reaper.is_alive()
+    assert engine._model_thread._shutdown
     assert engine.describe().open_sessions == 0
+
+
+def test_an_engine_sharing_a_model_thread_leaves_it_running(target_engine):
+    from specdec.worker.engine import new_model_thread
+    from target_service.engine import TargetEngine
+
+    shared = new_model_thread()
+    engine = TargetEngine(target_engine.loaded, model_thread=shared)
+    engine.close()
+    assert shared.submit(lambda: 42).result() == 42
+    shared.shutdown()

@@ -1,4 +1,4 @@
-"""specdec.timeline: spans made by the real OpenTelemetry SDK (three services, one trace per request)
+"""specdec_tools.timeline: spans made by the real OpenTelemetry SDK (three services, one trace per request)
 read back from console-exporter text, Jaeger JSON and a Jaeger URL; the per-stage summary checked
 exactly against the durations the test built; the PNG checked as a PNG."""
 
@@ -20,8 +20,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import SpanKind
 
-from specdec import timeline
-from specdec.timeline import TimelineError
+from specdec_tools import timeline
+from specdec_tools.timeline import TimelineError
 
 ORCH, DRAFT, TARGET = "specdec-orchestrator", "specdec-draft", "specdec-target"
 EPOCH_US = 1_763_000_000_000_000  # whole microseconds: console output and Jaeger both keep µs

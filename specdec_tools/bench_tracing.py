@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--tiny", action="store_true", help="tiny random models (from a checkout's tests/): worst case, "
-                                                         "rounds of a few ms make the overhead most visible")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny random models (specdec_tools.testing, no downloads): worst case, "
+                        "rounds of a few ms make the overhead most visible")
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--gamma", type=int, default=4)
@@ -83,7 +84,7 @@ def noop_round_cost_us(rounds: int = 20000) -> float:
 def _run_mode(target_dir, draft_dir, a, telemetry_on: bool) -> tuple[float, list[list[int]], dict]:
     """Starts the stack, runs the requests; returns (tok/s, outputs, per-round ms by part)."""
     from orchestrator.client import Client
-    from specdec.stack import ProcessStack
+    from specdec_tools.stack import ProcessStack
 
     saved = {k: os.environ.get(k) for k in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER",
                                             "OTEL_EXPORTER_PROMETHEUS_PORT", "OTEL_EXPORTER_PROMETHEUS_HOST")}
@@ -125,8 +126,7 @@ def _run_mode(target_dir, draft_dir, a, telemetry_on: bool) -> tuple[float, list
 
 def cmd_bench_tracing(a: argparse.Namespace) -> int:
     if a.tiny:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for tests/
-        from tests.tiny_models import build_model_dir, build_perturbed_copy
+        from specdec_tools.testing.tiny_models import build_model_dir, build_perturbed_copy
 
         tmp = tempfile.mkdtemp(prefix="specdec-tiny-")
         target_dir = build_model_dir(Path(tmp) / "tiny-target", seed=1, layers=2)

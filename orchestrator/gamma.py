@@ -1,0 +1,149 @@
+"""How many drafts a round asks for: the gamma that maximizes goodput, from live measurements.
+
+For every target worker the orchestrator keeps running estimates of
+  T(r)  the target's forward-pass seconds against the rows (tokens of all sessions) in the pass,
+  D(r)  one draft step's pass seconds against the rows in the draft worker's pass,
+  a_i   the probability that draft i is accepted given that drafts 0..i-1 were,
+and each round takes, up to the request's gamma,
+
+    g* = argmax_g  B * E(g) / (g * D(B) + T(B * (g + 1))),   E(g) = 1 + a_0 + a_0 a_1 + ... (g terms)
+
+where B is the number of sessions on that target (they share its passes, each with g + 1 rows)
+and E(g) the expected tokens per round (Leviathan et al. 2023, with acceptance by position). On
+this CPU a pass of 40 rows costs ~6 one-row passes, so as B grows the drafts' extra rows weigh
+more and g* falls, down to 0: plain batched decoding. On hardware whose passes cost the same for
+1 and 40 rows (a GPU), g* stays high. Before the rows in passes have varied enough to tell the
+slope, a prior slope (PRIOR_SLOPE, the CPU's) stands in; it fades as the rows observed spread.
+
+The choice depends only on the past (earlier rounds' timings and acceptance), never on the draws
+of the round it is made for, so every round's tokens still follow the target's distribution
+exactly. With the fixed policy a seeded sampled request is reproducible; with this one its gammas,
+and so which random draws it makes, depend on timing.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+PRIOR_SLOPE = 0.15  # extra cost of a row, as a fraction of a 1-row pass (CPU, fp16 weights: ~0.14)
+PRIOR_WEIGHT = 1.0  # the prior slope counts as this many observations at each of its two points
+DECAY = 0.97  # per observation: the last ~30 passes dominate
+PRIOR_ACCEPTANCE = 0.7  # a_i before any draft was judged at position i ...
+PRIOR_DRAFTS = 2.0  # ... counted as this many drafts
+
+
+@dataclass
+class LinearCost:
+    """seconds(rows) = alpha + beta * rows, fitted online by weighted least squares with decay."""
+
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w r, w r^2, w y, w r y
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        s = self.sums
+        for i in range(5):
+            s[i] *= DECAY
+        s[0] += 1
+        s[1] += rows
+        s[2] += rows * rows
+        s[3] += seconds
+        s[4] += rows * seconds
+
+    @property
+    def known(self) -> bool:
+        return self.sums[0] > 0
+
+    def fit(self) -> tuple[float, float]:
+        """(alpha, beta), with the prior's two points (1 and 33 rows, on a line of slope
+        PRIOR_SLOPE through the data's mean) added, weighing less the more the rows varied."""
+        w, wr, wrr, wy, wry = self.sums
+        mean_r, mean_y = wr / w, wy / w
+        base = mean_y / (1 + PRIOR_SLOPE * (mean_r - 1))  # the prior line's 1-row cost
+        # the prior fades as the observed rows spread: then the data tell the slope themselves
+        prior = PRIOR_WEIGHT / (1 + max(wrr / w - mean_r * mean_r, 0.0))
+        for r in (1.0, 33.0):
+            y = base * (1 + PRIOR_SLOPE * (r - 1))
+            w, wr, wrr, wy, wry = w + prior, wr + prior * r, wrr + prior * r * r, wy + prior * y, wry + prior * r * y
+        beta = (w * wry - wr * wy) / (w * wrr - wr * wr)
+        beta = max(beta, 0.0)  # more rows never make a pass cheaper
+        return (wy - beta * wr) / w, beta
+
+    def __call__(self, rows: float) -> float:
+        alpha, beta = self.fit()
+        return max(alpha + beta * rows, 1e-6)
+
+
+@dataclass
+class Acceptance:
+    """a_i: of the drafts judged at position i (given 0..i-1 accepted), the share accepted."""
+
+    drafted: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def observe(self, gamma: int, num_accepted: int) -> None:
+        # position i is judged only when drafts 0..i-1 passed: positions 0..num_accepted
+        judged = min(gamma, num_accepted + 1)
+        while len(self.drafted) < judged:
+            self.drafted.append(0.0)
+            self.accepted.append(0.0)
+        for i in range(judged):
+            self.drafted[i] = self.drafted[i] * DECAY + 1
+            self.accepted[i] = self.accepted[i] * DECAY + (i < num_accepted)
+
+    def rate(self, i: int) -> float:
+        if i >= len(self.drafted):  # never judged: as likely as the last position that was
+            return self.rate(len(self.drafted) - 1) if self.drafted else PRIOR_ACCEPTANCE
+        return (self.accepted[i] + PRIOR_DRAFTS * PRIOR_ACCEPTANCE) / (self.drafted[i] + PRIOR_DRAFTS)
+
+    def expected_tokens(self, gamma: int) -> float:
+        """E(g) = 1 + a_0 + a_0 a_1 + ...: the accepted drafts plus the recovered or bonus token."""
+        total, passed = 1.0, 1.0
+        for i in range(gamma):
+            passed *= self.rate(i)
+            total += passed
+        return total
+
+
+def best_gamma(gamma_max: int, sessions: int, target: LinearCost, draft: LinearCost,
+               acceptance: Acceptance) -> int:
+    """g* = argmax over 0..gamma_max of sessions * E(g) / (g * D(sessions) + T(sessions * (g + 1)))."""
+    if gamma_max <= 0 or not target.known:
+        return max(gamma_max, 0)  # nothing measured yet: the request's gamma
+    b = max(sessions, 1)
+    step = draft(b) if draft.known else 0.0
+
+    def goodput(g: int) -> float:
+        return b * acceptance.expected_tokens(g) / (g * step + target(b * (g + 1)))
+
+    return max(range(gamma_max + 1), key=goodput)
+
+
+class GammaPolicy:
+    """Costs per worker address and acceptance per target/draft pair; thread-safe."""
+
+    def __init__(self, adaptive: bool = True):
+        self.adaptive = adaptive
+        self._lock = threading.Lock()
+        self._costs: dict[str, LinearCost] = {}
+        self._acceptance: dict[tuple[str, str], Acceptance] = {}
+
+    def _cost(self, address: str) -> LinearCost:
+        return self._costs.setdefault(address, LinearCost())
+
+    def choose(self, gamma_max: int, target: str, draft: str, sessions: int) -> int:
+        if not self.adaptive:
+            return gamma_max
+        with self._lock:
+            return best_gamma(gamma_max, sessions, self._cost(target), self._cost(draft),
+                              self._acceptance.setdefault((target, draft), Acceptance()))
+
+    def observe_pass(self, address: str, rows: int, seconds: float) -> None:
+        with self._lock:
+            self._cost(address).observe(rows, seconds)
+
+    def observe_round(self, target: str, draft: str, gamma: int, num_accepted: int) -> None:
+        if gamma > 0:
+            with self._lock:
+                self._acceptance.setdefault((target, draft), Acceptance()).observe(gamma, num_accepted)

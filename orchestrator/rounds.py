@@ -1,0 +1,209 @@
+"""One speculative round of a request: num_accepted + 1 tokens for one target forward pass.
+
+A round, in named steps on a Round (gpt-fast's `speculative_decode`, spread over two workers):
+
+  draft   the draft proposes x_0..x_{gamma-1}, each x_i ~ q_i, in one streamed call
+  verify  the target scores the unsynced tokens and the drafts in one pass: p_0..p_gamma
+  accept  keep x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw the
+          recovered token from norm(max(0, p_i - q_i)); if all gamma pass, the bonus token ~ p_gamma
+          (greedy: keep x_i while it equals argmax p_i, then that argmax)
+  commit  the round's numbers go into the stats; rollback: both caches keep the accepted prefix.
+          No call is made: the next round's Propose and Verify start at that absolute position,
+          which truncates both caches there
+  emit    the new tokens up to EOS, a stop string or max_new_tokens, as the round's chunk
+
+gamma = 0 (no draft, a dropped one, or one token left) skips the draft: plain target decoding
+through the same path, the baseline. Spans: `round`, holding `draft`, `verify`,
+`rejection_sampling` and `rollback`.
+
+A round reacts to a worker fault where it meets one: a draft fault lets the round go on without
+drafts (placement.draft_failed moves the draft or drops it); a target fault moves the session
+(placement.target_failed) and the same drafts are verified on the new target. Not owned here:
+the request's lifecycle (encoding, validation, the request span, prefill, close, metrics:
+orchestrator/decoder.py) and where its sessions live (orchestrator/placement.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from orchestrator.detokenizer import TextAssembler
+from orchestrator.placement import Placement, is_worker_fault
+from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample
+from specdec import telemetry as t
+from specdec.errors import ServiceError
+from specdec.protocol import CompactProbs, GenerationChunk, GenerationStats, SamplingParams, Verification
+
+
+@dataclass
+class RequestState:
+    """What a request carries from round to round; the decoder builds it once prefill is done."""
+
+    placement: Placement
+    params: SamplingParams
+    generator: torch.Generator  # draws, in order: each round's draft seed, then its rejection sampling
+    tracer: object
+    eos: frozenset[int]
+    gamma: int  # as requested; a round drafts fewer near the end, none without a draft
+    max_new_tokens: int
+    tokens: list[int]  # the prompt, then every emitted token: the orchestrator's copy of the request
+    stats: GenerationStats
+    assembler: TextAssembler
+    started: float  # perf_counter at the request's start, for stats.total_s
+    prompt_len: int = field(init=False)
+    target_synced: int = field(init=False)  # how many of `tokens` the target's cache holds validly
+    draft_synced: int = field(init=False)  # the same for the draft's
+    finish: str | None = None  # "eos", "stop_string" or "length" once the request is done
+
+    def __post_init__(self) -> None:
+        self.prompt_len = self.target_synced = self.draft_synced = len(self.tokens)
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class Round:
+    """One round's values, filled in by its steps in order."""
+
+    gamma: int  # drafts asked for; 0 once a draft fault cut the round's drafting short
+    remaining: int  # tokens max_new_tokens still allows
+    wire_before: int
+    drafts: list[int] = field(default_factory=list)  # x_i
+    draft_probs: list[CompactProbs | None] = field(default_factory=list)  # q_i (None when greedy)
+    verification: Verification | None = None  # p_i (or argmax p_i) for i = 0..gamma
+    result: SampleResult | None = None
+    emitted: list[int] = field(default_factory=list)
+    chunk: GenerationChunk | None = None
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    sampling_s: float = 0.0
+    wire_bytes: int = 0  # this round's, both workers
+
+    @property
+    def num_accepted(self) -> int:
+        return self.result.num_accepted
+
+
+def run_round(req: RequestState, ctx) -> Round:
+    """Runs one round under a `round` span in `ctx`; its chunk is rnd.chunk."""
+    remaining = req.max_new_tokens - req.generated
+    gamma = min(req.gamma, remaining - 1) if req.placement.draft is not None else 0  # the bonus needs one
+    rnd = Round(gamma, remaining, req.stats.wire_bytes)
+    # the span ends before the chunk is yielded: a generator must not hold a context across a yield
+    with req.tracer.start_as_current_span("round", context=ctx) as span:
+        draft(req, rnd)
+        verify(req, rnd)
+        accept(req, rnd)
+        commit(req, rnd)
+        rnd.chunk = emit(req, rnd)
+        if span.is_recording():  # tracing off: build no attributes per round
+            span.set_attributes({
+                t.ROUND: req.stats.rounds - 1, t.GAMMA: rnd.gamma, t.DRAFTED: rnd.gamma,
+                t.ACCEPTED: rnd.num_accepted, t.EMITTED: len(rnd.emitted), t.WIRE_BYTES: rnd.wire_bytes,
+                t.ACCEPTED_BY_POSITION: [1] * rnd.num_accepted + [0] * (rnd.gamma - rnd.num_accepted),
+            })
+    return rnd
+
+
+def draft(req: RequestState, rnd: Round) -> None:
+    """x_i ~ q_i for i < gamma, proposed from draft_synced on; a draft fault leaves the round gamma 0."""
+    started = time.perf_counter()
+    if rnd.gamma > 0:
+        seed = int(torch.randint(0, 2**63 - 1, (), generator=req.generator))  # drawn before any sampling
+        try:
+            with req.tracer.start_as_current_span("draft"):
+                for p in req.placement.draft.worker.propose(req.placement.session_id, req.draft_synced,
+                                                            req.tokens[req.draft_synced:], rnd.gamma, req.params,
+                                                            seed):
+                    rnd.drafts.append(p.token_id)
+                    rnd.draft_probs.append(p.probs)
+                    req.stats.wire_bytes += p.wire_bytes
+                    req.stats.draft_compute_s += p.compute_s
+        except ServiceError as exc:
+            if not is_worker_fault(exc):
+                raise
+            # this round goes on without drafts; the next uses the new draft, or none
+            rnd.drafts, rnd.draft_probs, rnd.gamma = [], [], 0
+            req.placement.draft_failed(exc, req.tokens)
+            req.draft_synced = len(req.tokens)
+    rnd.draft_s = time.perf_counter() - started
+
+
+def verify(req: RequestState, rnd: Round) -> None:
+    """p_0..p_gamma in one target pass; a target fault moves the session and verifies the same drafts."""
+    started = time.perf_counter()
+    while rnd.verification is None:
+        try:
+            with req.tracer.start_as_current_span("verify"):
+                rnd.verification = req.placement.target.worker.verify(
+                    req.placement.session_id, req.target_synced, req.tokens[req.target_synced:], rnd.drafts,
+                    req.params)
+        except ServiceError as exc:
+            if not is_worker_fault(exc):
+                raise
+            req.placement.target_failed(exc, req.tokens)  # the new target holds every validated token
+            req.target_synced = len(req.tokens)
+    rnd.verify_s = time.perf_counter() - started
+
+
+def accept(req: RequestState, rnd: Round) -> None:
+    """num_accepted drafts, then the recovered or bonus token: the target's distribution, exactly."""
+    started = time.perf_counter()
+    v = rnd.verification
+    with req.tracer.start_as_current_span("rejection_sampling"):
+        if req.params.greedy:
+            # keep x_i while x_i == argmax p_i; then argmax p_i at the first mismatch (or p_gamma)
+            rnd.result = greedy_verify(rnd.drafts, v.argmax)
+        else:
+            # keep x_i w.p. min(1, p_i(x_i)/q_i(x_i)); rejected: ~ norm(max(0, p_i - q_i)); all kept: ~ p_gamma
+            rnd.result = rejection_sample(rnd.drafts, rnd.draft_probs, v.probs, req.generator)
+    rnd.sampling_s = time.perf_counter() - started
+
+
+def commit(req: RequestState, rnd: Round) -> None:
+    """Tallies the round, then rolls back: both caches keep the accepted prefix and drop the rest."""
+    stats, v = req.stats, rnd.verification
+    stats.draft_s += rnd.draft_s
+    stats.verify_s += rnd.verify_s
+    stats.sampling_s += rnd.sampling_s
+    stats.verify_compute_s += v.compute_s
+    stats.wire_bytes += v.wire_bytes
+    stats.record_round(rnd.gamma, rnd.num_accepted)
+    rnd.wire_bytes = stats.wire_bytes - rnd.wire_before
+    # no call is made: the next round's Propose and Verify start at target_synced, truncating there
+    with req.tracer.start_as_current_span("rollback") as span:
+        req.target_synced = len(req.tokens) + rnd.num_accepted  # tokens + x_0..x_{n-1}
+        if rnd.gamma > 0:
+            req.draft_synced = req.target_synced
+        if span.is_recording():
+            span.set_attributes({t.TARGET_LENGTH: req.target_synced, t.DRAFT_LENGTH: req.draft_synced,
+                                 t.DISCARDED: rnd.gamma - rnd.num_accepted})
+
+
+def emit(req: RequestState, rnd: Round) -> GenerationChunk:
+    """Appends the round's tokens up to EOS, a stop string or max_new_tokens; the last chunk has the stats."""
+    new = rnd.result.token_ids[:rnd.remaining]
+    for i, tok in enumerate(new):
+        if tok in req.eos:
+            new, req.finish = new[: i + 1], "eos"
+            break
+    delta, keep = req.assembler.add(new)
+    if keep is not None:  # a stop string ends at `keep` generated tokens
+        new, req.finish = new[: keep - req.generated], "stop_string"
+    req.tokens.extend(new)
+    rnd.emitted = new
+    if req.finish is None and req.generated >= req.max_new_tokens:
+        req.finish = "length"
+    if req.finish is None:
+        return GenerationChunk(delta, new)
+    if req.finish != "stop_string":
+        delta += req.assembler.finish()
+    failovers = req.placement.failovers
+    req.stats.target_failovers, req.stats.draft_failovers = failovers["target"], failovers["draft"]
+    req.stats.finalize(req.generated, time.perf_counter() - req.started)
+    return GenerationChunk(delta, new, req.finish, req.stats)

@@ -1,0 +1,80 @@
+"""Command-line flags defined once: name, type, default, help and environment variable.
+
+Each service keeps one table of `Flag`s. Its argparse parser, its frozen config dataclass's
+defaults and its `SPECDEC_<PREFIX>_<NAME>` environment variables all come from that table, so a
+default is written in exactly one place and `--help` names the variable of every flag.
+A flag given on the command line wins over its variable, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # "--max-sessions"
+    type: Callable[[str], Any] = str
+    default: Any = None
+    help: str = ""
+    field: str | None = None  # the config field it fills; default: the name with dashes as underscores
+    choices: Sequence[str] | None = None
+    required: bool = False  # required unless its environment variable is set
+    roles: Sequence[str] | None = None  # only these roles have the flag (None: every role)
+    to_config: Callable[[Any], Any] | None = None  # parsed value -> config value (e.g. a choice -> bool)
+
+    @property
+    def key(self) -> str:
+        return self.field or self.name.removeprefix("--").replace("-", "_")
+
+    @property
+    def env_suffix(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_").upper()
+
+
+class FlagTable:
+    def __init__(self, env_prefix: str, flags: Sequence[Flag]):
+        """env_prefix: e.g. "SPECDEC_ORCHESTRATOR"; a worker table's "{role}" is filled per role."""
+        self.env_prefix = env_prefix
+        self.flags = tuple(flags)
+        self._by_key = {f.key: f for f in self.flags}
+
+    def default(self, key: str) -> Any:
+        """The config default of a field (the default converted the way a parsed value is)."""
+        flag = self._by_key[key]
+        return flag.to_config(flag.default) if flag.to_config else flag.default
+
+    def env_name(self, flag: Flag, role: str = "") -> str:
+        return f"{self.env_prefix.format(role=role.upper())}_{flag.env_suffix}"
+
+    def for_role(self, role: str) -> list[Flag]:
+        return [f for f in self.flags if f.roles is None or role in f.roles]
+
+    def parser(self, prog: str, description: str, role: str = "") -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(prog=prog, description=description)
+        for flag in self.for_role(role):
+            env = self.env_name(flag, role)
+            value = os.environ.get(env)
+            default = flag.type(value) if value is not None else flag.default
+            shown = "" if flag.default is None else f"; default {flag.default}"
+            p.add_argument(flag.name, type=flag.type, default=default, choices=flag.choices,
+                           required=flag.required and value is None, dest=flag.key,
+                           help=f"{flag.help} (env {env}{shown})".lstrip())
+        return p
+
+    def parse(self, argv: list[str] | None, prog: str, description: str, role: str = "") -> dict[str, Any]:
+        """The config fields of this role, from argv over the environment over the defaults."""
+        parsed = vars(self.parser(prog, description, role).parse_args(argv))
+        return {f.key: f.to_config(parsed[f.key]) if f.to_config else parsed[f.key] for f in self.for_role(role)}
+
+
+def tls_flags() -> list[Flag]:
+    """The server-side TLS flags every service takes."""
+    return [
+        Flag("--tls-cert", help="serve TLS: PEM certificate chain"),
+        Flag("--tls-key", help="serve TLS: PEM private key"),
+        Flag("--tls-client-ca", help="mutual TLS: accept only clients whose certificate this PEM CA signed"),
+    ]

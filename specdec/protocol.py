@@ -1,0 +1,405 @@
+"""What the two sides of every gRPC hop share: plain records and their proto converters.
+
+Client <-> orchestrator: GenerationRequest, GenerationChunk, GenerationResult, GenerationStats.
+Orchestrator <-> workers: SamplingParams, CompactProbs (a distribution on the wire), Proposal,
+Verification, ModelInfo. Servicers and clients convert with the functions here and nowhere else.
+
+This module imports neither torch nor transformers (a gRPC client needs neither): CompactProbs
+holds tensors made elsewhere (specdec/sampling.py) and imports torch only to read one off the
+wire. It owns no model, no server and no session state.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from specdec.errors import InvalidArgument
+from specdec.v1 import common_pb2, orchestrator_pb2
+
+MAX_GAMMA = 16  # most drafts per round a request may ask for
+DEFAULT_GAMMA = 4
+DEFAULT_MAX_NEW_TOKENS = 128
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy
+
+# Worst case on the worker hop: a dense verify response at gamma 16 is 17 x 151,936 x 4 B,
+# about 10.3 MB; 64 MiB leaves room for larger vocabularies. Prompts to the orchestrator
+# are far smaller, but a 128k-token prompt of int32 ids still needs ~0.7 MB.
+WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CLIENT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def message_options(limit: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+# ---- sampling parameters and distributions (orchestrator <-> workers) ----------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    @property
+    def greedy(self) -> bool:
+        # as vLLM does: below 1e-5, logits / T overflows float32 and the answer is the argmax anyway
+        return self.temperature < GREEDY_BELOW
+
+    def validate(self) -> "SamplingParams":
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
+            raise InvalidArgument(f"top_p must lie in (0, 1], got {self.top_p}")
+        return self
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        return common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.SamplingParams) -> "SamplingParams":
+        # proto3 cannot tell 0 from unset: the orchestrator always sets all three, and greedy
+        # requests need neither top_k nor top_p.
+        if 0 <= msg.temperature < GREEDY_BELOW:
+            return cls(temperature=0.0)
+        return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p).validate()
+
+
+@dataclass
+class CompactProbs:
+    """One position's processed distribution over vocab_size tokens.
+
+    probs: float32 [n] when indices is None: the probabilities of token ids [0, n), n <= vocab_size
+    (a draft with a restricted output head scores only the first ids; the rest have probability 0);
+    else float32 [n] for the int64 [n] token ids in indices (every other token has probability 0).
+    Sparse when truncation (top-k, top-p) leaves few tokens, dense otherwise: whichever is smaller
+    on the wire. The draft samples from exactly the values it sends.
+    """
+
+    vocab_size: int
+    probs: Any  # torch.Tensor
+    indices: Any = None  # torch.Tensor | None
+
+    def __post_init__(self):
+        assert str(self.probs.dtype) == "torch.float32" and self.probs.dim() == 1, self.probs.shape
+        if self.indices is None:
+            assert self.probs.numel() <= self.vocab_size, (self.probs.numel(), self.vocab_size)
+        else:
+            assert self.indices.shape == self.probs.shape, (self.indices.shape, self.probs.shape)
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.indices is not None
+
+    def prob_of(self, token_id: int) -> float:
+        if self.indices is None:
+            return float(self.probs[token_id]) if token_id < self.probs.numel() else 0.0
+        hit = (self.indices == token_id).nonzero()
+        return float(self.probs[hit[0, 0]]) if hit.numel() else 0.0
+
+    def dense(self):
+        """float32 [vocab_size]; allocates only for the sparse or the shortened dense form."""
+        if self.indices is None and self.probs.numel() == self.vocab_size:
+            return self.probs
+        out = self.probs.new_zeros(self.vocab_size)
+        if self.indices is None:
+            out[: self.probs.numel()] = self.probs
+        else:
+            out[self.indices] = self.probs
+        return out
+
+    def sample(self, generator) -> int:
+        i = int(self.probs.multinomial(1, generator=generator))
+        return i if self.indices is None else int(self.indices[i])
+
+    def to_proto(self) -> common_pb2.Probs:
+        if self.indices is None:
+            return common_pb2.Probs(dense=common_pb2.DenseProbs(float32_le=_le_bytes(self.probs, "<f4")))
+        return common_pb2.Probs(
+            sparse=common_pb2.SparseProbs(
+                vocab_size=self.vocab_size,
+                indices_int32_le=_le_bytes(self.indices, "<i4"),
+                probs_float32_le=_le_bytes(self.probs, "<f4"),
+            )
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Probs, vocab_size: int) -> "CompactProbs":
+        form = msg.WhichOneof("form")
+        if form == "dense":
+            probs = _from_le_bytes(msg.dense.float32_le, "<f4")
+            if probs.numel() > vocab_size:
+                raise InvalidArgument(f"a dense distribution of {probs.numel()} values exceeds the vocabulary of {vocab_size}")
+            return cls(vocab_size, probs)
+        if form == "sparse":
+            idx = _from_le_bytes(msg.sparse.indices_int32_le, "<i4").long()
+            return cls(msg.sparse.vocab_size or vocab_size, _from_le_bytes(msg.sparse.probs_float32_le, "<f4"), idx)
+        raise InvalidArgument("a distribution was expected but none was sent")
+
+
+def _le_bytes(t, dtype: str) -> bytes:
+    return t.detach().cpu().numpy().astype(dtype, copy=False).tobytes()
+
+
+def _from_le_bytes(data: bytes, dtype: str):
+    """A tensor over the received bytes without copying them (it is never written to)."""
+    import torch  # only the side that reads distributions (the orchestrator) needs it
+
+    torch_dtype = {"<f4": torch.float32, "<i4": torch.int32}[dtype]
+    if not data:
+        return torch.empty(0, dtype=torch_dtype)
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        import numpy as np
+
+        return torch.from_numpy(np.frombuffer(data, dtype=np.dtype(dtype)).astype(dtype[1:]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": we only read it
+        return torch.frombuffer(data, dtype=torch_dtype)
+
+
+# ---- worker records (orchestrator <-> workers) -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    vocab_size: int
+    vocab_fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int
+    pad_token_id: int
+    max_context: int
+    device: str
+    dtype: str
+    max_gamma: int = MAX_GAMMA
+    open_sessions: int = 0
+    draining: bool = False
+    held_tokens: int = 0
+
+    def to_proto(self) -> common_pb2.ModelInfo:
+        return common_pb2.ModelInfo(**{**self.__dict__, "eos_token_ids": list(self.eos_token_ids)})
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.ModelInfo) -> "ModelInfo":
+        return cls(**{f: getattr(msg, f) for f in cls.__dataclass_fields__}
+                   | {"eos_token_ids": tuple(msg.eos_token_ids)})
+
+
+@dataclass
+class Proposal:
+    """One draft token of a round, with q (the draft's distribution there; None when greedy)."""
+
+    index: int
+    token_id: int
+    probs: CompactProbs | None
+    compute_s: float
+    wire_bytes: int = 0  # filled in by the gRPC client
+
+
+@dataclass
+class Verification:
+    """The target's verdict on a round: gamma + 1 positions (the last is the bonus position)."""
+
+    argmax: list[int] | None  # [gamma + 1], greedy only
+    probs: list[CompactProbs] | None  # [gamma + 1], sampling only
+    length: int  # tokens the session holds after the call
+    compute_s: float
+    wire_bytes: int = 0  # filled in by the gRPC client
+
+
+# ---- requests and results (client <-> orchestrator) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Exactly one of prompt, messages (chat, rendered with the chat template) or token_ids."""
+
+    prompt: str | None = None
+    messages: Sequence[dict] | None = None
+    token_ids: Sequence[int] | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    gamma: int = DEFAULT_GAMMA
+    stop: Sequence[str] = ()
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for; beyond it, INVALID_ARGUMENT naming the limit."""
+
+    max_new_tokens: int = 4096
+    max_prompt_tokens: int = 0  # 0: what the context allows
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 0.0
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+    target_forward_passes: int = 0
+    wire_bytes: int = 0
+    wire_bytes_per_round: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    sampling_s: float = 0.0
+    total_s: float = 0.0
+    tokens_per_second: float = 0.0
+    gamma: int = 0
+    draft_compute_s: float = 0.0
+    verify_compute_s: float = 0.0
+    target_failovers: int = 0
+    draft_failovers: int = 0
+
+    def record_round(self, gamma: int, num_accepted: int) -> None:
+        self.rounds += 1
+        self.target_forward_passes += 1
+        self.drafted_tokens += gamma
+        self.accepted_tokens += num_accepted
+        if len(self.drafted_by_position) < gamma:
+            grow = gamma - len(self.drafted_by_position)
+            self.drafted_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(gamma):
+            self.drafted_by_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_by_position[i] += 1
+
+    def finalize(self, generated: int, total_s: float) -> None:
+        self.generated_tokens = generated
+        self.total_s = total_s
+        self.acceptance_rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        self.mean_accepted_length = generated / self.rounds if self.rounds else 0.0
+        self.wire_bytes_per_round = self.wire_bytes / self.rounds if self.rounds else 0.0
+        self.tokens_per_second = generated / total_s if total_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationChunk:
+    text_delta: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "length", "eos" or "stop_string" on the last chunk
+    stats: GenerationStats | dict | None = None  # on the last chunk (a dict on the client side)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict
+
+
+FINISH_REASONS = {
+    "length": orchestrator_pb2.FINISH_REASON_LENGTH,
+    "eos": orchestrator_pb2.FINISH_REASON_EOS,
+    "stop_string": orchestrator_pb2.FINISH_REASON_STOP_STRING,
+}
+FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
+_REQUEST_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma")
+
+
+def request_to_proto(
+    prompt: str | None = None,
+    *,
+    messages: Sequence[dict] | None = None,
+    token_ids: Sequence[int] | None = None,
+    stop: Sequence[str] = (),
+    **scalars,
+) -> orchestrator_pb2.GenerateRequest:
+    """The request message; scalars left None take the server's defaults. Values protobuf
+    cannot hold raise InvalidArgument, as the server would."""
+    if sum(x is not None for x in (prompt, messages, token_ids)) > 1:
+        raise InvalidArgument("give exactly one of prompt, messages or token_ids")
+    unknown = set(scalars) - set(_REQUEST_SCALARS)
+    if unknown:
+        raise TypeError(f"unexpected request fields: {sorted(unknown)}")
+    try:
+        req = orchestrator_pb2.GenerateRequest(stop=list(stop))
+        if prompt is not None:
+            req.prompt = prompt
+        if messages is not None:
+            req.chat.messages.extend(orchestrator_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                     for m in messages)
+            req.chat.SetInParent()
+        if token_ids is not None:
+            req.tokens.token_ids.extend(token_ids)
+            req.tokens.SetInParent()
+        for name, value in scalars.items():
+            if value is not None:
+                setattr(req, name, value)
+    except (ValueError, TypeError) as exc:  # e.g. a negative seed or a token id beyond int32
+        raise InvalidArgument(f"invalid request: {exc}") from None
+    return req
+
+
+def request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationRequest:
+    kwargs = {}
+    which = msg.WhichOneof("input")
+    if which == "prompt":
+        kwargs["prompt"] = msg.prompt
+    elif which == "chat":
+        kwargs["messages"] = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+    elif which == "tokens":
+        kwargs["token_ids"] = list(msg.tokens.token_ids)
+    for name in _REQUEST_SCALARS:
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    return GenerationRequest(**kwargs, stop=tuple(msg.stop))
+
+
+def stats_to_proto(stats: GenerationStats) -> orchestrator_pb2.GenerationStats:
+    return orchestrator_pb2.GenerationStats(**stats.to_dict())
+
+
+def stats_from_proto(msg: orchestrator_pb2.GenerationStats) -> dict:
+    return {f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name)
+            for f in msg.DESCRIPTOR.fields}
+
+
+def chunk_to_proto(chunk: GenerationChunk) -> orchestrator_pb2.GenerateChunk:
+    return orchestrator_pb2.GenerateChunk(
+        text_delta=chunk.text_delta,
+        token_ids=chunk.token_ids,
+        finish_reason=FINISH_REASONS.get(chunk.finish_reason, 0),
+        stats=stats_to_proto(chunk.stats) if chunk.stats is not None else None,
+    )
+
+
+def chunk_from_proto(msg: orchestrator_pb2.GenerateChunk) -> GenerationChunk:
+    last = msg.HasField("stats")
+    return GenerationChunk(msg.text_delta, list(msg.token_ids), FINISH_NAMES.get(msg.finish_reason) if last else None,
+                           stats_from_proto(msg.stats) if last else None)
+
+
+def result_to_proto(text: str, token_ids: list[int], last: GenerationChunk) -> orchestrator_pb2.GenerateResponse:
+    return orchestrator_pb2.GenerateResponse(text=text, token_ids=token_ids,
+                                             finish_reason=FINISH_REASONS[last.finish_reason],
+                                             stats=stats_to_proto(last.stats))
+
+
+def result_from_proto(msg: orchestrator_pb2.GenerateResponse) -> GenerationResult:
+    return GenerationResult(msg.text, list(msg.token_ids), FINISH_NAMES.get(msg.finish_reason, ""),
+                            stats_from_proto(msg.stats))

@@ -1,0 +1,212 @@
+"""Ragged batches: one forward pass over the new tokens of many sessions, laid end to end.
+
+The model thread takes all pending work of all sessions (prefill chunks, draft steps, verify
+passes) and runs it as one pass over their tokens concatenated: no padding, each token with its
+own position. Every session keeps its own DynamicCache; the attention of a token sees only its
+own session's cache and its session's earlier new tokens:
+
+- `RaggedCache` is the cache object the model gets for one pass. Its `update` (called by every
+  attention layer) appends each session's slice of the new keys and values to that session's
+  cache and hands back the per-session key/value tensors.
+- `ragged_attention`, registered with transformers' AttentionInterface as "specdec_ragged", runs
+  scaled-dot-product attention once per session: its queries against its own keys, causal within
+  its new tokens. A session's attention is therefore computed by exactly the same call whatever
+  else is in the batch; only the dense layers see more rows (which is where batching pays: their
+  weights are read once per pass).
+
+This works for any model whose attention layers call `past_key_values.update(...)` and then the
+configured attention function (Llama, Qwen2 and most of the family), on CPU and CUDA. The
+`Batcher` decides what goes into a pass: everything pending, up to --max-batch-tokens, a long
+prefill cut into chunks so that it does not stall sessions that are decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "specdec_ragged"
+DEFAULT_MAX_BATCH_TOKENS = 512
+
+
+@dataclass
+class RaggedKV:
+    """Per-session keys (or values) of one layer: tensors[i] is [1, kv_heads, past_i + new_i, head_dim]."""
+
+    tensors: list[torch.Tensor]
+    new: list[int]  # new tokens of each session in this pass, in order
+
+
+class RaggedCache:
+    """The past_key_values of one ragged pass: caches[i] gets the keys/values of new[i] tokens."""
+
+    is_compileable = False
+
+    def __init__(self, caches: list, new: list[int]):
+        assert len(caches) == len(new) and all(n >= 1 for n in new), new
+        self.caches, self.new = caches, new
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
+        """key_states, value_states: [1, kv_heads, sum(new), head_dim] -> (RaggedKV, RaggedKV)."""
+        assert key_states.shape[2] == sum(self.new), (key_states.shape, self.new)
+        keys, values = [], []
+        for cache, k, v in zip(self.caches, key_states.split(self.new, dim=2), value_states.split(self.new, dim=2)):
+            full_k, full_v = cache.layers[layer_idx].update(k, v, cache_kwargs)
+            keys.append(full_k)
+            values.append(full_v)
+        return RaggedKV(keys, self.new), RaggedKV(values, self.new)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions come from position_ids; nothing asks otherwise
+
+
+def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query: [1, heads, sum(new), head_dim]; key/value: RaggedKV -> ([1, sum(new), heads, head_dim], None).
+
+    A plain pass (no RaggedCache: e.g. a test calling the model directly) goes to SDPA as usual."""
+    if not isinstance(key, RaggedKV):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    groups = query.shape[1] // key.tensors[0].shape[1]
+    outputs = []
+    for q, k, v, n in zip(query.split(key.new, dim=2), key.tensors, value.tensors, key.new):
+        past = k.shape[2] - n
+        # token i of the new ones (absolute position past + i) sees keys 0 .. past + i
+        mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        outputs.append(torch.nn.functional.scaled_dot_product_attention(
+            q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=scaling))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, ragged_attention)
+# a plain pass builds its mask as SDPA's would; a ragged pass hands the model a placeholder 4D mask,
+# which transformers passes through untouched (ragged_attention makes its own, per session)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+NO_MASK = torch.zeros(1, 1, 0, 0, dtype=torch.bool)
+assert ATTENTION in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+
+
+def use_ragged_attention(model) -> None:
+    """Switches a loaded model's attention layers to ragged_attention (a plain pass still uses SDPA)."""
+    model.set_attn_implementation(ATTENTION)
+
+
+@dataclass
+class Work:
+    """One session's share of a pass: its uncached tokens, then post(logits of the last `keep`)."""
+
+    session: Any  # specdec.worker.engine.Session
+    keep: int  # logits wanted for the last `keep` new tokens
+    kind: str  # prefill, propose or verify
+    post: Callable[[torch.Tensor], Any]  # [keep, vocab] -> the caller's result, run on the model thread
+    context: Any  # the caller's trace context: its forward spans nest under the caller's RPC
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class Pass:
+    """What one forward pass runs: work items and how many of each one's tokens."""
+
+    items: list[tuple[Work, int]]  # (work, tokens of it in this pass)
+
+    @property
+    def rows(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+def plan_pass(pending: deque, max_tokens: int) -> Pass:
+    """Takes work from the front of `pending` for one pass of at most max_tokens rows.
+
+    A work item whose tokens do not fit is cut (a prefill chunk), as long as the logits it needs
+    come from its last part; the rest stays at the front of the queue for the next pass. The
+    first item always runs, even alone past the limit, so nothing waits forever."""
+    items, budget, deferred = [], max_tokens, []
+    while pending:
+        work = pending.popleft()
+        new = len(work.session.tokens) - work.session.cached
+        if new <= budget or not items and new - work.keep < 1:
+            items.append((work, new))
+            budget -= new
+        elif budget >= 1 and new - work.keep >= 1:
+            items.append((work, min(budget, new - work.keep)))  # a chunk; the item stays queued
+            deferred.append(work)
+            budget = 0
+        else:
+            deferred.append(work)
+        if budget <= 0:
+            break
+    pending.extendleft(reversed(deferred))
+    return Pass(items)
+
+
+class Batcher:
+    """Collects forward work from any thread and runs it in ragged passes on the model thread.
+
+    A pass starts as soon as the model thread is free (no waiting window): the work that arrived
+    while the previous pass ran goes into the next one together."""
+
+    def __init__(self, run_pass: Callable[[Pass], None], max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS):
+        self.max_batch_tokens = max_batch_tokens
+        self._run_pass = run_pass
+        self._pending: deque[Work] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self.passes = 0  # passes run, and how many held more than one session
+        self.shared_passes = 0
+        self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Work) -> Any:
+        """Queues work and waits for its result (or its exception)."""
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._pending.append(work)
+            self._wake.notify()
+        return work.future.result()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+        for work in self._pending:
+            work.future.set_exception(RuntimeError("the engine closed before this pass ran"))
+        self._pending.clear()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                batch = plan_pass(self._pending, self.max_batch_tokens)
+            self.passes += 1
+            self.shared_passes += len(batch.items) > 1
+            t0 = time.perf_counter()
+            try:
+                self._run_pass(batch)
+            except BaseException as exc:  # noqa: BLE001 - every caller in the pass gets the error
+                log.exception("a forward pass of %d rows failed", batch.rows)
+                for work, _ in batch.items:
+                    with self._wake:
+                        if work in self._pending:
+                            self._pending.remove(work)
+                    if not work.future.done():
+                        work.future.set_exception(exc)
+            log.debug("pass: %d sessions, %d rows, %.1f ms", len(batch.items), batch.rows,
+                      (time.perf_counter() - t0) * 1e3)

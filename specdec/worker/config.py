@@ -1,0 +1,72 @@
+"""Settings of a worker (draft or target): one flag table, the command line and the environment.
+
+Every flag has an environment variable (SPECDEC_<ROLE>_<FLAG>, e.g. SPECDEC_TARGET_MODEL), so a
+container can be configured without a command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.flags import Flag, FlagTable, tls_flags
+from specdec.security import ServerTls
+
+FLAGS = FlagTable("SPECDEC_{role}", [
+    Flag("--model", required=True,
+         help="local transformers directory, a .gguf file, a default-pair short name or a hub id"),
+    Flag("--host", default="0.0.0.0"),
+    Flag("--port", int, None, "port to serve on (default: the role's, target 50051, draft 50052; 0: any free one)"),
+    Flag("--device", default="cpu", help="cpu, cuda, cuda:1, ..."),
+    Flag("--dtype", default="auto", help="auto, float32, float16, bfloat16, float64"),
+    Flag("--device-map", help="accelerate device map, e.g. 'auto' to spread the model over several GPUs"),
+    Flag("--quantize", default="auto", field="quantization", choices=["auto", "none", "fp16", "int8"],
+         help="dynamic quantization of Linear layers on CPU: auto = fp16 weights on CPU (exact per row, ~2x "
+              "faster verify), int8 = faster but batch-dependent numerics, none = plain"),
+    Flag("--draft-vocab", int, 0, "propose only from the first N token ids (smaller output head; 0 = all)",
+         roles=["draft"]),
+    Flag("--max-sessions", int, 64),
+    Flag("--max-cached-tokens", int, 131072,
+         "tokens all sessions may hold together (the target's: ~7.5 GB in fp32); beyond it RESOURCE_EXHAUSTED"),
+    Flag("--session-ttl", float, 600.0, "seconds an idle session is kept (frees what a vanished orchestrator left)",
+         field="session_ttl_s"),
+    Flag("--drain-timeout", float, 20.0, "on SIGTERM: seconds open sessions get to finish before the worker exits",
+         field="drain_timeout_s"),
+    Flag("--max-workers", int, 64, "gRPC handler threads: calls mostly wait for the model thread"),
+    *tls_flags(),
+])
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str  # "draft" or "target"
+    model: str
+    host: str = FLAGS.default("host")
+    port: int = 0  # 0: any free port (the command line's default is the role's port)
+    device: str = FLAGS.default("device")
+    dtype: str = FLAGS.default("dtype")
+    device_map: str | None = FLAGS.default("device_map")
+    quantization: str = FLAGS.default("quantization")  # auto: fp16 Linear weights on CPU, none elsewhere
+    draft_vocab: int = FLAGS.default("draft_vocab")  # draft only: score just the first N token ids (0: all)
+    max_sessions: int = FLAGS.default("max_sessions")
+    max_cached_tokens: int = FLAGS.default("max_cached_tokens")
+    session_ttl_s: float = FLAGS.default("session_ttl_s")  # an idle session is freed after this
+    drain_timeout_s: float = FLAGS.default("drain_timeout_s")
+    max_workers: int = FLAGS.default("max_workers")
+    tls_cert: str | None = None  # serve TLS with this PEM certificate chain ...
+    tls_key: str | None = None  # ... and key
+    tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
+
+    @property
+    def tls(self) -> ServerTls:
+        return ServerTls(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, role: str, argv: list[str] | None = None, default_port: int = 0) -> "WorkerConfig":
+        values = FLAGS.parse(argv, f"python -m {role}_service", f"Run the {role} worker.", role)
+        if values["port"] is None:
+            values["port"] = default_port
+        return cls(role, **values)

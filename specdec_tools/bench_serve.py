@@ -1,0 +1,494 @@
+"""`specdec bench-serve`: throughput and latency against concurrency, through the three services.
+
+  specdec bench-serve [--target M --draft M | --tiny] [--concurrency 1,2,4,8,16] [--requests-per-level N]
+                      [--max-new-tokens 48] [--gamma on,off] [--temperature 0] [--prompts 8] [--out DIR]
+
+Starts target, draft and orchestrator as processes on loopback (`specdec_tools.stack.ProcessStack`,
+as `specdec run` does), once for the whole run. For each mode (--gamma: `on` leaves the request's
+gamma unset, so the server's default applies; `off` is gamma 0, the target alone; a number asks
+for that gamma) one short warm-up request, then for each concurrency level c: c client threads,
+one `orchestrator.client.Client` each, take requests from a shared list (the chat-templated
+prompts of specdec_tools.bench.PROMPTS in turn, sent as a user message) until the level's
+--requests-per-level are done (default max(8, 2c)), each streamed so that the first token shows.
+Measured per request: wall latency, time to first token (the first chunk carrying token ids),
+generated tokens and tok/s (generated / latency), the server's acceptance counts and gamma.
+Per mode and level: aggregate tok/s (all generated tokens / the level's wall time), mean
+per-request tok/s, TTFT and latency p50/p95, acceptance rate (sum accepted / sum drafted),
+mean gamma, the ratio of aggregate tok/s to the same mode's concurrency 1, and the ratio of
+each mode to `off` at the same level. Greedy runs (--temperature 0) also check that every
+output at concurrency > 1 equals the concurrency-1 output of the same prompt and mode: batching
+across sessions must not change what a request gets (the count and the list are printed).
+Writes runs.csv (one row per request), summary.csv, summary.json (plus the machine, the models
+and the command line), table.md and serve.png (aggregate tok/s and p95 latency against
+concurrency, one line per mode) to --out; prints the table. Exit 1 if a request failed or a
+greedy output differed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_CONCURRENCY = "1,2,4,8,16"
+DEFAULT_PROMPTS = 8  # = the concurrency-1 level's default request count: every prompt gets a reference
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str  # "on", "off" or "gamma<N>"
+    gamma: int | None  # the request's gamma; None = unset, the server's default
+
+
+def parse_modes(text: str) -> list[Mode]:
+    """'on,off' -> [Mode('on', None), Mode('off', 0)]; numbers ask for that gamma (0 = off)."""
+    modes: list[Mode] = []
+    for item in (s.strip().lower() for s in text.split(",") if s.strip()):
+        if item in ("on", "default", "spec"):
+            mode = Mode("on", None)
+        elif item in ("off", "0"):
+            mode = Mode("off", 0)
+        elif item.isdigit():
+            mode = Mode(f"gamma{int(item)}", int(item))
+        else:
+            raise argparse.ArgumentTypeError(f"--gamma: '{item}' is not on, off or a number")
+        if mode not in modes:
+            modes.append(mode)
+    if not modes:
+        raise argparse.ArgumentTypeError("--gamma: no mode given")
+    return modes
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--concurrency: '{text}' is not a list of integers") from None
+    if not levels or levels[0] < 1:
+        raise argparse.ArgumentTypeError("--concurrency: give one or more levels >= 1")
+    return levels
+
+
+def parse_prompts(text: str, available: int) -> list[int]:
+    """'N' -> the first N prompts; 'i,j,...' (a comma present) -> those indices."""
+    try:
+        if "," in text:
+            picked = [int(s) for s in text.split(",") if s.strip()]
+        else:
+            picked = list(range(min(int(text), available)))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompts: '{text}' is neither a count nor a list of indices") from None
+    if not picked or any(not 0 <= i < available for i in picked):
+        raise argparse.ArgumentTypeError(f"--prompts: pick from 0..{available - 1}")
+    return picked
+
+
+def requests_for_level(level: int, requests_per_level: int | None) -> int:
+    return requests_per_level if requests_per_level else max(8, 2 * level)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specdec.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (default {DEFAULT_DRAFT})")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny random models (specdec_tools.testing, no downloads): a quick smoke run")
+    p.add_argument("--concurrency", type=parse_levels, default=parse_levels(DEFAULT_CONCURRENCY),
+                   help=f"comma-separated client counts (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--requests-per-level", type=int, default=None, metavar="N",
+                   help="requests at each level (default max(8, 2 x level))")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--gamma", type=parse_modes, default=parse_modes("on,off"),
+                   help="modes to compare: on (the server's default gamma), off (gamma 0) or a number "
+                        "(default on,off)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
+                   help=f"the first N of specdec_tools.bench.PROMPTS, or comma-separated indices "
+                        f"(default {DEFAULT_PROMPTS})")
+    p.add_argument("--out", default="bench_results/serve", help="output directory (default bench_results/serve)")
+    p.add_argument("--startup-timeout", type=float, default=1800.0)
+    p.add_argument("--request-timeout", type=float, default=3600.0, help="each request's deadline in seconds")
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics (pure)
+
+
+@dataclass
+class RequestRecord:
+    mode: str
+    concurrency: int
+    request: int  # index within the level
+    prompt: int  # index into specdec_tools.bench.PROMPTS
+    thread: int
+    start_s: float  # from the level's start
+    latency_s: float
+    ttft_s: float | None
+    generated_tokens: int
+    tokens_per_s: float
+    finish_reason: str = ""
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    rounds: int = 0
+    gamma: int | None = None  # as the server's stats report it
+    server_total_s: float = 0.0
+    error: str = ""
+    same_as_c1: bool | None = None  # greedy, concurrency > 1: equal to the concurrency-1 output
+    token_ids: list[int] = field(default_factory=list, repr=False)
+
+
+def percentile(values, q: float) -> float | None:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default); None if empty."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _round(x, digits=4):
+    return None if x is None else round(x, digits)
+
+
+def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
+    """One mode x level's row: throughput, latency and acceptance over its successful requests."""
+    ok = [r for r in records if not r.error]
+    tokens = sum(r.generated_tokens for r in ok)
+    drafted, accepted = sum(r.drafted_tokens for r in ok), sum(r.accepted_tokens for r in ok)
+    gammas = [r.gamma for r in ok if r.gamma is not None]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    lat = [r.latency_s for r in ok]
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "wall_s": _round(wall_s, 3),
+        "generated_tokens": tokens,
+        "aggregate_tok_s": _round(tokens / wall_s if wall_s > 0 else 0.0, 3),
+        "mean_request_tok_s": _round(sum(r.tokens_per_s for r in ok) / len(ok) if ok else None, 3),
+        "ttft_p50_s": _round(percentile(ttfts, 50)),
+        "ttft_p95_s": _round(percentile(ttfts, 95)),
+        "latency_p50_s": _round(percentile(lat, 50)),
+        "latency_p95_s": _round(percentile(lat, 95)),
+        "acceptance_rate": _round(accepted / drafted if drafted else None),
+        "mean_gamma": _round(sum(gammas) / len(gammas) if gammas else None, 3),
+    }
+
+
+def add_ratios(rows: list[dict], off_mode: str = "off") -> list[dict]:
+    """Sets, on each row (keys mode, concurrency, aggregate_tok_s), vs_c1: aggregate tok/s over the
+    same mode's concurrency-1 aggregate, and vs_off: over the `off_mode` row at the same level
+    (None where that row is missing, or for the off mode itself). Returns rows."""
+    by_key = {(r["mode"], r["concurrency"]): r for r in rows}
+
+    def ratio(row, other):
+        if other is None or not other["aggregate_tok_s"]:
+            return None
+        return round(row["aggregate_tok_s"] / other["aggregate_tok_s"], 3)
+
+    for r in rows:
+        r["vs_c1"] = ratio(r, by_key.get((r["mode"], 1)))
+        r["vs_off"] = None if r["mode"] == off_mode else ratio(r, by_key.get((off_mode, r["concurrency"])))
+    return rows
+
+
+def compare_outputs(records: list[RequestRecord]) -> dict:
+    """Greedy outputs at concurrency > 1 against the concurrency-1 output of the same mode and
+    prompt (its first, if it ran more than once). Sets each record's same_as_c1 (None: no
+    reference) and returns {"checked", "differ": [{mode, concurrency, request, prompt}], "unchecked"}."""
+    reference: dict[tuple[str, int], list[int]] = {}
+    for r in records:
+        if r.concurrency == 1 and not r.error:
+            reference.setdefault((r.mode, r.prompt), r.token_ids)
+    checked, unchecked, differ = 0, 0, []
+    for r in records:
+        if r.concurrency == 1 or r.error:
+            continue
+        ref = reference.get((r.mode, r.prompt))
+        if ref is None:
+            r.same_as_c1 = None
+            unchecked += 1
+            continue
+        r.same_as_c1 = r.token_ids == ref
+        checked += 1
+        if not r.same_as_c1:
+            differ.append({"mode": r.mode, "concurrency": r.concurrency, "request": r.request, "prompt": r.prompt})
+    return {"checked": checked, "differ": differ, "unchecked": unchecked}
+
+
+def level_differences(records: list[RequestRecord], mode: str, level: int) -> str:
+    """'differing/checked' for one mode x level ('' where nothing was compared)."""
+    rs = [r for r in records if r.mode == mode and r.concurrency == level and r.same_as_c1 is not None]
+    return f"{sum(not r.same_as_c1 for r in rs)}/{len(rs)}" if rs else ""
+
+
+TABLE_COLUMNS = [
+    ("mode", "mode", "{}"), ("concurrency", "clients", "{}"), ("requests", "requests", "{}"),
+    ("aggregate_tok_s", "aggregate tok/s", "{:.2f}"), ("vs_c1", "vs c=1", "{:.2f}x"), ("vs_off", "vs off", "{:.2f}x"),
+    ("mean_request_tok_s", "tok/s per request", "{:.2f}"), ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+    ("ttft_p95_s", "TTFT p95 s", "{:.3f}"), ("latency_p50_s", "latency p50 s", "{:.3f}"),
+    ("latency_p95_s", "latency p95 s", "{:.3f}"), ("acceptance_rate", "acceptance", "{:.3f}"),
+    ("mean_gamma", "gamma", "{:g}"), ("outputs_differ", "differ from c=1", "{}"), ("errors", "errors", "{}"),
+]
+
+
+def format_table(rows: list[dict]) -> str:
+    head = "| " + " | ".join(title for _, title, _ in TABLE_COLUMNS) + " |"
+    lines = [head, "|" + "---|" * len(TABLE_COLUMNS)]
+    for r in rows:
+        cells = [("" if r.get(key) is None else fmt.format(r[key])) for key, _, fmt in TABLE_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+def _one_request(client, mode: Mode, prompt: str, a: argparse.Namespace, seed: int):
+    """Streams one request; returns (latency_s, ttft_s, token_ids, finish_reason, stats)."""
+    kwargs = dict(messages=[{"role": "user", "content": prompt}], max_new_tokens=a.max_new_tokens,
+                  temperature=a.temperature, gamma=mode.gamma)
+    if a.temperature > 0:
+        kwargs["seed"] = seed
+    token_ids, ttft, finish, stats = [], None, "", {}
+    t0 = time.perf_counter()
+    for chunk in client.stream(**kwargs):
+        if chunk.token_ids:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            token_ids.extend(chunk.token_ids)
+        if chunk.stats is not None:
+            finish, stats = chunk.finish_reason or "", chunk.stats
+    return time.perf_counter() - t0, ttft, token_ids, finish, stats
+
+
+def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: argparse.Namespace,
+              log) -> tuple[list[RequestRecord], float]:
+    """`level` threads, one Client each, drain the level's request list; returns (records, wall_s)."""
+    from orchestrator.client import Client
+    from specdec_tools.bench import PROMPTS
+
+    n = requests_for_level(level, a.requests_per_level)
+    work: queue.Queue = queue.Queue()
+    for i in range(n):
+        work.put((i, prompt_ids[i % len(prompt_ids)]))
+    records: list[RequestRecord] = []
+    lock = threading.Lock()
+    clients = [Client(address, timeout_s=a.request_timeout) for _ in range(level)]
+    start = threading.Barrier(level + 1)
+    t_level = [0.0]
+
+    def worker(thread: int) -> None:
+        start.wait()
+        while True:
+            try:
+                i, p = work.get_nowait()
+            except queue.Empty:
+                return
+            t_start = time.perf_counter() - t_level[0]
+            rec = RequestRecord(mode.name, level, i, p, thread, round(t_start, 4), 0.0, None, 0, 0.0)
+            try:
+                latency, ttft, ids, finish, stats = _one_request(clients[thread], mode, PROMPTS[p], a, seed=p + 1)
+                rec.latency_s, rec.ttft_s, rec.token_ids, rec.finish_reason = latency, ttft, ids, finish
+                rec.generated_tokens = stats.get("generated_tokens", len(ids))
+                rec.tokens_per_s = rec.generated_tokens / latency if latency > 0 else 0.0
+                rec.drafted_tokens = stats.get("drafted_tokens", 0)
+                rec.accepted_tokens = stats.get("accepted_tokens", 0)
+                rec.rounds = stats.get("rounds", 0)
+                rec.gamma = stats.get("gamma")
+                rec.server_total_s = stats.get("total_s", 0.0)
+            except Exception as err:  # noqa: BLE001 - recorded, counted, and the run goes on
+                rec.latency_s = time.perf_counter() - t_level[0] - t_start
+                code = getattr(getattr(err, "code", None), "name", None)
+                rec.error = f"{code or type(err).__name__}: {getattr(err, 'message', None) or err}"
+                log(f"{mode.name} c={level} request {i}: {rec.error}")
+            with lock:
+                records.append(rec)
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(level)]
+    for t in threads:
+        t.start()
+    t_level[0] = time.perf_counter()
+    start.wait()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t_level[0]
+    for c in clients:
+        c.close()
+    records.sort(key=lambda r: r.request)
+    return records, wall
+
+
+def _model_dirs(a: argparse.Namespace, tmp: str) -> tuple[str, str, int, dict]:
+    """(target dir, draft dir, draft vocabulary, description for summary.json)."""
+    if a.tiny:
+        from specdec_tools.testing.tiny_models import build_model_dir, build_perturbed_copy
+
+        target = build_model_dir(Path(tmp) / "tiny-target", seed=1, layers=2)
+        draft = build_perturbed_copy(target, Path(tmp) / "tiny-draft", seed=2, noise=0.05)
+        return str(target), str(draft), 0, {"target": "tiny (seed 1, 2 layers)", "draft": "tiny (perturbed copy)",
+                                            "draft_vocab": 0}
+    from specdec.model_store import resolve_model
+    from specdec_tools.stack import DEFAULT_DRAFT_VOCAB
+
+    # fetched and converted here first, so the two workers never race on the cache
+    target, draft = str(resolve_model(a.target)), str(resolve_model(a.draft))
+    return target, draft, DEFAULT_DRAFT_VOCAB, {"target": a.target, "draft": a.draft, "target_dir": target,
+                                                "draft_dir": draft, "draft_vocab": DEFAULT_DRAFT_VOCAB}
+
+
+RUN_FIELDS = [f for f in RequestRecord.__dataclass_fields__ if f != "token_ids"]
+
+
+def write_outputs(out: Path, records: list[RequestRecord], rows: list[dict], meta: dict) -> str:
+    """runs.csv, summary.csv, summary.json, table.md, serve.png; returns the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "runs.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RUN_FIELDS)
+        w.writeheader()
+        for r in records:
+            row = {k: v for k, v in asdict(r).items() if k != "token_ids"}
+            for k in ("latency_s", "ttft_s", "tokens_per_s", "server_total_s"):
+                row[k] = _round(row[k])
+            w.writerow(row)
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    (out / "summary.json").write_text(json.dumps({**meta, "levels": rows}, indent=2) + "\n")
+    table = format_table(rows)
+    (out / "table.md").write_text(table + "\n")
+    plot(rows, out / "serve.png", title=f"{meta['models']['target']} + {meta['models']['draft']}")
+    return table
+
+
+def plot(rows: list[dict], path: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    levels = sorted({r["concurrency"] for r in rows})
+    for mode in modes:
+        rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
+        label = "speculation on (server gamma)" if mode == "on" else "off (gamma 0)" if mode == "off" else mode
+        left.plot([r["concurrency"] for r in rs], [r["aggregate_tok_s"] for r in rs], "o-", label=label)
+        pts = [(r["concurrency"], r["latency_p95_s"]) for r in rs if r["latency_p95_s"] is not None]
+        right.plot([c for c, _ in pts], [v for _, v in pts], "o-", label=label)
+    for ax, ylabel, name in ((left, "aggregate tokens/s", "throughput"), (right, "p95 latency (s)", "latency")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.set_title(name)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    from specdec_tools.bench import PROMPTS
+    from specdec_tools.stack import ProcessStack
+
+    log = lambda msg: print(f"[bench-serve] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    prompt_ids = parse_prompts(a.prompts, len(PROMPTS))
+    modes, levels, out = a.gamma, a.concurrency, Path(a.out)
+    # SIGTERM, like Ctrl-C, stops the services (they run in their own sessions)
+    main_thread = threading.current_thread() is threading.main_thread()
+    saved_term = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
+    records: list[RequestRecord] = []
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="specdec-bench-serve-") as tmp:
+        target_dir, draft_dir, draft_vocab, models = _model_dirs(a, tmp)
+        stack = ProcessStack(target_dir, draft_dir, draft_vocab=draft_vocab)
+        try:
+            t0 = time.monotonic()
+            log(f"starting target, draft and orchestrator ({models['target']} + {models['draft']}) ...")
+            stack.start(stdout=subprocess.DEVNULL)
+            stack.wait_until_ready(a.startup_timeout)
+            log(f"all three SERVING after {time.monotonic() - t0:.1f} s")
+            from orchestrator.client import Client
+
+            for mode in modes:
+                with Client(stack.address, timeout_s=a.request_timeout) as client:  # warm-up
+                    client.generate(messages=[{"role": "user", "content": "warm up"}], max_new_tokens=4,
+                                    temperature=0.0, gamma=mode.gamma)
+                for level in levels:
+                    recs, wall = run_level(stack.address, mode, level, prompt_ids, a, log)
+                    records += recs
+                    row = {"mode": mode.name, "request_gamma": "server default" if mode.gamma is None else mode.gamma,
+                           "concurrency": level, **summarize_level(recs, wall)}
+                    rows.append(row)
+                    log(f"{mode.name:>4} c={level:<3} {row['requests']} requests in {wall:.1f} s: "
+                        f"{row['aggregate_tok_s']:.2f} tok/s aggregate, latency p95 {row['latency_p95_s'] or 0:.3f} s, "
+                        f"TTFT p95 {row['ttft_p95_s'] or 0:.3f} s"
+                        + (f", {row['errors']} errors" if row["errors"] else ""))
+        except KeyboardInterrupt:
+            log("interrupted; stopping the services")
+            return 130
+        finally:
+            stack.stop()
+            if main_thread:
+                signal.signal(signal.SIGTERM, saved_term)
+
+    add_ratios(rows)
+    greedy = a.temperature == 0
+    comparison = compare_outputs(records) if greedy else None
+    for row in rows:
+        row["outputs_differ"] = level_differences(records, row["mode"], row["concurrency"]) if greedy else ""
+    meta = {
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
+                    "python": platform.python_version()},
+        "models": models,
+        "command": shlex.join(["specdec", *sys.argv[1:]]) if Path(sys.argv[0]).name == "specdec"
+        else shlex.join([sys.executable, *sys.argv]),
+        "settings": {"concurrency": levels, "requests_per_level": {str(c): requests_for_level(c, a.requests_per_level)
+                                                                   for c in levels},
+                     "max_new_tokens": a.max_new_tokens, "modes": [asdict(m) for m in modes],
+                     "temperature": a.temperature, "prompts": prompt_ids},
+        "outputs": comparison if greedy else "not compared (temperature > 0)",
+    }
+    if greedy:
+        meta["outputs"]["identical"] = not comparison["differ"]
+    table = write_outputs(out, records, rows, meta)
+    print(table)
+    errors = sum(r["errors"] for r in rows)
+    if greedy:
+        differ = comparison["differ"]
+        print(f"\ngreedy outputs at concurrency > 1 that differ from concurrency 1: {len(differ)} of "
+              f"{comparison['checked']} compared" + (f" ({comparison['unchecked']} without a concurrency-1 output "
+                                                      "of their prompt)" if comparison["unchecked"] else "")
+              + ("" if 1 in levels else " (no concurrency-1 level: nothing to compare)"))
+        for d in differ:
+            print(f"  differs: mode {d['mode']}, concurrency {d['concurrency']}, request {d['request']}, "
+                  f"prompt {d['prompt']}")
+    if errors:
+        print(f"{errors} requests failed (see runs.csv)")
+    log(f"wrote runs.csv, summary.csv, summary.json, table.md, serve.png to {out}")
+    return 1 if errors or (greedy and comparison["differ"]) else 0

@@ -1,0 +1,88 @@
+"""orchestrator.gamma: the goodput-maximizing gamma falls as the target's batch grows, from costs it
+measures; it keeps the request's gamma where passes cost the same for any number of rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.gamma import Acceptance, GammaPolicy, LinearCost, best_gamma
+
+
+def measured(cost_of_rows, rows=(1, 2, 4, 5, 8, 12, 16, 20, 30, 40)) -> LinearCost:
+    cost = LinearCost()
+    for _ in range(3):
+        for r in rows:
+            cost.observe(r, cost_of_rows(r))
+    return cost
+
+
+def accepting(rate: float, gamma: int = 8) -> Acceptance:
+    """Acceptance that has judged many drafts at each position, accepting `rate` of them."""
+    return Acceptance(drafted=[1000.0] * gamma, accepted=[1000.0 * rate] * gamma)
+
+
+CPU_TARGET = measured(lambda r: 0.110 + 0.017 * r)  # this machine: 126 ms at 1 row, ~790 ms at 40
+CPU_DRAFT = measured(lambda r: 0.040 + 0.004 * r)
+FLAT_TARGET = measured(lambda r: 0.030 + 0.00001 * r)  # a GPU: rows are almost free
+FLAT_DRAFT = measured(lambda r: 0.004 + 0.000001 * r)
+
+
+def test_linear_cost_recovers_a_line_from_varied_rows():
+    alpha, beta = CPU_TARGET.fit()
+    assert alpha == pytest.approx(0.110, rel=0.05) and beta == pytest.approx(0.017, rel=0.05)
+
+
+def test_with_one_row_count_the_prior_slope_fills_in():
+    cost = LinearCost()
+    for _ in range(20):
+        cost.observe(5, 0.2)
+    assert cost(5) == pytest.approx(0.2, rel=0.01)
+    assert cost(40) > cost(5) * 2  # the CPU prior: 40 rows cost several 5-row passes
+
+
+def test_acceptance_by_position_is_conditional():
+    acc = Acceptance()
+    for _ in range(100):
+        acc.observe(4, 4)  # all accepted
+        acc.observe(4, 1)  # first accepted, second rejected: positions 2, 3 not judged
+    assert acc.rate(0) > 0.97
+    assert acc.rate(1) == pytest.approx(0.5, abs=0.05)
+    assert acc.expected_tokens(0) == 1.0
+    assert acc.expected_tokens(2) == pytest.approx(1 + acc.rate(0) + acc.rate(0) * acc.rate(1))
+
+
+def test_gamma_shrinks_as_the_batch_grows_on_a_cpu_and_reaches_zero():
+    acc = accepting(0.8)
+    chosen = [best_gamma(8, b, CPU_TARGET, CPU_DRAFT, acc) for b in (1, 2, 4, 8, 16, 32)]
+    assert chosen[0] >= 2, chosen
+    assert all(a >= b for a, b in zip(chosen, chosen[1:])), chosen
+    assert chosen[-1] == 0, chosen
+
+
+def test_on_flat_costs_gamma_stays_high_under_load():
+    acc = accepting(0.8)
+    assert best_gamma(8, 32, FLAT_TARGET, FLAT_DRAFT, acc) >= 4
+
+
+def test_poor_acceptance_means_no_drafts():
+    assert best_gamma(8, 1, CPU_TARGET, CPU_DRAFT, accepting(0.05)) == 0
+
+
+def test_the_requests_gamma_is_an_upper_bound_and_nothing_measured_keeps_it():
+    acc = accepting(0.99)
+    assert best_gamma(3, 1, FLAT_TARGET, FLAT_DRAFT, acc) <= 3
+    assert best_gamma(5, 8, LinearCost(), LinearCost(), acc) == 5
+    assert best_gamma(0, 1, CPU_TARGET, CPU_DRAFT, acc) == 0
+
+
+def test_the_policy_can_be_turned_off_and_keys_costs_by_worker():
+    policy = GammaPolicy(adaptive=True)
+    for r in (1, 5, 10, 20, 40):
+        policy.observe_pass("t:1", r, 0.110 + 0.017 * r)
+        policy.observe_pass("d:1", r, 0.040 + 0.004 * r)
+    for _ in range(50):
+        policy.observe_round("t:1", "d:1", 4, 4)
+    assert policy.choose(4, "t:1", "d:1", sessions=1) == 4
+    assert policy.choose(4, "t:1", "d:1", sessions=64) < 4
+    assert policy.choose(4, "t:2", "d:1", sessions=64) == 4  # another target: nothing measured yet
+    assert GammaPolicy(adaptive=False).choose(4, "t:1", "d:1", sessions=64) == 4

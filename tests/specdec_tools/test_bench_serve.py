@@ -1,0 +1,144 @@
+"""specdec_tools.bench_serve: the per-level statistics (percentiles, aggregate, ratios, the
+identical-output check) as pure functions, and one smoke run of `specdec bench-serve --tiny`
+through the three real services, concurrency 1 and 2, both modes."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from specdec_tools import bench_serve as bs
+from specdec_tools.bench_serve import RequestRecord
+
+
+def rec(mode="on", c=1, request=0, prompt=0, latency=1.0, ttft=0.1, tokens=10, drafted=0, accepted=0, gamma=None,
+        ids=(), error=""):
+    return RequestRecord(mode, c, request, prompt, 0, 0.0, latency, ttft, tokens, tokens / latency,
+                         drafted_tokens=drafted, accepted_tokens=accepted, gamma=gamma, error=error,
+                         token_ids=list(ids))
+
+
+@pytest.mark.parametrize("values", [[3.0], [1.0, 2.0], [5.0, 1.0, 4.0, 2.0, 3.0], list(np.linspace(0, 1, 37) ** 2)])
+@pytest.mark.parametrize("q", [0, 50, 95, 100])
+def test_percentile_matches_numpy(values, q):
+    assert bs.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_percentile_of_nothing_is_none():
+    assert bs.percentile([], 50) is None
+
+
+def test_summarize_level():
+    records = [
+        rec(request=0, latency=1.0, ttft=0.1, tokens=10, drafted=8, accepted=6, gamma=4),
+        rec(request=1, latency=2.0, ttft=0.3, tokens=20, drafted=12, accepted=3, gamma=4),
+        rec(request=2, latency=4.0, ttft=0.2, tokens=40, drafted=0, accepted=0, gamma=2),
+        rec(request=3, latency=9.0, ttft=None, tokens=0, error="UNAVAILABLE: gone"),  # not counted
+    ]
+    row = bs.summarize_level(records, wall_s=5.0)
+    assert row["requests"] == 4 and row["errors"] == 1
+    assert row["generated_tokens"] == 70
+    assert row["aggregate_tok_s"] == pytest.approx(14.0)  # 70 tokens / 5 s of wall time
+    assert row["mean_request_tok_s"] == pytest.approx(10.0)  # every request ran at 10 tok/s
+    assert row["latency_p50_s"] == pytest.approx(2.0)
+    assert row["latency_p95_s"] == pytest.approx(float(np.percentile([1.0, 2.0, 4.0], 95)), abs=1e-4)
+    assert row["ttft_p50_s"] == pytest.approx(0.2)
+    assert row["ttft_p95_s"] == pytest.approx(float(np.percentile([0.1, 0.3, 0.2], 95)), abs=1e-4)
+    assert row["acceptance_rate"] == pytest.approx(9 / 20, abs=1e-4)  # sum accepted / sum drafted
+    assert row["mean_gamma"] == pytest.approx(10 / 3, abs=1e-3)
+
+
+def test_summarize_level_without_drafts_or_successes():
+    row = bs.summarize_level([rec(mode="off", gamma=0)], wall_s=2.0)
+    assert row["acceptance_rate"] is None and row["mean_gamma"] == 0
+    row = bs.summarize_level([rec(error="DEADLINE_EXCEEDED: late")], wall_s=2.0)
+    assert row["errors"] == 1 and row["aggregate_tok_s"] == 0 and row["latency_p95_s"] is None
+    assert row["mean_request_tok_s"] is None
+
+
+def test_add_ratios():
+    rows = [{"mode": m, "concurrency": c, "aggregate_tok_s": v}
+            for m, c, v in [("on", 1, 10.0), ("on", 4, 30.0), ("off", 1, 8.0), ("off", 4, 20.0), ("gamma2", 4, 25.0)]]
+    by = {(r["mode"], r["concurrency"]): r for r in bs.add_ratios(rows)}
+    assert by["on", 1]["vs_c1"] == 1.0 and by["on", 4]["vs_c1"] == 3.0
+    assert by["off", 4]["vs_c1"] == 2.5
+    assert by["on", 1]["vs_off"] == 1.25 and by["on", 4]["vs_off"] == 1.5
+    assert by["off", 1]["vs_off"] is None
+    assert by["gamma2", 4]["vs_c1"] is None  # no concurrency-1 row for that mode
+    assert by["gamma2", 4]["vs_off"] == 1.25
+
+
+def test_compare_outputs():
+    records = [
+        rec("on", 1, 0, prompt=0, ids=[1, 2, 3]),
+        rec("on", 1, 1, prompt=1, ids=[4, 5]),
+        rec("on", 1, 2, prompt=0, ids=[9, 9, 9]),  # a second c=1 run of prompt 0: the first is the reference
+        rec("off", 1, 0, prompt=0, ids=[7, 7]),
+        rec("on", 2, 0, prompt=0, ids=[1, 2, 3]),
+        rec("on", 2, 1, prompt=1, ids=[4, 6]),  # differs
+        rec("on", 2, 2, prompt=2, ids=[1]),  # no c=1 output of prompt 2
+        rec("off", 2, 0, prompt=0, ids=[1, 2, 3]),  # compared with off's reference, not on's: differs
+        rec("on", 4, 0, prompt=0, ids=[], error="UNAVAILABLE: x"),  # failed: not compared
+    ]
+    result = bs.compare_outputs(records)
+    assert result["checked"] == 3 and result["unchecked"] == 1
+    assert result["differ"] == [{"mode": "on", "concurrency": 2, "request": 1, "prompt": 1},
+                                {"mode": "off", "concurrency": 2, "request": 0, "prompt": 0}]
+    assert [r.same_as_c1 for r in records] == [None, None, None, None, True, False, None, False, None]
+    assert bs.level_differences(records, "on", 2) == "1/2"
+    assert bs.level_differences(records, "off", 2) == "1/1"
+    assert bs.level_differences(records, "on", 1) == ""
+
+
+def test_parsers():
+    assert bs.parse_modes("on,off") == [bs.Mode("on", None), bs.Mode("off", 0)]
+    assert bs.parse_modes("off, 3, 0") == [bs.Mode("off", 0), bs.Mode("gamma3", 3)]
+    with pytest.raises(argparse.ArgumentTypeError):
+        bs.parse_modes("fast")
+    assert bs.parse_levels("16,1,4,4") == [1, 4, 16]
+    with pytest.raises(argparse.ArgumentTypeError):
+        bs.parse_levels("0,2")
+    assert bs.parse_prompts("3", 10) == [0, 1, 2]
+    assert bs.parse_prompts("5,", 10) == [5]
+    with pytest.raises(argparse.ArgumentTypeError):
+        bs.parse_prompts("2,10", 10)
+    assert bs.requests_for_level(1, None) == 8 and bs.requests_for_level(16, None) == 32
+    assert bs.requests_for_level(16, 3) == 3
+
+
+def test_format_table():
+    row = {"mode": "on", "concurrency": 2, "requests": 4, "aggregate_tok_s": 12.345, "vs_c1": 1.5, "vs_off": None,
+           "mean_request_tok_s": 6.0, "ttft_p50_s": 0.1, "ttft_p95_s": 0.2, "latency_p50_s": 1.0,
+           "latency_p95_s": 2.0, "acceptance_rate": 0.75, "mean_gamma": 4.0, "outputs_differ": "0/4", "errors": 0}
+    lines = bs.format_table([row]).splitlines()
+    assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
+    assert "| on | 2 | 4 | 12.35 | 1.50x |  | 6.00 |" in lines[2] and "| 0/4 | 0 |" in lines[2]
+
+
+def test_smoke_tiny_stack(tmp_path, capsys):
+    """The real services on loopback, tiny models: both modes, concurrency 1 and 2."""
+    from specdec_tools.cli import main
+
+    out = tmp_path / "serve"
+    rc = main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
+               "--out", str(out), "--startup-timeout", "240"])
+    printed = capsys.readouterr().out
+    for name in ("runs.csv", "summary.csv", "summary.json", "table.md", "serve.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert {(r["mode"], r["concurrency"]) for r in summary["levels"]} == {("on", 1), ("on", 2), ("off", 1), ("off", 2)}
+    assert all(r["errors"] == 0 and r["generated_tokens"] > 0 for r in summary["levels"])
+    assert summary["machine"]["cpu_count"] and summary["models"]["draft_vocab"] == 0
+    assert summary["outputs"]["checked"] == 4  # 2 requests x 2 modes at concurrency 2
+    with open(out / "runs.csv") as f:
+        runs = list(csv.DictReader(f))
+    assert len(runs) == 8 and all(float(r["ttft_s"]) <= float(r["latency_s"]) for r in runs)
+    assert "| on | 1 | 2 |" in printed and "| off | 2 | 2 |" in printed
+    # batching across sessions must not change a greedy output
+    assert summary["outputs"]["identical"], summary["outputs"]["differ"]
+    assert rc == 0

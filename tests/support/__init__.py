@@ -1,0 +1,1 @@
+"""What many tests share: real servers on free ports (servers.py), worker processes (processes.py)."""

@@ -1,0 +1,54 @@
+"""Workers as real child processes (`python -m target_service` ...), to kill, stop and restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from orchestrator.remote import RemoteDraft, RemoteTarget
+from specdec_tools.stack import free_port
+
+
+class WorkerProcess:
+    def __init__(self, role: str, model_dir, *extra: str):
+        self.role, self.port = role, free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", f"{role}_service", "--model", str(model_dir), "--host", "127.0.0.1",
+                     "--port", str(self.port), "--dtype", "float64", "--quantize", "none", *extra]
+        self.proc = None
+        self.start()
+
+    def start(self):
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(self.args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self
+
+    def client(self):
+        return (RemoteTarget if self.role == "target" else RemoteDraft)(self.address, timeout_s=5)
+
+    def wait_serving(self, timeout_s=120.0):
+        worker = self.client()
+        try:
+            worker.wait_until_serving(timeout_s)
+        finally:
+            worker.close()
+
+    def open_sessions(self) -> int:
+        worker = self.client()
+        try:
+            return worker.describe().open_sessions
+        finally:
+            worker.close()
+
+    def kill(self, sig=signal.SIGKILL):
+        self.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.proc.wait(10)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)

@@ -1,0 +1,68 @@
+"""Real gRPC servers of each role on free ports, in this process: one worker, or the whole stack."""
+
+from __future__ import annotations
+
+import time
+
+from draft_service.role import DRAFT
+from orchestrator.client import Client
+from orchestrator.config import OrchestratorConfig
+from orchestrator.server import create_server as create_orchestrator_server
+from specdec.worker.config import WorkerConfig
+from specdec.worker.server import create_server
+from target_service.role import TARGET
+
+HOST = "127.0.0.1"
+
+
+def create_target(config, engine=None, telemetry=None):
+    """A target worker server: (parts, port)."""
+    return create_server(TARGET, config, engine, telemetry)
+
+
+def create_draft(config, engine=None, telemetry=None):
+    """A draft worker server: (parts, port)."""
+    return create_server(DRAFT, config, engine, telemetry)
+
+
+def start_orchestrator(targets: list[str], drafts: list[str] = (), *, telemetry=None, **config):
+    """An orchestrator server paired with these worker addresses and SERVING: (parts, address)."""
+    config = OrchestratorConfig(target=",".join(targets), draft=",".join(drafts) or None,
+                                host=config.pop("host", HOST), **config)
+    parts, port = create_orchestrator_server(config, telemetry=telemetry)
+    parts.loader.join(120)
+    assert parts.slot.decoder is not None, "the orchestrator did not pair with its workers"
+    return parts, f"{config.host}:{port}"
+
+
+def start_stack(target_engine, draft_engine, *, worker_tls: dict | None = None, telemetry: dict | None = None,
+                worker_host: str = HOST, **orchestrator_config) -> dict:
+    """Target, draft and orchestrator as real servers on free ports, wired together.
+    worker_tls: the servers' TLS settings (WorkerConfig fields) for both workers; telemetry: one
+    Telemetry per role name ("target", "draft", "orchestrator"). Stop with stop_stack."""
+    telemetry = telemetry or {}
+    tls = worker_tls or {}
+    target, tport = create_target(WorkerConfig("target", "tiny", host=HOST, **tls), target_engine,
+                                  telemetry.get("target"))
+    draft, dport = create_draft(WorkerConfig("draft", "tiny", host=HOST, **tls), draft_engine, telemetry.get("draft"))
+    orch, address = start_orchestrator([f"{worker_host}:{tport}"], [f"{worker_host}:{dport}"],
+                                       telemetry=telemetry.get("orchestrator"), **orchestrator_config)
+    return {"target": target, "draft": draft, "orchestrator": orch, "ports": (tport, dport, orch.port),
+            "address": address}
+
+
+def stop_stack(stack: dict) -> None:
+    for name in ("orchestrator", "draft", "target"):
+        stack[name].stop(None)
+
+
+def client_of(address: str, **kwargs) -> Client:
+    return Client(address, timeout_s=kwargs.pop("timeout_s", 120), **kwargs)
+
+
+def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Polls predicate until it holds; fails after timeout_s (a generous limit, not a timing claim)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not met within {timeout_s} s"
+        time.sleep(0.05)
