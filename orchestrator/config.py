@@ -17,7 +17,11 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--draft", help="draft workers, the same way (omit to serve gamma 0 only)"),
     Flag("--host", default="0.0.0.0"),
     Flag("--port", int, DEFAULT_PORT),
-    Flag("--max-workers", int, 32, "concurrent client requests being served"),
+    Flag("--max-workers", int, 32, "client requests decoding at once; more wait in the queue"),
+    Flag("--max-queued", int, 128, "requests that may wait for a turn; beyond them RESOURCE_EXHAUSTED"),
+    Flag("--gamma-policy", default="goodput", choices=["goodput", "fixed"],
+         help="goodput: each round drafts the gamma (up to the request's) that maximizes measured goodput, "
+              "fewer as the target's batch grows; fixed: always the request's gamma"),
     Flag("--worker-timeout", float, 120.0, "deadline of each call to a worker (prefill, verify, ...)",
          field="worker_timeout_s"),
     Flag("--draft-timeout", float, 10.0,
@@ -53,6 +57,8 @@ class OrchestratorConfig:
     host: str = FLAGS.default("host")
     port: int = 0  # 0: any free port (the command line's default is 50050)
     max_workers: int = FLAGS.default("max_workers")
+    max_queued: int = FLAGS.default("max_queued")
+    gamma_policy: str = FLAGS.default("gamma_policy")
     worker_timeout_s: float = FLAGS.default("worker_timeout_s")
     draft_timeout_s: float = FLAGS.default("draft_timeout_s")
     startup_timeout_s: float = FLAGS.default("startup_timeout_s")

@@ -30,6 +30,7 @@ import torch
 from opentelemetry import trace
 
 from orchestrator.detokenizer import TextAssembler
+from orchestrator.gamma import GammaPolicy
 from orchestrator.metrics import DecodingMetrics
 from orchestrator.placement import Placement
 from orchestrator.pool import WorkerPool, pair_pools
@@ -61,7 +62,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: TargetWorker | WorkerPool, draft: DraftWorker | WorkerPool | None = None,
                  tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
-                 limits: RequestLimits = RequestLimits()):
+                 limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None):
         self.limits = limits
         self.targets = target if isinstance(target, WorkerPool) else WorkerPool.fixed("target", [target])
         self.drafts = draft if isinstance(draft, WorkerPool) or draft is None else WorkerPool.fixed("draft", [draft])
@@ -83,6 +84,9 @@ class SpeculativeDecoder:
         self.telemetry = telemetry or Telemetry.off()
         self.tracer = self.telemetry.tracer
         self.metrics = DecodingMetrics(self.telemetry.meter)
+        # in-process callers get the request's gamma unless they pass a policy; the server passes
+        # --gamma-policy's (goodput by default)
+        self.gamma_policy = gamma_policy or GammaPolicy(adaptive=False)
 
     # ---- request handling ----------------------------------------------------------------
 
@@ -227,7 +231,7 @@ class SpeculativeDecoder:
         """Drives the request round by round (orchestrator/rounds.py) and records each round's metrics."""
         state = RequestState(placement, params, generator, self.tracer, self.eos, request.gamma,
                              request.max_new_tokens, list(prompt), stats, TextAssembler(self.tokenizer, request.stop),
-                             started=time.perf_counter() - stats.prefill_s)
+                             started=time.perf_counter() - stats.prefill_s, policy=self.gamma_policy)
         while state.finish is None:
             rnd = run_round(state, ctx)
             self.metrics.record_round(rnd.gamma, rnd.num_accepted, rnd.draft_s, rnd.verify_s, rnd.sampling_s,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from orchestrator.detokenizer import TextAssembler
+from orchestrator.gamma import GammaPolicy
 from orchestrator.placement import Placement, is_worker_fault
 from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample
 from specdec import telemetry as t
@@ -53,6 +54,7 @@ class RequestState:
     stats: GenerationStats
     assembler: TextAssembler
     started: float  # perf_counter at the request's start, for stats.total_s
+    policy: GammaPolicy = field(default_factory=GammaPolicy)  # how many of `gamma` a round drafts
     prompt_len: int = field(init=False)
     target_synced: int = field(init=False)  # how many of `tokens` the target's cache holds validly
     draft_synced: int = field(init=False)  # the same for the draft's
@@ -75,6 +77,7 @@ class Round:
     wire_before: int
     drafts: list[int] = field(default_factory=list)  # x_i
     draft_probs: list[CompactProbs | None] = field(default_factory=list)  # q_i (None when greedy)
+    draft_passes: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds) of a mean draft step
     verification: Verification | None = None  # p_i (or argmax p_i) for i = 0..gamma
     result: SampleResult | None = None
     emitted: list[int] = field(default_factory=list)
@@ -92,7 +95,10 @@ class Round:
 def run_round(req: RequestState, ctx) -> Round:
     """Runs one round under a `round` span in `ctx`; its chunk is rnd.chunk."""
     remaining = req.max_new_tokens - req.generated
-    gamma = min(req.gamma, remaining - 1) if req.placement.draft is not None else 0  # the bonus needs one
+    placement = req.placement
+    gamma = min(req.gamma, remaining - 1) if placement.draft is not None else 0  # the bonus needs one
+    if gamma > 0:  # fewer drafts when the target's batch makes their rows cost more than they bring
+        gamma = req.policy.choose(gamma, placement.target.address, placement.draft.address, placement.target.load)
     rnd = Round(gamma, remaining, req.stats.wire_bytes)
     # the span ends before the chunk is yielded: a generator must not hold a context across a yield
     with req.tracer.start_as_current_span("round", context=ctx) as span:
@@ -100,6 +106,7 @@ def run_round(req: RequestState, ctx) -> Round:
         verify(req, rnd)
         accept(req, rnd)
         commit(req, rnd)
+        learn(req, rnd)
         rnd.chunk = emit(req, rnd)
         if span.is_recording():  # tracing off: build no attributes per round
             span.set_attributes({
@@ -122,6 +129,8 @@ def draft(req: RequestState, rnd: Round) -> None:
                                                             seed):
                     rnd.drafts.append(p.token_id)
                     rnd.draft_probs.append(p.probs)
+                    if p.batch_rows:  # the last proposal: the mean pass of the call's steps
+                        rnd.draft_passes.append((p.batch_rows, p.pass_s))
                     req.stats.wire_bytes += p.wire_bytes
                     req.stats.draft_compute_s += p.compute_s
         except ServiceError as exc:
@@ -183,6 +192,16 @@ def commit(req: RequestState, rnd: Round) -> None:
         if span.is_recording():
             span.set_attributes({t.TARGET_LENGTH: req.target_synced, t.DRAFT_LENGTH: req.draft_synced,
                                  t.DISCARDED: rnd.gamma - rnd.num_accepted})
+
+
+def learn(req: RequestState, rnd: Round) -> None:
+    """What the round measured goes to the gamma policy: both workers' pass costs, and acceptance."""
+    placement, v = req.placement, rnd.verification
+    req.policy.observe_pass(placement.target.address, v.batch_rows, v.pass_s)
+    if rnd.gamma > 0:
+        for rows, seconds in rnd.draft_passes:
+            req.policy.observe_pass(placement.draft.address, rows, seconds)
+        req.policy.observe_round(placement.target.address, placement.draft.address, rnd.gamma, rnd.num_accepted)
 
 
 def emit(req: RequestState, rnd: Round) -> GenerationChunk:

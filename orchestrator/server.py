@@ -14,14 +14,17 @@ import threading
 import time
 
 import torch
+from opentelemetry import metrics
 
+from orchestrator.admission import Admission
 from orchestrator.config import OrchestratorConfig
+from orchestrator.gamma import GammaPolicy
 from orchestrator.pool import WorkerPool, pair_pools, parse_entries
 from orchestrator.remote import RemoteDraft, RemoteTarget
-from orchestrator.servicer import DecoderSlot, OrchestratorServicer
 from orchestrator.decoder import SpeculativeDecoder
+from orchestrator.servicer import DecoderSlot, OrchestratorServicer
 from specdec.errors import FailedPrecondition, ServiceError
-from specdec.grpc_server import ServerParts, build_server, serve_until_signalled
+from specdec.grpc_server import HEALTH_RESERVE, ServerParts, build_server, serve_until_signalled
 from specdec.protocol import CLIENT_MAX_MESSAGE_BYTES, RequestLimits
 from specdec.security import BearerTokenInterceptor, read_tokens
 from specdec.telemetry import Telemetry
@@ -61,6 +64,7 @@ def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry)
         slot.waiting_for = f"a draft worker at {config.draft} to load its model"
         drafts.wait_for_member(config.startup_timeout_s)
     return SpeculativeDecoder(targets, drafts, parallel_prefill=config.parallel_prefill, telemetry=telemetry,
+                              gamma_policy=GammaPolicy(adaptive=config.gamma_policy == "goodput"),
                               limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens))
 
 
@@ -100,20 +104,34 @@ def _auth(config: OrchestratorConfig) -> list:
     return [BearerTokenInterceptor(tokens, f"/{SERVICE_NAME}/")]
 
 
+def _queue_gauges(meter, admission: Admission) -> None:
+    meter.create_observable_gauge(
+        "specdec.orchestrator.queue.depth", unit="{request}", description="Requests waiting for a turn",
+        callbacks=[lambda options: [metrics.Observation(admission.queued)]])
+    meter.create_observable_gauge(
+        "specdec.orchestrator.requests.running", unit="{request}", description="Requests decoding now",
+        callbacks=[lambda options: [metrics.Observation(admission.running)]])
+
+
 def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None = None,
                   telemetry: Telemetry | None = None) -> tuple[ServerParts, int]:
     slot = DecoderSlot(decoder)
+    admission = Admission(config.max_workers, config.max_queued)
     parts = build_server(
         config.address,
-        lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(slot), s),
+        lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(slot, admission), s),
         [SERVICE_NAME],
-        max_workers=config.max_workers,
+        # a thread for every running and every queued request, and some for health and ListWorkers:
+        # the admission queue, not gRPC, says RESOURCE_EXHAUSTED when the server is full
+        max_workers=config.max_workers + config.max_queued + 2 * HEALTH_RESERVE,
         max_message_bytes=CLIENT_MAX_MESSAGE_BYTES,
         telemetry=telemetry,
         tls=config.tls,
         interceptors=_auth(config),
     )
     parts.slot = slot
+    parts.admission = admission
+    _queue_gauges(parts.telemetry.meter, admission)
     if decoder is not None:
         slot.pools = (decoder.targets, decoder.drafts)
         parts.set_serving(True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from orchestrator.admission import Admission
 from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.pool import parse_entries
 from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, ServiceError, Unavailable
@@ -26,24 +27,29 @@ class DecoderSlot:
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, slot: DecoderSlot):
+    def __init__(self, slot: DecoderSlot, admission: Admission):
         self.slot = slot
+        self.admission = admission  # running requests, and the queue of those waiting for a turn
 
     def Generate(self, request, context):
-        stream = self.slot.get().generate_stream(request_from_proto(request))
-        text, ids = [], []
-        for chunk in stream:
-            text.append(chunk.text_delta)
-            ids.extend(chunk.token_ids)
-            if not context.is_active():  # the client left: stop within one round
-                stream.close()
-                raise Cancelled("the client cancelled the request")
+        decoder = self.slot.get()
+        with self.admission.slot(context):
+            stream = decoder.generate_stream(request_from_proto(request))
+            text, ids = [], []
+            for chunk in stream:
+                text.append(chunk.text_delta)
+                ids.extend(chunk.token_ids)
+                if not context.is_active():  # the client left: stop within one round
+                    stream.close()
+                    raise Cancelled("the client cancelled the request")
         return result_to_proto("".join(text), ids, chunk)
 
     def GenerateStream(self, request, context):
-        # a cancelled stream closes this generator, whose finally closes the sessions
-        for chunk in self.slot.get().generate_stream(request_from_proto(request)):
-            yield chunk_to_proto(chunk)
+        decoder = self.slot.get()
+        with self.admission.slot(context):
+            # a cancelled stream closes this generator, whose finally closes the sessions
+            for chunk in decoder.generate_stream(request_from_proto(request)):
+                yield chunk_to_proto(chunk)
 
     def ListWorkers(self, request, context):
         return self._workers()

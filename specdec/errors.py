@@ -66,6 +66,10 @@ class Aborted(ServiceError):
     code = grpc.StatusCode.ABORTED
 
 
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 def from_rpc_error(err: grpc.RpcError, peer: str) -> ServiceError:
     """A worker's failure as seen by the orchestrator, keeping the worker's status code."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN

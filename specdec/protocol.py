@@ -199,6 +199,10 @@ class Proposal:
     token_id: int
     probs: CompactProbs | None
     compute_s: float
+    # on the last proposal of a call only (0 before): the mean over its steps of the forward
+    # pass each ran in (shared with other sessions' work), and of the tokens of all sessions in it
+    pass_s: float = 0.0
+    batch_rows: int = 0
     wire_bytes: int = 0  # filled in by the gRPC client
 
 
@@ -210,6 +214,8 @@ class Verification:
     probs: list[CompactProbs] | None  # [gamma + 1], sampling only
     length: int  # tokens the session holds after the call
     compute_s: float
+    pass_s: float = 0.0  # the forward pass the verify ran in, shared with other sessions' work ...
+    batch_rows: int = 0  # ... and the tokens of all sessions in it
     wire_bytes: int = 0  # filled in by the gRPC client
 
 
@@ -269,6 +275,7 @@ class GenerationStats:
     verify_compute_s: float = 0.0
     target_failovers: int = 0
     draft_failovers: int = 0
+    mean_gamma: float = 0.0
 
     def record_round(self, gamma: int, num_accepted: int) -> None:
         self.rounds += 1
@@ -290,6 +297,7 @@ class GenerationStats:
         self.acceptance_rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
         self.mean_accepted_length = generated / self.rounds if self.rounds else 0.0
         self.wire_bytes_per_round = self.wire_bytes / self.rounds if self.rounds else 0.0
+        self.mean_gamma = self.drafted_tokens / self.rounds if self.rounds else 0.0
         self.tokens_per_second = generated / total_s if total_s > 0 else 0.0
 
     def to_dict(self) -> dict:

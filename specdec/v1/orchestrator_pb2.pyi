@@ -63,7 +63,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "drafted_by_position", "accepted_by_position", "target_forward_passes", "wire_bytes", "wire_bytes_per_round", "prefill_s", "draft_s", "verify_s", "sampling_s", "total_s", "tokens_per_second", "gamma", "draft_compute_s", "verify_compute_s", "target_failovers", "draft_failovers")
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "drafted_by_position", "accepted_by_position", "target_forward_passes", "wire_bytes", "wire_bytes_per_round", "prefill_s", "draft_s", "verify_s", "sampling_s", "total_s", "tokens_per_second", "gamma", "draft_compute_s", "verify_compute_s", "target_failovers", "draft_failovers", "mean_gamma")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class GenerationStats(_message.Message):
     VERIFY_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     TARGET_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_GAMMA_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     rounds: int
@@ -110,7 +111,8 @@ class GenerationStats(_message.Message):
     verify_compute_s: float
     target_failovers: int
     draft_failovers: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_bytes_per_round: _Optional[float] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampling_s: _Optional[float] = ..., total_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., gamma: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., target_failovers: _Optional[int] = ..., draft_failovers: _Optional[int] = ...) -> None: ...
+    mean_gamma: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_bytes_per_round: _Optional[float] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampling_s: _Optional[float] = ..., total_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., gamma: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., target_failovers: _Optional[int] = ..., draft_failovers: _Optional[int] = ..., mean_gamma: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

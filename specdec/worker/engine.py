@@ -56,6 +56,7 @@ class Session:
     # bumped by every call that changes the session; a Propose, which releases the lock while its
     # caller reads each proposal, checks it did not change in between
     version: int = 0
+    last_pass: tuple[int, float] = (0, 0.0)  # (rows, seconds) of the last pass it took part in
 
     @property
     def cached(self) -> int:
@@ -365,6 +366,8 @@ class WorkerEngine:
         self._batch_sessions.record(len(sessions), {t.ROLE: self._role})
         for work, _ in batch.items:
             self._forward_duration.record(elapsed, {t.FORWARD_KIND: work.kind})
+        for session in sessions:
+            session.last_pass = (len(ids), elapsed)
         logits, row = out.logits[0], 0
         for work in done:
             try:

@@ -86,3 +86,31 @@ def test_the_policy_can_be_turned_off_and_keys_costs_by_worker():
     assert policy.choose(4, "t:1", "d:1", sessions=64) < 4
     assert policy.choose(4, "t:2", "d:1", sessions=64) == 4  # another target: nothing measured yet
     assert GammaPolicy(adaptive=False).choose(4, "t:1", "d:1", sessions=64) == 4
+
+
+def test_through_the_services_the_goodput_policy_stays_exact_and_reports_its_gammas(stack, target_engine):
+    """On the tiny models a draft step costs as much as a target pass, so drafts never pay: the
+    policy, once it has measured that, drafts less than asked, and greedy output is unchanged."""
+    from orchestrator.client import Client
+    from tests.orchestrator.test_greedy_equivalence import reference
+    from tests.support.servers import start_orchestrator
+
+    tport, dport, _ = stack["ports"]
+    parts, address = start_orchestrator([f"127.0.0.1:{tport}"], [f"127.0.0.1:{dport}"], gamma_policy="goodput")
+    ids = target_engine.tokenizer("def adapt(x):").input_ids
+    try:
+        with Client(address, timeout_s=120) as client:
+            first = client.generate(token_ids=ids, max_new_tokens=30, temperature=0, gamma=4)
+            later = client.generate(token_ids=ids, max_new_tokens=30, temperature=0, gamma=4)
+        for r in (first, later):
+            assert r.token_ids == reference(target_engine, ids, 30)
+            assert r.stats["mean_gamma"] == pytest.approx(r.stats["drafted_tokens"] / r.stats["rounds"])
+        assert later.stats["mean_gamma"] < 4 and later.stats["gamma"] == 4
+    finally:
+        parts.stop(None)
+
+
+def test_the_fixed_policy_drafts_the_requests_gamma(client):
+    """Every round drafts min(4, tokens left - 1): over 21 tokens that averages at least 3.2."""
+    r = client.generate(prompt="abc", max_new_tokens=21, temperature=0, gamma=4)
+    assert r.stats["mean_gamma"] >= 3.2 - 1e-9

@@ -26,9 +26,12 @@ def create_draft(config, engine=None, telemetry=None):
 
 
 def start_orchestrator(targets: list[str], drafts: list[str] = (), *, telemetry=None, **config):
-    """An orchestrator server paired with these worker addresses and SERVING: (parts, address)."""
+    """An orchestrator server paired with these worker addresses and SERVING: (parts, address).
+    Rounds draft the request's gamma (the fixed policy) unless gamma_policy says otherwise: on the
+    tiny models a draft costs as much as the target, so the goodput policy would draft nothing."""
     config = OrchestratorConfig(target=",".join(targets), draft=",".join(drafts) or None,
-                                host=config.pop("host", HOST), **config)
+                                host=config.pop("host", HOST), gamma_policy=config.pop("gamma_policy", "fixed"),
+                                **config)
     parts, port = create_orchestrator_server(config, telemetry=telemetry)
     parts.loader.join(120)
     assert parts.slot.decoder is not None, "the orchestrator did not pair with its workers"

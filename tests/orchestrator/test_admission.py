@@ -1,0 +1,101 @@
+"""orchestrator.admission: beyond --max-workers running requests, requests wait in a bounded FIFO
+queue (deadlines and cancellations honoured); RESOURCE_EXHAUSTED only when the queue is full."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from orchestrator.admission import Admission
+from orchestrator.client import Client
+from specdec.errors import Cancelled, DeadlineExceeded, ResourceExhausted, ServiceError
+from tests.orchestrator.test_greedy_equivalence import reference
+from tests.support.servers import start_orchestrator, wait_for
+
+
+class FakeCall:
+    """The two things admission asks of a gRPC context."""
+
+    def __init__(self, timeout_s=None):
+        self.active = True
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def is_active(self):
+        return self.active
+
+    def time_remaining(self):
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+def test_waiters_run_in_arrival_order_and_a_full_queue_refuses():
+    admission, order = Admission(max_running=1, max_queued=2), []
+    gate = threading.Event()
+
+    def request(name):
+        with admission.slot(FakeCall()):
+            order.append(name)
+            if name == "first":
+                gate.wait(30)
+
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(request, "first")
+        wait_for(lambda: admission.running == 1)
+        second = pool.submit(request, "second")
+        wait_for(lambda: admission.queued == 1)
+        third = pool.submit(request, "third")
+        wait_for(lambda: admission.queued == 2)
+        with pytest.raises(ResourceExhausted, match="--max-queued 2"):
+            with admission.slot(FakeCall()):
+                pass
+        gate.set()
+        for f in (first, second, third):
+            f.result(30)
+    assert order == ["first", "second", "third"]
+    assert admission.wait_idle(5)
+
+
+def test_a_waiting_request_honours_its_deadline_and_its_cancellation():
+    admission = Admission(max_running=1, max_queued=4)
+    with admission.slot():
+        with pytest.raises(DeadlineExceeded):
+            with admission.slot(FakeCall(timeout_s=0.2)):
+                pass
+        call = FakeCall()
+        threading.Timer(0.2, lambda: setattr(call, "active", False)).start()
+        with pytest.raises(Cancelled):
+            with admission.slot(call):
+                pass
+        assert admission.queued == 0
+    with admission.slot(FakeCall()):  # nothing was leaked: a new request runs at once
+        assert admission.running == 1
+
+
+def test_queued_requests_over_grpc_wait_then_finish_exactly(stack, target_engine):
+    """One request runs, two wait their turn, a fourth is refused at once; all that ran are exact."""
+    tport, dport, _ = stack["ports"]
+    parts, address = start_orchestrator([f"127.0.0.1:{tport}"], [f"127.0.0.1:{dport}"], max_workers=1,
+                                        max_queued=2)
+    admission = parts.admission
+    ids = target_engine.tokenizer("def queue(x):").input_ids
+    try:
+        with Client(address, timeout_s=120) as client, ThreadPoolExecutor(2) as pool:
+            running = client.stream(token_ids=ids, max_new_tokens=40, temperature=0, gamma=2)
+            first = list(next(running).token_ids)  # it runs: it holds the one slot until read out
+            waiting = [pool.submit(client.generate, token_ids=ids, max_new_tokens=10, temperature=0, gamma=2)
+                       for _ in range(2)]
+            wait_for(lambda: admission.queued == 2, timeout_s=30, what="two queued requests")
+            with pytest.raises(ServiceError) as refused:
+                client.generate(token_ids=ids, max_new_tokens=4, temperature=0)
+            assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for chunk in running:
+                first += chunk.token_ids
+            assert first == reference(target_engine, ids, 40)
+            for f in waiting:
+                assert f.result(120).token_ids == reference(target_engine, ids, 10)
+        assert admission.wait_idle(10)
+    finally:
+        parts.stop(None)
