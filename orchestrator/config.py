@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 from orchestrator.pool import parse_entries
-from specdec.flags import Flag, FlagTable, tls_flags
-from specdec.security import ClientTls, ServerTls
+from specdec.flags import Flag, FlagTable, ServedConfig, tls_flags
+from specdec.security import ClientTls
 
 DEFAULT_PORT = 50050
 
@@ -51,7 +51,7 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
 
 
 @dataclass(frozen=True)
-class OrchestratorConfig:
+class OrchestratorConfig(ServedConfig):
     target: str  # target workers: HOST:PORT[,HOST:PORT...]; a name may resolve to many
     draft: str | None = None  # draft workers, the same way; None serves gamma 0 only
     host: str = FLAGS.default("host")
@@ -78,16 +78,8 @@ class OrchestratorConfig:
     auth_token_file: str | None = None  # bearer tokens clients must send, one per line
 
     @property
-    def tls(self) -> ServerTls:
-        return ServerTls(self.tls_cert, self.tls_key, self.tls_client_ca)
-
-    @property
     def worker_tls(self) -> ClientTls:
         return ClientTls(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "OrchestratorConfig":

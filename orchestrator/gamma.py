@@ -30,7 +30,8 @@ PRIOR_SLOPE = 0.15  # extra cost of a row, as a fraction of a 1-row pass (CPU, f
 PRIOR_WEIGHT = 1.0  # the prior slope counts as this many observations at each of its two points
 DECAY = 0.97  # per observation: the last ~30 passes dominate
 PRIOR_ACCEPTANCE = 0.7  # a_i before any draft was judged at position i ...
-PRIOR_DRAFTS = 2.0  # ... counted as this many drafts
+PRIOR_DRAFTS = 8.0  # ... counted as this many drafts: one bad round does not condemn the draft
+PROBE_EVERY = 8  # when drafts do not pay, every 8th round still drafts one, to keep measuring acceptance
 
 
 @dataclass
@@ -128,6 +129,7 @@ class GammaPolicy:
         self._lock = threading.Lock()
         self._costs: dict[str, LinearCost] = {}
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
+        self._rounds_without: dict[tuple[str, str], int] = {}  # rounds since a draft was last asked for
 
     def _cost(self, address: str) -> LinearCost:
         return self._costs.setdefault(address, LinearCost())
@@ -135,9 +137,15 @@ class GammaPolicy:
     def choose(self, gamma_max: int, target: str, draft: str, sessions: int) -> int:
         if not self.adaptive:
             return gamma_max
+        pair = (target, draft)
         with self._lock:
-            return best_gamma(gamma_max, sessions, self._cost(target), self._cost(draft),
-                              self._acceptance.setdefault((target, draft), Acceptance()))
+            gamma = best_gamma(gamma_max, sessions, self._cost(target), self._cost(draft),
+                               self._acceptance.setdefault(pair, Acceptance()))
+            idle = self._rounds_without.get(pair, 0) + 1 if gamma == 0 else 0
+            if idle >= PROBE_EVERY and gamma_max > 0:  # acceptance cannot be learnt without drafts
+                gamma, idle = 1, 0
+            self._rounds_without[pair] = idle
+            return gamma
 
     def observe_pass(self, address: str, rows: int, seconds: float) -> None:
         with self._lock:

@@ -71,6 +71,26 @@ class FlagTable:
         return {f.key: f.to_config(parsed[f.key]) if f.to_config else parsed[f.key] for f in self.for_role(role)}
 
 
+class ServedConfig:
+    """What every server's config derives from its host, port and tls_* fields."""
+
+    host: str
+    port: int
+    tls_cert: str | None
+    tls_key: str | None
+    tls_client_ca: str | None
+
+    @property
+    def tls(self):
+        from specdec.security import ServerTls
+
+        return ServerTls(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
 def tls_flags() -> list[Flag]:
     """The server-side TLS flags every service takes."""
     return [

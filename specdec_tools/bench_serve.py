@@ -314,7 +314,7 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
                 rec.drafted_tokens = stats.get("drafted_tokens", 0)
                 rec.accepted_tokens = stats.get("accepted_tokens", 0)
                 rec.rounds = stats.get("rounds", 0)
-                rec.gamma = stats.get("gamma")
+                rec.gamma = stats.get("mean_gamma", stats.get("gamma"))  # as the gamma policy chose it
                 rec.server_total_s = stats.get("total_s", 0.0)
             except Exception as err:  # noqa: BLE001 - recorded, counted, and the run goes on
                 rec.latency_s = time.perf_counter() - t_level[0] - t_start

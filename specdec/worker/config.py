@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.flags import Flag, FlagTable, tls_flags
-from specdec.security import ServerTls
+from specdec.flags import Flag, FlagTable, ServedConfig, tls_flags
 
 FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--model", required=True,
@@ -32,12 +31,14 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--drain-timeout", float, 20.0, "on SIGTERM: seconds open sessions get to finish before the worker exits",
          field="drain_timeout_s"),
     Flag("--max-workers", int, 64, "gRPC handler threads: calls mostly wait for the model thread"),
+    Flag("--max-batch-tokens", int, 512,
+         "most tokens (all sessions together) in one forward pass; a longer prefill is cut into chunks"),
     *tls_flags(),
 ])
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(ServedConfig):
     role: str  # "draft" or "target"
     model: str
     host: str = FLAGS.default("host")
@@ -52,17 +53,10 @@ class WorkerConfig:
     session_ttl_s: float = FLAGS.default("session_ttl_s")  # an idle session is freed after this
     drain_timeout_s: float = FLAGS.default("drain_timeout_s")
     max_workers: int = FLAGS.default("max_workers")
+    max_batch_tokens: int = FLAGS.default("max_batch_tokens")
     tls_cert: str | None = None  # serve TLS with this PEM certificate chain ...
     tls_key: str | None = None  # ... and key
     tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
-
-    @property
-    def tls(self) -> ServerTls:
-        return ServerTls(self.tls_cert, self.tls_key, self.tls_client_ca)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
     @classmethod
     def from_args(cls, role: str, argv: list[str] | None = None, default_port: int = 0) -> "WorkerConfig":

@@ -47,7 +47,7 @@ class WorkerRole:
         loaded = load_model(config.model, device=config.device, dtype=config.dtype, device_map=config.device_map,
                             quantization=config.quantization, head_rows=config.draft_vocab)
         return self.engine_class(loaded, max_sessions=config.max_sessions, max_cached_tokens=config.max_cached_tokens,
-                                 session_ttl_s=config.session_ttl_s)
+                                 session_ttl_s=config.session_ttl_s, max_batch_tokens=config.max_batch_tokens)
 
 
 class EngineSlot:
