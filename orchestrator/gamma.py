@@ -1,8 +1,9 @@
 """How many drafts a round asks for: the gamma that maximizes goodput, from live measurements.
 
 For every target worker the orchestrator keeps running estimates of
-  T(r)  the target's forward-pass seconds against the rows (tokens of all sessions) in the pass,
-  D(r)  one draft step's pass seconds against the rows in the draft worker's pass,
+  T(r)  a verify's seconds, as the request sees them (round trip and waiting included), against
+        the rows (tokens of all sessions) of the pass the target ran it in,
+  D(r)  one draft step's seconds, the same way, against the rows in the draft worker's pass,
   a_i   the probability that draft i is accepted given that drafts 0..i-1 were,
 and each round takes, up to the request's gamma,
 
@@ -31,7 +32,7 @@ PRIOR_WEIGHT = 1.0  # the prior slope counts as this many observations at each o
 DECAY = 0.97  # per observation: the last ~30 passes dominate
 PRIOR_ACCEPTANCE = 0.7  # a_i before any draft was judged at position i ...
 PRIOR_DRAFTS = 8.0  # ... counted as this many drafts: one bad round does not condemn the draft
-PROBE_EVERY = 8  # when drafts do not pay, every 8th round still drafts one, to keep measuring acceptance
+PROBE_EVERY = 32  # when drafts do not pay, every 32nd round (of all requests) still drafts one: acceptance
 
 
 @dataclass

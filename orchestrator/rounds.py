@@ -195,12 +195,14 @@ def commit(req: RequestState, rnd: Round) -> None:
 
 
 def learn(req: RequestState, rnd: Round) -> None:
-    """What the round measured goes to the gamma policy: both workers' pass costs, and acceptance."""
+    """What the round measured goes to the gamma policy: the time each stage took as this request
+    saw it (round trip, queueing behind other sessions' passes and all) against the rows of the
+    pass the worker ran it in, and acceptance."""
     placement, v = req.placement, rnd.verification
-    req.policy.observe_pass(placement.target.address, v.batch_rows, v.pass_s)
+    req.policy.observe_pass(placement.target.address, v.batch_rows, rnd.verify_s)
     if rnd.gamma > 0:
-        for rows, seconds in rnd.draft_passes:
-            req.policy.observe_pass(placement.draft.address, rows, seconds)
+        for rows, _ in rnd.draft_passes:  # one mean step per call
+            req.policy.observe_pass(placement.draft.address, rows, rnd.draft_s / rnd.gamma)
         req.policy.observe_round(placement.target.address, placement.draft.address, rnd.gamma, rnd.num_accepted)
 
 

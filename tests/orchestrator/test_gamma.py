@@ -121,5 +121,5 @@ def test_when_drafts_do_not_pay_the_policy_still_probes_now_and_then():
     for r in (1, 5, 10, 20, 40):
         policy.observe_pass("t", r, 0.110 + 0.017 * r)
         policy.observe_pass("d", r, 0.100 + 0.010 * r)  # a draft nearly as dear as the target
-    chosen = [policy.choose(4, "t", "d", sessions=16) for _ in range(24)]
-    assert chosen.count(0) >= 18 and chosen.count(1) == 3, chosen
+    chosen = [policy.choose(4, "t", "d", sessions=16) for _ in range(64)]
+    assert chosen.count(0) >= 60 and chosen.count(1) == 2, chosen
