@@ -47,7 +47,7 @@ class DraftEngine(WorkerEngine):
             session.uncache_last()
             version = session.version
         generator = torch.Generator().manual_seed(seed)
-        rows = pass_s = 0.0  # summed over the steps; the last proposal reports their means
+        rows = 0  # summed over the steps; the last proposal reports their mean
         for index in range(gamma):
             with session.lock:
                 if session.version != version:
@@ -55,10 +55,9 @@ class DraftEngine(WorkerEngine):
                 t0 = time.perf_counter()
                 token, probs = self.run(session, 1, "propose", lambda logits: self._pick(logits[-1], params, generator))
                 session.tokens.append(token)  # the last one stays uncached until the next round
-                rows, pass_s = rows + session.last_pass[0], pass_s + session.last_pass[1]
+                rows += session.last_pass_rows
             last = index == gamma - 1
-            yield Proposal(index, token, probs, time.perf_counter() - t0, pass_s / gamma if last else 0.0,
-                           round(rows / gamma) if last else 0)
+            yield Proposal(index, token, probs, time.perf_counter() - t0, round(rows / gamma) if last else 0)
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams,
               generator: torch.Generator) -> tuple[int, CompactProbs | None]:

@@ -23,6 +23,5 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftWorkerServicer):
                 token_id=p.token_id,
                 probs=p.probs.to_proto() if p.probs is not None else None,
                 compute_s=p.compute_s,
-                pass_s=p.pass_s,
                 batch_rows=p.batch_rows,
             )

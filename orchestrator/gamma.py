@@ -149,10 +149,12 @@ class GammaPolicy:
             return gamma
 
     def observe_pass(self, address: str, rows: int, seconds: float) -> None:
+        if not self.adaptive:  # the fixed policy uses none of it: keep the round path free of it
+            return
         with self._lock:
             self._cost(address).observe(rows, seconds)
 
     def observe_round(self, target: str, draft: str, gamma: int, num_accepted: int) -> None:
-        if gamma > 0:
+        if gamma > 0 and self.adaptive:
             with self._lock:
                 self._acceptance.setdefault((target, draft), Acceptance()).observe(gamma, num_accepted)

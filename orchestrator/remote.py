@@ -112,7 +112,7 @@ class RemoteDraft(_RemoteWorker):
         try:
             for msg in self._stub.Propose(request, timeout=self.round_timeout_s):
                 probs = CompactProbs.from_proto(msg.probs, self.vocab_size) if msg.HasField("probs") else None
-                yield Proposal(msg.index, msg.token_id, probs, msg.compute_s, msg.pass_s, msg.batch_rows,
+                yield Proposal(msg.index, msg.token_id, probs, msg.compute_s, msg.batch_rows,
                                request_bytes + _wire(msg))
                 request_bytes = 0
         except grpc.RpcError as err:
@@ -138,7 +138,7 @@ class RemoteTarget(_RemoteWorker):
         argmax = list(r.argmax_token_ids) if params.greedy else None
         if (argmax if params.greedy else probs) is None or len(argmax or probs) != len(draft_token_ids) + 1:
             raise ServiceError(f"{self.peer} returned a malformed verification", grpc.StatusCode.INTERNAL)
-        return Verification(argmax, probs, r.length, r.compute_s, r.pass_s, r.batch_rows, _wire(request, r))
+        return Verification(argmax, probs, r.length, r.compute_s, r.batch_rows, _wire(request, r))
 
     def tokenizer_files(self) -> dict[str, bytes]:
         files: dict[str, bytearray] = {}

@@ -77,7 +77,7 @@ class Round:
     wire_before: int
     drafts: list[int] = field(default_factory=list)  # x_i
     draft_probs: list[CompactProbs | None] = field(default_factory=list)  # q_i (None when greedy)
-    draft_passes: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds) of a mean draft step
+    draft_rows: int = 0  # rows of the draft's passes, mean over this round's steps (0: not reported)
     verification: Verification | None = None  # p_i (or argmax p_i) for i = 0..gamma
     result: SampleResult | None = None
     emitted: list[int] = field(default_factory=list)
@@ -129,8 +129,8 @@ def draft(req: RequestState, rnd: Round) -> None:
                                                             seed):
                     rnd.drafts.append(p.token_id)
                     rnd.draft_probs.append(p.probs)
-                    if p.batch_rows:  # the last proposal: the mean pass of the call's steps
-                        rnd.draft_passes.append((p.batch_rows, p.pass_s))
+                    if p.batch_rows:  # only the last proposal reports it
+                        rnd.draft_rows = p.batch_rows
                     req.stats.wire_bytes += p.wire_bytes
                     req.stats.draft_compute_s += p.compute_s
         except ServiceError as exc:
@@ -201,8 +201,7 @@ def learn(req: RequestState, rnd: Round) -> None:
     placement, v = req.placement, rnd.verification
     req.policy.observe_pass(placement.target.address, v.batch_rows, rnd.verify_s)
     if rnd.gamma > 0:
-        for rows, _ in rnd.draft_passes:  # one mean step per call
-            req.policy.observe_pass(placement.draft.address, rows, rnd.draft_s / rnd.gamma)
+        req.policy.observe_pass(placement.draft.address, rnd.draft_rows, rnd.draft_s / rnd.gamma)
         req.policy.observe_round(placement.target.address, placement.draft.address, rnd.gamma, rnd.num_accepted)
 
 

@@ -199,9 +199,8 @@ class Proposal:
     token_id: int
     probs: CompactProbs | None
     compute_s: float
-    # on the last proposal of a call only (0 before): the mean over its steps of the forward
-    # pass each ran in (shared with other sessions' work), and of the tokens of all sessions in it
-    pass_s: float = 0.0
+    # on the last proposal of a call only (0 before): the mean, over its steps, of the tokens of
+    # all sessions in the forward pass each step ran in
     batch_rows: int = 0
     wire_bytes: int = 0  # filled in by the gRPC client
 
@@ -214,8 +213,7 @@ class Verification:
     probs: list[CompactProbs] | None  # [gamma + 1], sampling only
     length: int  # tokens the session holds after the call
     compute_s: float
-    pass_s: float = 0.0  # the forward pass the verify ran in, shared with other sessions' work ...
-    batch_rows: int = 0  # ... and the tokens of all sessions in it
+    batch_rows: int = 0  # tokens of all sessions in the forward pass the verify ran in
     wire_bytes: int = 0  # filled in by the gRPC client
 
 

@@ -21,6 +21,5 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetWorkerServicer):
             probs=[p.to_proto() for p in v.probs or []],
             length=v.length,
             compute_s=v.compute_s,
-            pass_s=v.pass_s,
             batch_rows=v.batch_rows,
         )

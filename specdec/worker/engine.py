@@ -56,7 +56,7 @@ class Session:
     # bumped by every call that changes the session; a Propose, which releases the lock while its
     # caller reads each proposal, checks it did not change in between
     version: int = 0
-    last_pass: tuple[int, float] = (0, 0.0)  # (rows, seconds) of the last pass it took part in
+    last_pass_rows: int = 0  # tokens of all sessions in the last pass it took part in
 
     @property
     def cached(self) -> int:
@@ -367,7 +367,7 @@ class WorkerEngine:
         for work, _ in batch.items:
             self._forward_duration.record(elapsed, {t.FORWARD_KIND: work.kind})
         for session in sessions:
-            session.last_pass = (len(ids), elapsed)
+            session.last_pass_rows = len(ids)
         logits, row = out.logits[0], 0
         for work in done:
             try:
