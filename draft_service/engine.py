@@ -47,7 +47,7 @@ class DraftEngine(WorkerEngine):
             session.uncache_last()
             version = session.version
         generator = torch.Generator().manual_seed(seed)
-        rows = 0  # summed over the steps; the last proposal reports their mean
+        rows, seconds = 0, 0.0  # of the steps' passes, summed; the last proposal reports their means
         for index in range(gamma):
             with session.lock:
                 if session.version != version:
@@ -56,8 +56,10 @@ class DraftEngine(WorkerEngine):
                 token, probs = self.run(session, 1, "propose", lambda logits: self._pick(logits[-1], params, generator))
                 session.tokens.append(token)  # the last one stays uncached until the next round
                 rows += session.last_pass_rows
+                seconds += session.last_pass_s
             last = index == gamma - 1
-            yield Proposal(index, token, probs, time.perf_counter() - t0, round(rows / gamma) if last else 0)
+            yield Proposal(index, token, probs, time.perf_counter() - t0, round(rows / gamma) if last else 0,
+                           seconds / gamma if last else 0.0)
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams,
               generator: torch.Generator) -> tuple[int, CompactProbs | None]:

@@ -24,4 +24,5 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftWorkerServicer):
                 probs=p.probs.to_proto() if p.probs is not None else None,
                 compute_s=p.compute_s,
                 batch_rows=p.batch_rows,
+                pass_s=p.pass_s,
             )

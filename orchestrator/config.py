@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from orchestrator.pool import parse_entries
-from specdec.flags import Flag, FlagTable, ServedConfig, tls_flags
+from specdec.flags import Flag, FlagTable, ServedConfig, log_level_flag, tls_flags
 from specdec.security import ClientTls
 
 DEFAULT_PORT = 50050
@@ -41,6 +41,7 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          field="resolve_s"),
     Flag("--max-new-tokens", int, 4096, "the most tokens one request may ask for"),
     Flag("--max-prompt-tokens", int, 0, "the longest prompt accepted, in tokens (0: what the context allows)"),
+    log_level_flag(),
     *tls_flags(),
     Flag("--worker-tls-ca", help="reach the workers over TLS, verifying their certificates against this PEM CA"),
     Flag("--worker-tls-cert", help="mutual TLS with the workers: our cert"),
@@ -69,6 +70,7 @@ class OrchestratorConfig(ServedConfig):
     resolve_s: float = FLAGS.default("resolve_s")
     max_new_tokens: int = FLAGS.default("max_new_tokens")
     max_prompt_tokens: int = FLAGS.default("max_prompt_tokens")
+    log_level: str = FLAGS.default("log_level")
     tls_cert: str | None = None  # serve clients over TLS: PEM certificate chain ...
     tls_key: str | None = None  # ... and key
     tls_client_ca: str | None = None  # mutual TLS with clients: accept certificates this CA signed

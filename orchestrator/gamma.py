@@ -1,16 +1,25 @@
 """How many drafts a round asks for: the gamma that maximizes goodput, from live measurements.
 
 For every target worker the orchestrator keeps running estimates of
-  T(r)  a verify's seconds, as the request sees them (round trip and waiting included), against
-        the rows (tokens of all sessions) of the pass the target ran it in,
-  D(r)  one draft step's seconds, the same way, against the rows in the draft worker's pass,
+  T(r)  the seconds of the target pass a verify ran in (the worker times the model alone), against
+        its rows (tokens of all sessions),
+  D(r)  the seconds of a draft step's pass, the same way,
   a_i   the probability that draft i is accepted given that drafts 0..i-1 were,
 and each round takes, up to the request's gamma,
 
     g* = argmax_g  B * E(g) / (g * D(B) + T(B * (g + 1))),   E(g) = 1 + a_0 + a_0 a_1 + ... (g terms)
 
 where B is the number of sessions on that target (they share its passes, each with g + 1 rows)
-and E(g) the expected tokens per round (Leviathan et al. 2023, with acceptance by position). On
+and E(g) the expected tokens per round (Leviathan et al. 2023, with acceptance by position). The
+denominator is one cycle of all B sessions in step: g batched draft passes, then one target
+pass. It adds the draft's and the target's times, which is right where they share cores and
+their passes take turns (--pass-lock); where the draft has hardware of its own it is an upper
+bound. Times as a request sees them are no good here: under load they are mostly waiting for
+other sessions' passes, which does not grow with a pass's own rows, so drafts looked free
+(measured: gamma ~2 chosen at 4 and 8 clients, 0.6x the throughput of gamma 0). Every session
+on a target gets the same g* (only the request's own gamma and the tokens it has left cap it):
+sessions drafting different amounts fall out of step and split the target's pass in two.
+Drafting must promise MARGIN more goodput than gamma 0 to be chosen. On
 this CPU a pass of 40 rows costs ~6 one-row passes, so as B grows the drafts' extra rows weigh
 more and g* falls, down to 0: plain batched decoding. On hardware whose passes cost the same for
 1 and 40 rows (a GPU), g* stays high. Before the rows in passes have varied enough to tell the
@@ -24,8 +33,11 @@ and so which random draws it makes, depend on timing.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 PRIOR_SLOPE = 0.15  # extra cost of a row, as a fraction of a 1-row pass (CPU, fp16 weights: ~0.14)
 PRIOR_WEIGHT = 1.0  # the prior slope counts as this many observations at each of its two points
@@ -33,6 +45,12 @@ DECAY = 0.97  # per observation: the last ~30 passes dominate
 PRIOR_ACCEPTANCE = 0.7  # a_i before any draft was judged at position i ...
 PRIOR_DRAFTS = 8.0  # ... counted as this many drafts: one bad round does not condemn the draft
 PROBE_EVERY = 32  # when drafts do not pay, every 32nd round (of all requests) still drafts one: acceptance
+PROBE_MAX_LAG = 16  # ... from a request whose draft lags by at most this many tokens
+MARGIN = 0.10  # drafts must promise 10% more goodput than none: a model's error should not cost
+# Acceptance judged from few drafts is taken optimistically (an upper confidence bound: + 0.2 after
+# one draft, + 0.09 at steady state): a bad first impression (a short warm-up request) must not
+# keep a request from ever drafting again, for then acceptance would never be measured again
+OPTIMISM = 0.6
 
 
 @dataclass
@@ -94,32 +112,39 @@ class Acceptance:
             self.drafted[i] = self.drafted[i] * DECAY + 1
             self.accepted[i] = self.accepted[i] * DECAY + (i < num_accepted)
 
-    def rate(self, i: int) -> float:
+    def rate(self, i: int, optimism: float = 0.0) -> float:
+        """a_i, plus optimism / sqrt(drafts judged there, prior included) when asked for: an
+        upper confidence bound that shrinks as the position is judged more often."""
         if i >= len(self.drafted):  # never judged: as likely as the last position that was
-            return self.rate(len(self.drafted) - 1) if self.drafted else PRIOR_ACCEPTANCE
-        return (self.accepted[i] + PRIOR_DRAFTS * PRIOR_ACCEPTANCE) / (self.drafted[i] + PRIOR_DRAFTS)
+            return self.rate(len(self.drafted) - 1, optimism) if self.drafted else \
+                min(1.0, PRIOR_ACCEPTANCE + optimism / PRIOR_DRAFTS ** 0.5)
+        judged = self.drafted[i] + PRIOR_DRAFTS
+        return min(1.0, (self.accepted[i] + PRIOR_DRAFTS * PRIOR_ACCEPTANCE) / judged + optimism / judged ** 0.5)
 
-    def expected_tokens(self, gamma: int) -> float:
+    def expected_tokens(self, gamma: int, optimism: float = 0.0) -> float:
         """E(g) = 1 + a_0 + a_0 a_1 + ...: the accepted drafts plus the recovered or bonus token."""
         total, passed = 1.0, 1.0
         for i in range(gamma):
-            passed *= self.rate(i)
+            passed *= self.rate(i, optimism)
             total += passed
         return total
 
 
 def best_gamma(gamma_max: int, sessions: int, target: LinearCost, draft: LinearCost,
                acceptance: Acceptance) -> int:
-    """g* = argmax over 0..gamma_max of sessions * E(g) / (g * D(sessions) + T(sessions * (g + 1)))."""
+    """g* = argmax over 0..gamma_max of sessions * E(g) / (g * D(sessions) + T(sessions * (g + 1))),
+    where drafting must beat plain decoding by MARGIN to be chosen at all, and E takes acceptance
+    with OPTIMISM."""
     if gamma_max <= 0 or not target.known:
         return max(gamma_max, 0)  # nothing measured yet: the request's gamma
     b = max(sessions, 1)
     step = draft(b) if draft.known else 0.0
 
     def goodput(g: int) -> float:
-        return b * acceptance.expected_tokens(g) / (g * step + target(b * (g + 1)))
+        return b * acceptance.expected_tokens(g, OPTIMISM) / (g * step + target(b * (g + 1)))
 
-    return max(range(gamma_max + 1), key=goodput)
+    best = max(range(1, gamma_max + 1), key=goodput)
+    return best if goodput(best) > (1 + MARGIN) * goodput(0) else 0
 
 
 class GammaPolicy:
@@ -135,7 +160,11 @@ class GammaPolicy:
     def _cost(self, address: str) -> LinearCost:
         return self._costs.setdefault(address, LinearCost())
 
-    def choose(self, gamma_max: int, target: str, draft: str, sessions: int) -> int:
+    def choose(self, gamma_max: int, target: str, draft: str, sessions: int, lag: int = 1) -> int:
+        """The round's gamma: the same for every session on this target and load, so that their
+        passes stay in step (a session drafting while the others verify splits the target's pass
+        in two). lag: tokens the draft's session must take in before drafting (1 after a round
+        that drafted, the whole context for a lazily opened one): only probes look at it."""
         if not self.adaptive:
             return gamma_max
         pair = (target, draft)
@@ -143,9 +172,16 @@ class GammaPolicy:
             gamma = best_gamma(gamma_max, sessions, self._cost(target), self._cost(draft),
                                self._acceptance.setdefault(pair, Acceptance()))
             idle = self._rounds_without.get(pair, 0) + 1 if gamma == 0 else 0
-            if idle >= PROBE_EVERY and gamma_max > 0:  # acceptance cannot be learnt without drafts
+            # acceptance cannot be learnt without drafts; a probe goes to a request whose draft
+            # is nearly in step, never to one that would first prefill its whole context
+            if idle >= PROBE_EVERY and gamma_max > 0 and lag <= PROBE_MAX_LAG:
                 gamma, idle = 1, 0
             self._rounds_without[pair] = idle
+            if log.isEnabledFor(logging.DEBUG):
+                fits = [c.fit() if c.known else None for c in (self._cost(target), self._cost(draft))]
+                log.debug("gamma %d of %d: %d sessions, lag %d, target (alpha, beta) %s, draft %s, E(1..4) %s",
+                          gamma, gamma_max, sessions, lag, *fits,
+                          [round(self._acceptance[pair].expected_tokens(g), 2) for g in range(1, 5)])
             return gamma
 
     def observe_pass(self, address: str, rows: int, seconds: float) -> None:

@@ -51,6 +51,11 @@ class Placement:
         self.failovers = {"target": 0, "draft": 0}
         self._failed: set[str] = set()  # addresses that failed this request: not tried again
         self.draft_dropped: str | None = None  # why the request went on without a draft
+        # With the prefills in sequence (workers sharing cores), the draft's session opens on the
+        # first token only: its prefill waits for the first round that drafts, as that round's
+        # catch-up, and never happens for a request that a loaded target serves at gamma 0.
+        self.lazy_draft = prefill_pool is None
+        self.draft_synced = 0  # tokens the draft's session holds validly, set when it opens
 
     # ---- opening ---------------------------------------------------------------------------
 
@@ -79,6 +84,8 @@ class Placement:
 
     def _try_open(self, member: Member, tokens: list[int]) -> ServiceError | None:
         """Opens our session there; a worker fault is returned (for failover), others raised."""
+        if member is self.draft and self.lazy_draft:
+            tokens = tokens[:1]  # no pass: the first Propose catches up from here
         try:
             member.worker.open_session(self.session_id, tokens)
         except ServiceError as exc:
@@ -86,6 +93,8 @@ class Placement:
                 raise
             return exc
         self._open.append(member)
+        if member is self.draft:
+            self.draft_synced = len(tokens)
         return None
 
     def _acquire(self, pool: WorkerPool, exclude=()) -> Member:
@@ -108,7 +117,8 @@ class Placement:
         self._fail_over("target", exc, tokens, give_up)
 
     def draft_failed(self, exc: ServiceError, tokens: list[int]) -> None:
-        """Moves the draft session to another draft holding `tokens`, or drops speculation."""
+        """Moves the draft session to another draft holding `tokens` (draft_synced of them), or drops
+        speculation."""
         self._fail_over("draft", exc, tokens, lambda exc, failed, none_left: self._drop_draft(none_left or exc))
 
     def _fail_over(self, role: str, exc: ServiceError, tokens: list[int], give_up) -> None:

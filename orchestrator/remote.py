@@ -93,6 +93,9 @@ class _RemoteWorker:
         self._raw_channel.close()
 
 
+CATCH_UP_TOKENS = 64  # a Propose bringing more new tokens than this gets the prefill deadline
+
+
 class RemoteDraft(_RemoteWorker):
     role = "draft"
 
@@ -109,10 +112,15 @@ class RemoteDraft(_RemoteWorker):
             session_id=session_id, start=start, token_ids=token_ids, gamma=gamma, sampling=params.to_proto(), seed=seed
         )
         request_bytes = _wire(request)
+        # a Propose that first catches up many tokens (a lazily opened session, or rounds that did
+        # not draft) is a prefill in disguise: it gets a prefill's deadline
+        timeout = self.round_timeout_s
+        if len(token_ids) > CATCH_UP_TOKENS:
+            timeout = max(timeout, self.timeout_s)
         try:
-            for msg in self._stub.Propose(request, timeout=self.round_timeout_s):
+            for msg in self._stub.Propose(request, timeout=timeout):
                 probs = CompactProbs.from_proto(msg.probs, self.vocab_size) if msg.HasField("probs") else None
-                yield Proposal(msg.index, msg.token_id, probs, msg.compute_s, msg.batch_rows,
+                yield Proposal(msg.index, msg.token_id, probs, msg.compute_s, msg.batch_rows, msg.pass_s,
                                request_bytes + _wire(msg))
                 request_bytes = 0
         except grpc.RpcError as err:
@@ -138,7 +146,7 @@ class RemoteTarget(_RemoteWorker):
         argmax = list(r.argmax_token_ids) if params.greedy else None
         if (argmax if params.greedy else probs) is None or len(argmax or probs) != len(draft_token_ids) + 1:
             raise ServiceError(f"{self.peer} returned a malformed verification", grpc.StatusCode.INTERNAL)
-        return Verification(argmax, probs, r.length, r.compute_s, r.batch_rows, _wire(request, r))
+        return Verification(argmax, probs, r.length, r.compute_s, r.batch_rows, r.pass_s, _wire(request, r))
 
     def tokenizer_files(self) -> dict[str, bytes]:
         files: dict[str, bytearray] = {}

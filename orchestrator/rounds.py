@@ -61,7 +61,8 @@ class RequestState:
     finish: str | None = None  # "eos", "stop_string" or "length" once the request is done
 
     def __post_init__(self) -> None:
-        self.prompt_len = self.target_synced = self.draft_synced = len(self.tokens)
+        self.prompt_len = self.target_synced = len(self.tokens)
+        self.draft_synced = self.placement.draft_synced if self.placement.draft is not None else 0
 
     @property
     def generated(self) -> int:
@@ -78,6 +79,7 @@ class Round:
     drafts: list[int] = field(default_factory=list)  # x_i
     draft_probs: list[CompactProbs | None] = field(default_factory=list)  # q_i (None when greedy)
     draft_rows: int = 0  # rows of the draft's passes, mean over this round's steps (0: not reported)
+    draft_pass_s: float = 0.0  # and their seconds
     verification: Verification | None = None  # p_i (or argmax p_i) for i = 0..gamma
     result: SampleResult | None = None
     emitted: list[int] = field(default_factory=list)
@@ -98,7 +100,8 @@ def run_round(req: RequestState, ctx) -> Round:
     placement = req.placement
     gamma = min(req.gamma, remaining - 1) if placement.draft is not None else 0  # the bonus needs one
     if gamma > 0:  # fewer drafts when the target's batch makes their rows cost more than they bring
-        gamma = req.policy.choose(gamma, placement.target.address, placement.draft.address, placement.target.load)
+        gamma = req.policy.choose(gamma, placement.target.address, placement.draft.address, placement.target.load,
+                                  lag=len(req.tokens) - req.draft_synced)
     rnd = Round(gamma, remaining, req.stats.wire_bytes)
     # the span ends before the chunk is yielded: a generator must not hold a context across a yield
     with req.tracer.start_as_current_span("round", context=ctx) as span:
@@ -129,8 +132,8 @@ def draft(req: RequestState, rnd: Round) -> None:
                                                             seed):
                     rnd.drafts.append(p.token_id)
                     rnd.draft_probs.append(p.probs)
-                    if p.batch_rows:  # only the last proposal reports it
-                        rnd.draft_rows = p.batch_rows
+                    if p.batch_rows:  # only the last proposal reports them
+                        rnd.draft_rows, rnd.draft_pass_s = p.batch_rows, p.pass_s
                     req.stats.wire_bytes += p.wire_bytes
                     req.stats.draft_compute_s += p.compute_s
         except ServiceError as exc:
@@ -139,7 +142,7 @@ def draft(req: RequestState, rnd: Round) -> None:
             # this round goes on without drafts; the next uses the new draft, or none
             rnd.drafts, rnd.draft_probs, rnd.gamma = [], [], 0
             req.placement.draft_failed(exc, req.tokens)
-            req.draft_synced = len(req.tokens)
+            req.draft_synced = req.placement.draft_synced
     rnd.draft_s = time.perf_counter() - started
 
 
@@ -195,13 +198,12 @@ def commit(req: RequestState, rnd: Round) -> None:
 
 
 def learn(req: RequestState, rnd: Round) -> None:
-    """What the round measured goes to the gamma policy: the time each stage took as this request
-    saw it (round trip, queueing behind other sessions' passes and all) against the rows of the
-    pass the worker ran it in, and acceptance."""
+    """What the round measured goes to the gamma policy: the seconds of the passes the workers ran
+    it in (the model's time alone) against their rows, and acceptance."""
     placement, v = req.placement, rnd.verification
-    req.policy.observe_pass(placement.target.address, v.batch_rows, rnd.verify_s)
+    req.policy.observe_pass(placement.target.address, v.batch_rows, v.pass_s)
     if rnd.gamma > 0:
-        req.policy.observe_pass(placement.draft.address, rnd.draft_rows, rnd.draft_s / rnd.gamma)
+        req.policy.observe_pass(placement.draft.address, rnd.draft_rows, rnd.draft_pass_s)
         req.policy.observe_round(placement.target.address, placement.draft.address, rnd.gamma, rnd.num_accepted)
 
 

@@ -143,8 +143,8 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
     config = OrchestratorConfig.from_args(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s orchestrator %(levelname)s %(message)s")
     # the orchestrator's tensor work (a residual over the vocabulary now and then) is small; one
     # thread means no OpenMP team spinning on cores that co-located workers need
     torch.set_num_threads(config.torch_threads)

@@ -91,6 +91,11 @@ class ServedConfig:
         return f"{self.host}:{self.port}"
 
 
+def log_level_flag() -> Flag:
+    return Flag("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                help="debug adds a line per forward pass (workers) and per gamma choice (orchestrator)")
+
+
 def tls_flags() -> list[Flag]:
     """The server-side TLS flags every service takes."""
     return [

@@ -200,8 +200,9 @@ class Proposal:
     probs: CompactProbs | None
     compute_s: float
     # on the last proposal of a call only (0 before): the mean, over its steps, of the tokens of
-    # all sessions in the forward pass each step ran in
+    # all sessions in the forward pass each step ran in, and of the seconds those passes took
     batch_rows: int = 0
+    pass_s: float = 0.0
     wire_bytes: int = 0  # filled in by the gRPC client
 
 
@@ -214,6 +215,7 @@ class Verification:
     length: int  # tokens the session holds after the call
     compute_s: float
     batch_rows: int = 0  # tokens of all sessions in the forward pass the verify ran in
+    pass_s: float = 0.0  # the seconds that pass took (the model alone: no queueing, no lock wait)
     wire_bytes: int = 0  # filled in by the gRPC client
 
 

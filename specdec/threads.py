@@ -21,3 +21,37 @@ WAIT_POLICY = "PASSIVE"
 def prefer_passive_openmp() -> None:
     """Sets OMP_WAIT_POLICY=PASSIVE unless the environment already chose a policy."""
     os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+
+
+class PassLock:
+    """An exclusive lock on a file, held by a worker around each forward pass (--pass-lock).
+
+    Workers that share cores (the draft and the target on one host) each run their passes with a
+    team of as many threads as there are cores. When a draft pass and a target pass run at once,
+    twice as many threads as cores take turns at every barrier and both passes crawl; that happens
+    as soon as two requests are in different phases of their rounds (one drafting while the other
+    verifies). With one lock file for all workers of a host, their passes take turns instead, each
+    with all the cores. A path of None makes the lock a no-op (workers with hardware of their own).
+    """
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600) if path else None
+
+    def __enter__(self) -> "PassLock":
+        if self._fd is not None:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -116,6 +116,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests-per-level", type=int, default=None, metavar="N",
                    help="requests at each level (default max(8, 2 x level))")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--pass-lock", choices=["on", "off"], default="on",
+                   help="the workers' passes take turns on the shared cores (--pass-lock); off: the ablation")
     p.add_argument("--gamma", type=parse_modes, default=parse_modes("on,off"),
                    help="modes to compare: on (the server's default gamma), off (gamma 0) or a number "
                         "(default on,off)")
@@ -426,7 +428,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="specdec-bench-serve-") as tmp:
         target_dir, draft_dir, draft_vocab, models = _model_dirs(a, tmp)
-        stack = ProcessStack(target_dir, draft_dir, draft_vocab=draft_vocab)
+        stack = ProcessStack(target_dir, draft_dir, draft_vocab=draft_vocab, pass_lock=a.pass_lock == "on")
         try:
             t0 = time.monotonic()
             log(f"starting target, draft and orchestrator ({models['target']} + {models['draft']}) ...")

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -48,9 +49,13 @@ class ProcessStack:
     """Target, draft and orchestrator as child processes on loopback."""
 
     def __init__(self, target_dir: str, draft_dir: str, *, device: str = "cpu", dtype: str = "auto",
-                 quantization: str = "auto", draft_vocab: int = 0):
+                 quantization: str = "auto", draft_vocab: int = 0, pass_lock: bool = True):
         self.ports = {name: free_port() for name in ("target", "draft", "orchestrator")}
-        common = ["--host", "127.0.0.1", "--device", device, "--dtype", dtype, "--quantize", quantization]
+        # both workers share this host's cores: their passes take turns (specdec.threads.PassLock)
+        self.pass_lock = os.path.join(tempfile.gettempdir(), f"specdec-passes-{self.ports['target']}.lock") \
+            if pass_lock else None
+        common = ["--host", "127.0.0.1", "--device", device, "--dtype", dtype, "--quantize", quantization,
+                  *(["--pass-lock", self.pass_lock] if pass_lock else [])]
         self.commands = [
             ["target_service", "--model", target_dir, "--port", str(self.ports["target"]), *common],
             ["draft_service", "--model", draft_dir, "--port", str(self.ports["draft"]), *common,
@@ -98,6 +103,11 @@ class ProcessStack:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
+        if self.pass_lock and all(p.poll() is not None for p in self.procs):
+            try:
+                os.remove(self.pass_lock)
+            except FileNotFoundError:
+                pass
 
     def __enter__(self) -> "ProcessStack":
         return self.start()

@@ -40,7 +40,7 @@ class TargetEngine(WorkerEngine):
             argmax, probs = self.run(session, len(draft_token_ids) + 1, "verify",
                                      lambda logits: self._score(logits, params))
             return Verification(argmax, probs, len(session.tokens), time.perf_counter() - t0,
-                                session.last_pass_rows)
+                                session.last_pass_rows, session.last_pass_s)
 
     def _score(self, logits, params: SamplingParams):
         """logits: [gamma + 1, vocab] -> (argmax, None) greedy, else (None, p per position)."""

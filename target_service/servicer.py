@@ -22,4 +22,5 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetWorkerServicer):
             length=v.length,
             compute_s=v.compute_s,
             batch_rows=v.batch_rows,
+            pass_s=v.pass_s,
         )

@@ -24,15 +24,17 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("index", "token_id", "probs", "compute_s", "batch_rows")
+    __slots__ = ("index", "token_id", "probs", "compute_s", "batch_rows", "pass_s")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PASS_S_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_id: int
     probs: _common_pb2.Probs
     compute_s: float
     batch_rows: int
-    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., probs: _Optional[_Union[_common_pb2.Probs, _Mapping]] = ..., compute_s: _Optional[float] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+    pass_s: float
+    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., probs: _Optional[_Union[_common_pb2.Probs, _Mapping]] = ..., compute_s: _Optional[float] = ..., batch_rows: _Optional[int] = ..., pass_s: _Optional[float] = ...) -> None: ...

@@ -22,15 +22,17 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "probs", "length", "compute_s", "batch_rows")
+    __slots__ = ("argmax_token_ids", "probs", "length", "compute_s", "batch_rows", "pass_s")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PASS_S_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Probs]
     length: int
     compute_s: float
     batch_rows: int
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.Probs, _Mapping]]] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+    pass_s: float
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.Probs, _Mapping]]] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., batch_rows: _Optional[int] = ..., pass_s: _Optional[float] = ...) -> None: ...

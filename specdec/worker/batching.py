@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
 from specdec.worker.config import FLAGS
@@ -57,6 +57,8 @@ class RaggedKV:
 
     tensors: list[torch.Tensor]
     new: list[int]  # new tokens of each session in this pass, in order
+    masks: list  # each session's causal mask over its past and new tokens (None for one new token),
+    # built by the first layer and shared by all: they depend only on the lengths
 
 
 class RaggedCache:
@@ -67,6 +69,7 @@ class RaggedCache:
     def __init__(self, caches: list, new: list[int]):
         assert len(caches) == len(new) and all(n >= 1 for n in new), new
         self.caches, self.new = caches, new
+        self.masks: list = []  # filled by ragged_attention in the first layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
         """key_states, value_states: [1, kv_heads, sum(new), head_dim] -> (RaggedKV, RaggedKV)."""
@@ -76,7 +79,7 @@ class RaggedCache:
             full_k, full_v = cache.layers[layer_idx].update(k, v, cache_kwargs)
             keys.append(full_k)
             values.append(full_v)
-        return RaggedKV(keys, self.new), RaggedKV(values, self.new)
+        return RaggedKV(keys, self.new, self.masks), RaggedKV(values, self.new, self.masks)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come from position_ids; nothing asks otherwise
@@ -89,14 +92,19 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     if not isinstance(key, RaggedKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    groups = query.shape[1] // key.tensors[0].shape[1]
+    if not key.masks:
+        for k, n in zip(key.tensors, key.new):
+            past = k.shape[2] - n
+            # token i of the new ones (absolute position past + i) sees keys 0 .. past + i
+            key.masks.append(None if n == 1 else
+                             torch.ones(n, past + n, dtype=torch.bool, device=k.device).tril(diagonal=past))
+    # grouped-query heads share their key/value head inside SDPA: no repeat_kv copy of the whole
+    # cache per layer (measured, 8 sessions of 100 tokens: 29 ms of a pass down to 9)
+    gqa = query.shape[1] != key.tensors[0].shape[1]
     outputs = []
-    for q, k, v, n in zip(query.split(key.new, dim=2), key.tensors, value.tensors, key.new):
-        past = k.shape[2] - n
-        # token i of the new ones (absolute position past + i) sees keys 0 .. past + i
-        mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past)
-        outputs.append(torch.nn.functional.scaled_dot_product_attention(
-            q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=scaling))
+    for q, k, v, mask in zip(query.split(key.new, dim=2), key.tensors, value.tensors, key.masks):
+        outputs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                                                        enable_gqa=gqa))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.flags import Flag, FlagTable, ServedConfig, tls_flags
+from specdec.flags import Flag, FlagTable, ServedConfig, log_level_flag, tls_flags
 
 FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--model", required=True,
@@ -33,6 +33,9 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--max-workers", int, 64, "gRPC handler threads: calls mostly wait for the model thread"),
     Flag("--max-batch-tokens", int, 512,
          "most tokens (all sessions together) in one forward pass; a longer prefill is cut into chunks"),
+    Flag("--pass-lock", help="a file to lock around each forward pass: give the workers that share this host's "
+         "cores the same one, so their passes take turns instead of oversubscribing the cores"),
+    log_level_flag(),
     *tls_flags(),
 ])
 
@@ -54,6 +57,8 @@ class WorkerConfig(ServedConfig):
     drain_timeout_s: float = FLAGS.default("drain_timeout_s")
     max_workers: int = FLAGS.default("max_workers")
     max_batch_tokens: int = FLAGS.default("max_batch_tokens")
+    pass_lock: str | None = None  # workers sharing cores lock this file around each pass
+    log_level: str = FLAGS.default("log_level")
     tls_cert: str | None = None  # serve TLS with this PEM certificate chain ...
     tls_key: str | None = None  # ... and key
     tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)

@@ -31,6 +31,7 @@ from specdec.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, 
 from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
 from specdec import telemetry as t
 from specdec.protocol import ModelInfo
+from specdec.threads import PassLock
 from specdec.worker.batching import DEFAULT_MAX_BATCH_TOKENS, NO_MASK, Batcher, Pass, RaggedCache, Work, \
     use_ragged_attention
 
@@ -57,6 +58,7 @@ class Session:
     # caller reads each proposal, checks it did not change in between
     version: int = 0
     last_pass_rows: int = 0  # tokens of all sessions in the last pass it took part in
+    last_pass_s: float = 0.0  # and the seconds that pass took
 
     @property
     def cached(self) -> int:
@@ -104,6 +106,7 @@ class WorkerEngine:
         model_thread: ThreadPoolExecutor | None = None,
         session_ttl_s: float = 600.0,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        pass_lock: str | None = None,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -128,6 +131,7 @@ class WorkerEngine:
         self._model_thread = model_thread or new_model_thread()
         use_ragged_attention(self.model)
         self._batcher = Batcher(self._run_pass, max_batch_tokens)
+        self._pass_lock = PassLock(pass_lock)  # specdec/threads.py: passes of co-located workers take turns
         tok = self.tokenizer
         self.info = ModelInfo(
             model_name=loaded.name,
@@ -157,6 +161,7 @@ class WorkerEngine:
         self._batcher.close()
         if self._owns_model_thread:
             self._model_thread.shutdown(wait=True)
+        self._pass_lock.close()
         with self._sessions_lock:
             self._sessions.clear()
 
@@ -345,13 +350,15 @@ class WorkerEngine:
         attributes = {t.BATCH_ROWS: len(ids), t.BATCH_SESSIONS: len(sessions)}
         spans = [self.tracer.start_span("forward", context=work.context, attributes={
             t.FORWARD_TOKENS: n, t.FORWARD_KIND: work.kind, **attributes}) for work, n in batch.items]
-        t0 = time.perf_counter()
         try:
-            out = self.model(input_ids=torch.tensor([ids], device=self.input_device),
-                             position_ids=torch.tensor([positions], device=self.input_device),
-                             attention_mask=NO_MASK, past_key_values=RaggedCache([s.cache for s in sessions],
-                                                                                 [n for _, n in batch.items]),
-                             use_cache=True, logits_to_keep=torch.tensor(keep_rows, dtype=torch.long))
+            with self._pass_lock:
+                t0 = time.perf_counter()  # the pass itself: not the wait for the other worker's
+                out = self.model(input_ids=torch.tensor([ids], device=self.input_device),
+                                 position_ids=torch.tensor([positions], device=self.input_device),
+                                 attention_mask=NO_MASK, past_key_values=RaggedCache([s.cache for s in sessions],
+                                                                                     [n for _, n in batch.items]),
+                                 use_cache=True, logits_to_keep=torch.tensor(keep_rows, dtype=torch.long))
+                elapsed = time.perf_counter() - t0
         except BaseException:
             # a pass that failed half-way leaves layers of different lengths; start those caches
             # over (the tokens are kept, so the next call recomputes them) rather than trust them
@@ -361,13 +368,12 @@ class WorkerEngine:
         finally:
             for span in spans:
                 span.end()
-        elapsed = time.perf_counter() - t0
         self._batch_rows.record(len(ids), {t.ROLE: self._role})
         self._batch_sessions.record(len(sessions), {t.ROLE: self._role})
         for work, _ in batch.items:
             self._forward_duration.record(elapsed, {t.FORWARD_KIND: work.kind})
         for session in sessions:
-            session.last_pass_rows = len(ids)
+            session.last_pass_rows, session.last_pass_s = len(ids), elapsed
         logits, row = out.logits[0], 0
         for work in done:
             try:

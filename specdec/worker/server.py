@@ -47,7 +47,8 @@ class WorkerRole:
         loaded = load_model(config.model, device=config.device, dtype=config.dtype, device_map=config.device_map,
                             quantization=config.quantization, head_rows=config.draft_vocab)
         return self.engine_class(loaded, max_sessions=config.max_sessions, max_cached_tokens=config.max_cached_tokens,
-                                 session_ttl_s=config.session_ttl_s, max_batch_tokens=config.max_batch_tokens)
+                                 session_ttl_s=config.session_ttl_s, max_batch_tokens=config.max_batch_tokens,
+                                 pass_lock=config.pass_lock)
 
 
 class EngineSlot:
@@ -139,8 +140,8 @@ def create_server(role: WorkerRole, config: WorkerConfig, engine: WorkerEngine |
 
 def main(role: WorkerRole, argv: list[str] | None = None) -> None:
     """`python -m draft_service` / `python -m target_service`."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role.name} %(levelname)s %(message)s")
     config = WorkerConfig.from_args(role.name, argv, default_port=role.default_port)
+    logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s {role.name} %(levelname)s %(message)s")
     parts, port = create_server(role, config, telemetry=Telemetry.from_env(f"specdec-{role.name}"))
     log.info("%s worker on port %d, loading %s", role.name, port, config.model)
 

@@ -46,3 +46,16 @@ def test_propose_holds_no_lock_while_its_caller_reads(draft_engine):
         assert [p.index for p in draft_engine.propose("reader", 3, [], 2, GREEDY, 0)] == [0, 1]
     finally:
         draft_engine.close_session("reader")
+
+
+def test_the_last_proposal_reports_the_rows_and_seconds_of_its_passes(draft_engine):
+    """The gamma policy fits pass seconds against rows: the last proposal carries both (means over
+    the call's steps), the others neither."""
+    draft_engine.open_session("timed", [9, 8, 7])
+    try:
+        proposals = list(draft_engine.propose("timed", 3, [], 3, GREEDY, 0))
+    finally:
+        draft_engine.close_session("timed")
+    *earlier, last = proposals
+    assert all(p.batch_rows == 0 and p.pass_s == 0.0 for p in earlier)
+    assert last.batch_rows >= 1 and 0 < last.pass_s <= sum(p.compute_s for p in proposals)

@@ -15,3 +15,13 @@ def test_verify_retry_is_harmless(target_engine):
         assert first.argmax == again.argmax and again.length == 5
     finally:
         target_engine.close_session("retry")
+
+
+def test_a_verification_reports_the_rows_and_seconds_of_its_pass(target_engine):
+    target_engine.open_session("timed", [5, 6, 7])
+    try:
+        v = target_engine.verify("timed", 3, [], [8, 9], SamplingParams(temperature=0))
+    finally:
+        target_engine.close_session("timed")
+    assert v.batch_rows >= 3  # the uncached last prompt token and the two drafts
+    assert 0 < v.pass_s <= v.compute_s
