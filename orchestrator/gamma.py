@@ -16,10 +16,18 @@ pass. It adds the draft's and the target's times, which is right where they shar
 their passes take turns (--pass-lock); where the draft has hardware of its own it is an upper
 bound. Times as a request sees them are no good here: under load they are mostly waiting for
 other sessions' passes, which does not grow with a pass's own rows, so drafts looked free
-(measured: gamma ~2 chosen at 4 and 8 clients, 0.6x the throughput of gamma 0). Every session
-on a target gets the same g* (only the request's own gamma and the tokens it has left cap it):
-sessions drafting different amounts fall out of step and split the target's pass in two.
-Drafting must promise MARGIN more goodput than gamma 0 to be chosen. On
+(measured: gamma ~2 chosen at 4 and 8 clients, 0.6x the throughput of gamma 0).
+
+What `best_gamma` evaluates is more cautious than that formula, for g > 0: each session's
+passes are taken to be its own, the cycle B * (g * D(1) + T(g + 1)). Sessions that draft fall
+out of step: each request runs its own round loop, so while one drafts another verifies, and
+their passes no longer meet (measured, 4 clients at gamma ~1.7 with the in-step formula: 0.67x
+the throughput of gamma 0, about what unshared passes predict). Plain decoding (g = 0) stays in
+step through the workers' lockstep window, so its B sessions share each pass: T(B). The result
+on this CPU: drafting when a request is alone on its target, gamma 0 as soon as others share
+it. A scheduler that starts the rounds of all sessions on a target together would make the
+drafting passes shared again (the formula above); that is not built. Drafting must promise
+MARGIN more goodput than gamma 0 to be chosen. On
 this CPU a pass of 40 rows costs ~6 one-row passes, so as B grows the drafts' extra rows weigh
 more and g* falls, down to 0: plain batched decoding. On hardware whose passes cost the same for
 1 and 40 rows (a GPU), g* stays high. Before the rows in passes have varied enough to tell the
@@ -132,16 +140,19 @@ class Acceptance:
 
 def best_gamma(gamma_max: int, sessions: int, target: LinearCost, draft: LinearCost,
                acceptance: Acceptance) -> int:
-    """g* = argmax over 0..gamma_max of sessions * E(g) / (g * D(sessions) + T(sessions * (g + 1))),
-    where drafting must beat plain decoding by MARGIN to be chosen at all, and E takes acceptance
+    """g* = argmax over 0..gamma_max of the goodput of the B sessions on the target: B / T(B) at
+    g = 0 (their passes shared), E(g) / (g * D(1) + T(g + 1)) at g > 0 (each session's passes its
+    own, see the module's docstring); drafting must beat g = 0 by MARGIN, and E takes acceptance
     with OPTIMISM."""
     if gamma_max <= 0 or not target.known:
         return max(gamma_max, 0)  # nothing measured yet: the request's gamma
     b = max(sessions, 1)
-    step = draft(b) if draft.known else 0.0
+    step = draft(1) if draft.known else 0.0
 
     def goodput(g: int) -> float:
-        return b * acceptance.expected_tokens(g, OPTIMISM) / (g * step + target(b * (g + 1)))
+        if g == 0:
+            return b / target(b)
+        return b * acceptance.expected_tokens(g, OPTIMISM) / (b * (g * step + target(g + 1)))
 
     best = max(range(1, gamma_max + 1), key=goodput)
     return best if goodput(best) > (1 + MARGIN) * goodput(0) else 0

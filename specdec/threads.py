@@ -32,6 +32,7 @@ class PassLock:
     as soon as two requests are in different phases of their rounds (one drafting while the other
     verifies). With one lock file for all workers of a host, their passes take turns instead, each
     with all the cores. A path of None makes the lock a no-op (workers with hardware of their own).
+    The kernel frees the lock of a worker that dies; one that is frozen mid-pass holds it.
     """
 
     def __init__(self, path: str | None):

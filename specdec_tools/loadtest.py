@@ -312,15 +312,19 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="specdec-loadtest-"))
     target_dir, draft_dir = build_models(tmp)
     procs: dict[str, Proc] = {}
+    # all five processes share this host's cores: the workers' passes take turns, the draft
+    # sessions open lazily (--prefill sequential), as on the one-host stack
+    pass_lock = str(tmp / "passes.lock")
     for role, model in (("target", target_dir), ("draft", draft_dir)):
         for k in range(2):
             port = free_port()
             procs[f"{role}{k}"] = Proc(f"{role}{k}", [f"{role}_service", "--model", model, "--host", "127.0.0.1",
                                                       "--port", str(port), "--dtype", "float64", "--quantize", "none",
-                                                      "--session-ttl", "30"], out / "logs", port)
+                                                      "--session-ttl", "30", "--pass-lock", pass_lock],
+                                  out / "logs", port)
     port = free_port()
     procs["orchestrator"] = Proc("orchestrator", [
-        "orchestrator", "--host", "127.0.0.1", "--port", str(port), "--poll-interval", "0.5",
+        "orchestrator", "--host", "127.0.0.1", "--port", str(port), "--poll-interval", "0.5", "--prefill", "sequential",
         "--target", f"{procs['target0'].address},{procs['target1'].address}",
         "--draft", f"{procs['draft0'].address},{procs['draft1'].address}"], out / "logs", port)
     stop, records, events, lock, peaks = threading.Event(), [], [], threading.Lock(), {}
