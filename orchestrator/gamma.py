@@ -30,7 +30,7 @@ drafting passes shared again (the formula above); that is not built. Drafting mu
 MARGIN more goodput than gamma 0 to be chosen. On
 this CPU a pass of 40 rows costs ~6 one-row passes, so as B grows the drafts' extra rows weigh
 more and g* falls, down to 0: plain batched decoding. On hardware whose passes cost the same for
-1 and 40 rows (a GPU), g* stays high. Before the rows in passes have varied enough to tell the
+1 and 40 rows (a GPU), in step, g* would stay high (but see below). Before the rows in passes have varied enough to tell the
 slope, a prior slope (PRIOR_SLOPE, the CPU's) stands in; it fades as the rows observed spread.
 
 The choice depends only on the past (earlier rounds' timings and acceptance), never on the draws
