@@ -177,8 +177,9 @@ def test_greedy_sends_no_distributions(client):
     greedy = client.generate(prompt="abc", max_new_tokens=12, temperature=0, gamma=4).stats
     sampled = client.generate(prompt="abc", max_new_tokens=12, temperature=1.0, top_k=8, gamma=4, seed=1).stats
     dense = client.generate(prompt="abc", max_new_tokens=12, temperature=1.0, gamma=4, seed=1).stats
-    # greedy: token ids only; top-k: 8 (index, prob) pairs per position; plain temperature: dense
-    assert greedy["wire_bytes_per_round"] < 200
+    # greedy: token ids and a few numbers (compute time, the pass's rows and seconds) only; top-k:
+    # 8 (index, prob) pairs per position; plain temperature: dense
+    assert greedy["wire_bytes_per_round"] < 256
     assert greedy["wire_bytes_per_round"] < sampled["wire_bytes_per_round"] < dense["wire_bytes_per_round"]
 
 
