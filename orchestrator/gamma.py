@@ -30,8 +30,8 @@ drafting passes shared again (the formula above); that is not built. Drafting mu
 MARGIN more goodput than gamma 0 to be chosen. On
 this CPU a pass of 40 rows costs ~6 one-row passes, so as B grows the drafts' extra rows weigh
 more and g* falls, down to 0: plain batched decoding. On hardware whose passes cost the same for
-1 and 40 rows (a GPU), in step, g* would stay high (but see below). Before the rows in passes have varied enough to tell the
-slope, a prior slope (PRIOR_SLOPE, the CPU's) stands in; it fades as the rows observed spread.
+1 and 40 rows (a GPU), g* would stay high if the sessions stayed in step (they do not: see
+above). Before the rows in passes have varied enough to tell the slope, a prior slope (PRIOR_SLOPE, the CPU's) stands in; it fades as the rows observed spread.
 
 The choice depends only on the past (earlier rounds' timings and acceptance), never on the draws
 of the round it is made for, so every round's tokens still follow the target's distribution
@@ -147,15 +147,15 @@ def best_gamma(gamma_max: int, sessions: int, target: LinearCost, draft: LinearC
     if gamma_max <= 0 or not target.known:
         return max(gamma_max, 0)  # nothing measured yet: the request's gamma
     b = max(sessions, 1)
+    alpha, beta = target.fit()  # once per choice: every candidate below reads the same line
     step = draft(1) if draft.known else 0.0
 
-    def goodput(g: int) -> float:
-        if g == 0:
-            return b / target(b)
-        return b * acceptance.expected_tokens(g, OPTIMISM) / (b * (g * step + target(g + 1)))
+    def per_session(g: int) -> float:  # g > 0: E(g) over the session's own g draft passes and verify
+        return acceptance.expected_tokens(g, OPTIMISM) / (g * step + max(alpha + beta * (g + 1), 1e-6))
 
-    best = max(range(1, gamma_max + 1), key=goodput)
-    return best if goodput(best) > (1 + MARGIN) * goodput(0) else 0
+    best = max(range(1, gamma_max + 1), key=per_session)
+    shared = b / max(alpha + beta * b, 1e-6)  # g = 0: the B sessions share each target pass
+    return best if per_session(best) > (1 + MARGIN) * shared else 0
 
 
 class GammaPolicy:
@@ -172,9 +172,8 @@ class GammaPolicy:
         return self._costs.setdefault(address, LinearCost())
 
     def choose(self, gamma_max: int, target: str, draft: str, sessions: int, lag: int = 1) -> int:
-        """The round's gamma: the same for every session on this target and load, so that their
-        passes stay in step (a session drafting while the others verify splits the target's pass
-        in two). lag: tokens the draft's session must take in before drafting (1 after a round
+        """The round's gamma, from this target's load and the pair's measurements only (not from
+        the request's own state, but for probes), so the sessions on a target draft alike. lag: tokens the draft's session must take in before drafting (1 after a round
         that drafted, the whole context for a lazily opened one): only probes look at it."""
         if not self.adaptive:
             return gamma_max

@@ -54,7 +54,7 @@ class RequestState:
     stats: GenerationStats
     assembler: TextAssembler
     started: float  # perf_counter at the request's start, for stats.total_s
-    policy: GammaPolicy = field(default_factory=GammaPolicy)  # how many of `gamma` a round drafts
+    policy: GammaPolicy  # how many of `gamma` a round drafts (the decoder's)
     prompt_len: int = field(init=False)
     target_synced: int = field(init=False)  # how many of `tokens` the target's cache holds validly
     draft_synced: int = field(init=False)  # the same for the draft's

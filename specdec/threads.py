@@ -13,6 +13,7 @@ This module imports nothing heavy: call `prefer_passive_openmp()` before anythin
 
 from __future__ import annotations
 
+import fcntl
 import os
 
 WAIT_POLICY = "PASSIVE"
@@ -41,15 +42,11 @@ class PassLock:
 
     def __enter__(self) -> "PassLock":
         if self._fd is not None:
-            import fcntl
-
             fcntl.flock(self._fd, fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
-            import fcntl
-
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
