@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdec.protocol import SamplingParams
+from specdec.protocol import DraftOptions, SamplingParams
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.worker.server import SessionRpcs
 
@@ -16,6 +16,7 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftWorkerServicer):
             request.gamma,
             SamplingParams.from_proto(request.sampling),
             request.seed,
+            DraftOptions.from_proto(request.options),
         )
         for p in proposals:
             yield draft_pb2.Proposal(

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from orchestrator.pool import parse_entries
 from specdec.flags import Flag, FlagTable, ServedConfig, log_level_flag, tls_flags
+from specdec.errors import InvalidArgument
+from specdec.protocol import DraftOptions
 from specdec.security import ClientTls
 
 DEFAULT_PORT = 50050
@@ -14,7 +16,8 @@ DEFAULT_PORT = 50050
 FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--target", required=True,
          help="target workers: HOST:PORT, comma-separated, or a name that resolves to every replica"),
-    Flag("--draft", help="draft workers, the same way (omit to serve gamma 0 only)"),
+    Flag("--draft", help="draft workers, the same way (omit to serve gamma 0 only); 'ngram' drafts with no model, "
+         "in this process, by prompt lookup"),
     Flag("--host", default="0.0.0.0"),
     Flag("--port", int, DEFAULT_PORT),
     Flag("--max-workers", int, 32, "client requests decoding at once; more wait in the queue"),
@@ -22,6 +25,11 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--gamma-policy", default="goodput", choices=["goodput", "fixed"],
          help="goodput: each round drafts the gamma (up to the request's) that maximizes measured goodput, "
               "fewer as the target's batch grows; fixed: always the request's gamma"),
+    Flag("--draft-p-min", float, 0.0, "a draft stops proposing after a token it gave less than this probability "
+         "(0: never stops before gamma)"),
+    Flag("--draft-min", int, 1, "drafts a round makes before --draft-p-min may stop it", field="draft_min"),
+    Flag("--draft-lookup", int, 4, "the longest n-gram a model draft looks up in the sequence to check the tokens "
+         "that followed it in one pass (0: off)"),
     Flag("--worker-timeout", float, 120.0, "deadline of each call to a worker (prefill, verify, ...)",
          field="worker_timeout_s"),
     Flag("--draft-timeout", float, 10.0,
@@ -60,6 +68,9 @@ class OrchestratorConfig(ServedConfig):
     max_workers: int = FLAGS.default("max_workers")
     max_queued: int = FLAGS.default("max_queued")
     gamma_policy: str = FLAGS.default("gamma_policy")
+    draft_p_min: float = FLAGS.default("draft_p_min")
+    draft_min: int = FLAGS.default("draft_min")
+    draft_lookup: int = FLAGS.default("draft_lookup")
     worker_timeout_s: float = FLAGS.default("worker_timeout_s")
     draft_timeout_s: float = FLAGS.default("draft_timeout_s")
     startup_timeout_s: float = FLAGS.default("startup_timeout_s")
@@ -80,6 +91,10 @@ class OrchestratorConfig(ServedConfig):
     auth_token_file: str | None = None  # bearer tokens clients must send, one per line
 
     @property
+    def draft_options(self) -> DraftOptions:
+        return DraftOptions(self.draft_p_min, self.draft_min, self.draft_lookup)
+
+    @property
     def worker_tls(self) -> ClientTls:
         return ClientTls(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key)
 
@@ -88,6 +103,7 @@ class OrchestratorConfig(ServedConfig):
         values = FLAGS.parse(argv, "python -m orchestrator", "Run the orchestrator.")
         try:
             parse_entries(values["target"]), parse_entries(values["draft"])
-        except ValueError as exc:
+            DraftOptions(values["draft_p_min"], values["draft_min"], values["draft_lookup"]).validate()
+        except (ValueError, InvalidArgument) as exc:
             argparse.ArgumentParser(prog="python -m orchestrator").error(str(exc))
         return cls(**values)

@@ -38,7 +38,7 @@ from orchestrator.rounds import RequestState, run_round
 from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
 from specdec.errors import Cancelled, InvalidArgument, ServiceError
-from specdec.protocol import (MAX_GAMMA, GenerationChunk, GenerationRequest, GenerationResult, GenerationStats,
+from specdec.protocol import (MAX_GAMMA, DraftOptions, GenerationChunk, GenerationRequest, GenerationResult, GenerationStats,
                               RequestLimits, SamplingParams)
 from specdec.telemetry import Telemetry
 
@@ -62,7 +62,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target: TargetWorker | WorkerPool, draft: DraftWorker | WorkerPool | None = None,
                  tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
-                 limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None):
+                 limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None,
+                 draft_options: DraftOptions = DraftOptions()):
         self.limits = limits
         self.targets = target if isinstance(target, WorkerPool) else WorkerPool.fixed("target", [target])
         self.drafts = draft if isinstance(draft, WorkerPool) or draft is None else WorkerPool.fixed("draft", [draft])
@@ -87,6 +88,7 @@ class SpeculativeDecoder:
         # in-process callers get the request's gamma unless they pass a policy; the server passes
         # --gamma-policy's (goodput by default)
         self.gamma_policy = gamma_policy or GammaPolicy(adaptive=False)
+        self.draft_options = draft_options.validate()  # sent with every Propose (--draft-p-min, --draft-lookup)
 
     # ---- request handling ----------------------------------------------------------------
 
@@ -231,7 +233,8 @@ class SpeculativeDecoder:
         """Drives the request round by round (orchestrator/rounds.py) and records each round's metrics."""
         state = RequestState(placement, params, generator, self.tracer, self.eos, request.gamma,
                              request.max_new_tokens, list(prompt), stats, TextAssembler(self.tokenizer, request.stop),
-                             started=time.perf_counter() - stats.prefill_s, policy=self.gamma_policy)
+                             started=time.perf_counter() - stats.prefill_s, policy=self.gamma_policy,
+                             draft_options=self.draft_options)
         while state.finish is None:
             rnd = run_round(state, ctx)
             self.metrics.record_round(rnd.gamma, rnd.num_accepted, rnd.draft_s, rnd.verify_s, rnd.sampling_s,

@@ -33,6 +33,6 @@ def load_local(
     draft_engine = None
     if draft is not None:
         loaded = load_model(draft, device=draft_device or device, dtype=dtype, quantization=quantization,
-                            head_rows=draft_vocab)
+                            head_rows=draft_vocab, role="draft")
         draft_engine = DraftEngine(loaded, model_thread=model_thread)
     return SpeculativeDecoder(target_engine, draft_engine, tokenizer=target_engine.tokenizer)

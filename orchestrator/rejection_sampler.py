@@ -27,30 +27,38 @@ class SampleResult:
 
 def rejection_sample(
     draft_token_ids: Sequence[int],
-    draft_probs: Sequence[CompactProbs],
+    draft_probs: Sequence[CompactProbs | None],
     target_probs: Sequence[CompactProbs],
     generator: torch.Generator,
 ) -> SampleResult:
     """Accepts or rejects gamma drafts so that the output follows the target distribution.
 
     draft_token_ids: [gamma]      x_i, drawn by the draft from q_i
-    draft_probs:     [gamma]      q_i, the draft's processed distribution at position i
+    draft_probs:     [gamma]      q_i, the draft's processed distribution at position i; None
+                                  for a point mass on x_i (a lookup draft, draft_service/ngram.py):
+                                  x_i is then kept w.p. p_i(x_i), and a rejection draws from p_i
+                                  without x_i, renormalized, which is norm(max(0, p_i - q_i))
     target_probs:    [gamma + 1]  p_i, the target's processed distribution at position i;
                                   p_gamma is the bonus position
     """
     gamma = len(draft_token_ids)
     assert len(draft_probs) == gamma and len(target_probs) == gamma + 1, (gamma, len(draft_probs), len(target_probs))
-    assert all(q.vocab_size == target_probs[0].vocab_size for q in [*draft_probs, *target_probs])
+    assert all(q.vocab_size == target_probs[0].vocab_size for q in [*draft_probs, *target_probs] if q is not None)
 
     for i, x in enumerate(draft_token_ids):
+        q = draft_probs[i]
         p_x = target_probs[i].prob_of(x)
-        q_x = draft_probs[i].prob_of(x)
+        q_x = q.prob_of(x) if q is not None else 1.0
         u = float(torch.rand((), generator=generator))
         # accept with probability min(1, p(x)/q(x)); written as u*q < p so q(x) = 0 never divides
         if u * q_x < p_x:
             continue
         # first rejection: draw the recovered token from norm(max(0, p - q))
-        residual = (target_probs[i].dense() - draft_probs[i].dense()).clamp_(min=0.0)
+        if q is not None:
+            residual = (target_probs[i].dense() - q.dense()).clamp_(min=0.0)
+        else:  # q = one-hot(x): max(0, p - q) is p with x's mass removed
+            residual = target_probs[i].dense().clone()
+            residual[x] = 0.0
         total = float(residual.sum())
         if total <= 0.0:  # p == q up to rounding: the residual is empty, p itself is exact
             recovered = target_probs[i].sample(generator)

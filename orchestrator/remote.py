@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.errors import ServiceError, Unavailable, from_rpc_error
-from specdec.protocol import (WORKER_MAX_MESSAGE_BYTES, CompactProbs, ModelInfo, Proposal, SamplingParams,
+from specdec.protocol import (WORKER_MAX_MESSAGE_BYTES, CompactProbs, DraftOptions, ModelInfo, Proposal, SamplingParams,
                               Verification, message_options)
 from specdec.security import ClientTls, open_channel
 from specdec.telemetry import Telemetry
@@ -106,10 +106,12 @@ class RemoteDraft(_RemoteWorker):
         self.round_timeout_s = round_timeout_s or self.timeout_s
 
     def propose(
-        self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int
+        self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int,
+        options: DraftOptions = DraftOptions(),
     ) -> Iterator[Proposal]:
         request = draft_pb2.ProposeRequest(
-            session_id=session_id, start=start, token_ids=token_ids, gamma=gamma, sampling=params.to_proto(), seed=seed
+            session_id=session_id, start=start, token_ids=token_ids, gamma=gamma, sampling=params.to_proto(), seed=seed,
+            options=options.to_proto() if options != DraftOptions() else None,
         )
         request_bytes = _wire(request)
         # a Propose that first catches up many tokens (a lazily opened session, or rounds that did

@@ -36,7 +36,7 @@ from orchestrator.placement import Placement, is_worker_fault
 from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample
 from specdec import telemetry as t
 from specdec.errors import ServiceError
-from specdec.protocol import CompactProbs, GenerationChunk, GenerationStats, SamplingParams, Verification
+from specdec.protocol import CompactProbs, DraftOptions, GenerationChunk, GenerationStats, SamplingParams, Verification
 
 
 @dataclass
@@ -55,6 +55,7 @@ class RequestState:
     assembler: TextAssembler
     started: float  # perf_counter at the request's start, for stats.total_s
     policy: GammaPolicy  # how many of `gamma` a round drafts (the decoder's)
+    draft_options: DraftOptions = DraftOptions()  # how the draft proposes (the decoder's)
     prompt_len: int = field(init=False)
     target_synced: int = field(init=False)  # how many of `tokens` the target's cache holds validly
     draft_synced: int = field(init=False)  # the same for the draft's
@@ -73,7 +74,7 @@ class RequestState:
 class Round:
     """One round's values, filled in by its steps in order."""
 
-    gamma: int  # drafts asked for; 0 once a draft fault cut the round's drafting short
+    gamma: int  # drafts asked for, then drafts made (a draft may stop early: DraftOptions); 0 after a draft fault
     remaining: int  # tokens max_new_tokens still allows
     wire_before: int
     drafts: list[int] = field(default_factory=list)  # x_i
@@ -129,13 +130,14 @@ def draft(req: RequestState, rnd: Round) -> None:
             with req.tracer.start_as_current_span("draft"):
                 for p in req.placement.draft.worker.propose(req.placement.session_id, req.draft_synced,
                                                             req.tokens[req.draft_synced:], rnd.gamma, req.params,
-                                                            seed):
+                                                            seed, req.draft_options):
                     rnd.drafts.append(p.token_id)
                     rnd.draft_probs.append(p.probs)
                     if p.batch_rows:  # only the last proposal reports them
                         rnd.draft_rows, rnd.draft_pass_s = p.batch_rows, p.pass_s
                     req.stats.wire_bytes += p.wire_bytes
                     req.stats.draft_compute_s += p.compute_s
+            rnd.gamma = len(rnd.drafts)  # fewer when the draft stopped early (or a lookup found nothing)
         except ServiceError as exc:
             if not is_worker_fault(exc):
                 raise

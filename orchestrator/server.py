@@ -19,6 +19,7 @@ from opentelemetry import metrics
 from orchestrator.admission import Admission
 from orchestrator.config import OrchestratorConfig
 from orchestrator.gamma import GammaPolicy
+from draft_service.ngram import NGRAM_MODEL, NgramDraft
 from orchestrator.pool import WorkerPool, pair_pools, parse_entries
 from orchestrator.remote import RemoteDraft, RemoteTarget
 from orchestrator.decoder import SpeculativeDecoder
@@ -43,7 +44,9 @@ def build_pools(config: OrchestratorConfig, telemetry: Telemetry) -> tuple[Worke
     targets = WorkerPool("target", parse_entries(config.target), connect=connect(RemoteTarget),
                          poll_s=config.poll_s, resolve_s=config.resolve_s)
     drafts = None
-    if config.draft:
+    if config.draft == NGRAM_MODEL:  # a model-free draft in this process (draft_service/ngram.py)
+        drafts = WorkerPool.fixed("draft", [NgramDraft()])
+    elif config.draft:
         drafts = WorkerPool("draft", parse_entries(config.draft),
                             connect=connect(RemoteDraft, round_timeout_s=config.draft_timeout_s),
                             poll_s=config.poll_s, resolve_s=config.resolve_s)
@@ -65,7 +68,8 @@ def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry)
         drafts.wait_for_member(config.startup_timeout_s)
     return SpeculativeDecoder(targets, drafts, parallel_prefill=config.parallel_prefill, telemetry=telemetry,
                               gamma_policy=GammaPolicy(adaptive=config.gamma_policy == "goodput"),
-                              limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens))
+                              limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens),
+                              draft_options=config.draft_options)
 
 
 def _pair_in_background(config: OrchestratorConfig, slot: DecoderSlot, parts: ServerParts) -> threading.Thread:

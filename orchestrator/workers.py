@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Iterator, Protocol
 
 from specdec.errors import FailedPrecondition
-from specdec.protocol import ModelInfo, Proposal, SamplingParams, Verification
+from specdec.protocol import ANY_VOCABULARY
+from specdec.protocol import DraftOptions, ModelInfo, Proposal, SamplingParams, Verification
 
 
 class Worker(Protocol):
@@ -25,7 +26,8 @@ class Worker(Protocol):
 
 class DraftWorker(Worker, Protocol):
     def propose(
-        self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int
+        self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int,
+        options: DraftOptions = DraftOptions(),
     ) -> Iterator[Proposal]: ...
 
 
@@ -38,7 +40,10 @@ class TargetWorker(Worker, Protocol):
 
 
 def check_pair(target: ModelInfo, draft: ModelInfo) -> None:
-    """Refuses a draft whose vocabulary differs from the target's: its acceptance would collapse."""
+    """Refuses a draft whose vocabulary differs from the target's: its acceptance would collapse.
+    A model-free draft (draft_service/ngram.py) proposes tokens of the sequence: any vocabulary."""
+    if draft.vocab_fingerprint == ANY_VOCABULARY:
+        return
     if target.vocab_size != draft.vocab_size or target.vocab_fingerprint != draft.vocab_fingerprint:
         raise FailedPrecondition(
             f"draft model '{draft.model_name}' (vocabulary {draft.vocab_size}, fingerprint {draft.vocab_fingerprint[:12]}) "

@@ -18,12 +18,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from specdec.errors import InvalidArgument
-from specdec.v1 import common_pb2, orchestrator_pb2
+from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2
 
 MAX_GAMMA = 16  # most drafts per round a request may ask for
 DEFAULT_GAMMA = 4
 DEFAULT_MAX_NEW_TOKENS = 128
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
+ANY_VOCABULARY = "*"  # the vocab_fingerprint of a draft that pairs with any target (a model-free one)
 
 # Worst case on the worker hop: a dense verify response at gamma 16 is 17 x 151,936 x 4 B,
 # about 10.3 MB; 64 MiB leaves room for larger vocabularies. Prompts to the orchestrator
@@ -191,9 +192,42 @@ class ModelInfo:
                    | {"eos_token_ids": tuple(msg.eos_token_ids)})
 
 
+@dataclass(frozen=True)
+class DraftOptions:
+    """How a draft proposes, chosen by the orchestrator and sent with every Propose.
+
+    p_min: stop proposing once the draft's probability of the token it just proposed is below
+      this (after min_drafts), as llama.cpp's --draft-p-min: an unsure draft is likely rejected,
+      and the steps after it more so. 0 never stops early.
+    lookup: the longest n-gram to look up in the sequence (specdec/ngram.py): a model draft checks
+      the tokens that followed its last occurrence in one pass; 0 does not look.
+    """
+
+    p_min: float = 0.0
+    min_drafts: int = 1
+    lookup: int = 0
+
+    def validate(self) -> "DraftOptions":
+        if not 0.0 <= self.p_min <= 1.0 or not math.isfinite(self.p_min):
+            raise InvalidArgument(f"p_min must lie in [0, 1], got {self.p_min}")
+        if not 1 <= self.min_drafts <= MAX_GAMMA:
+            raise InvalidArgument(f"min_drafts must lie in [1, {MAX_GAMMA}], got {self.min_drafts}")
+        if not 0 <= self.lookup <= 8:
+            raise InvalidArgument(f"lookup (the longest n-gram) must lie in [0, 8], got {self.lookup}")
+        return self
+
+    def to_proto(self) -> draft_pb2.DraftOptions:
+        return draft_pb2.DraftOptions(p_min=self.p_min, min_drafts=self.min_drafts, lookup=self.lookup)
+
+    @classmethod
+    def from_proto(cls, msg: draft_pb2.DraftOptions) -> "DraftOptions":
+        return cls(msg.p_min, msg.min_drafts or 1, msg.lookup)
+
+
 @dataclass
 class Proposal:
-    """One draft token of a round, with q (the draft's distribution there; None when greedy)."""
+    """One draft token of a round, with q (the draft's distribution there). probs is None when
+    greedy, and, when sampling, for a proposal q puts all its mass on (a lookup's guess)."""
 
     index: int
     token_id: int

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-PROMPTS = [
+FRESH = [  # answers written from scratch: little to copy from the prompt
     "Write a Python function that merges two sorted lists into one sorted list.",
     "Implement binary search in Python and return the index of the target or -1.",
     "Write a Python class for an LRU cache with get and put in O(1).",
@@ -34,6 +34,36 @@ PROMPTS = [
     "Write a bash script that counts the lines of every .py file in a directory tree.",
     "Write a Rust function that reverses the words in a sentence.",
 ]
+EDIT = [  # code edits: answers that re-use most of the prompt's code
+    "Add type hints and a docstring to this function, and return the whole function:\n\n```python\n"
+    "def merge(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n        else:\n"
+    "            result.append(b[j])\n            j += 1\n    result.extend(a[i:])\n    result.extend(b[j:])\n"
+    "    return result\n```",
+    "Rename the variable `lst` to `items` everywhere in this code and show the full result:\n\n```python\n"
+    "def summarize(lst):\n    total = sum(lst)\n    count = len(lst)\n    mean = total / count if count else 0.0\n"
+    "    largest = max(lst) if lst else None\n    smallest = min(lst) if lst else None\n"
+    "    return {\"total\": total, \"count\": count, \"mean\": mean, \"max\": largest, \"min\": smallest}\n```",
+    "Fix the bug in this JavaScript function (it never resets the timer) and return the corrected code:\n\n"
+    "```javascript\nfunction debounce(fn, wait) {\n  let timer = null;\n  return function (...args) {\n"
+    "    if (timer === null) {\n      timer = setTimeout(() => {\n        fn.apply(this, args);\n      }, wait);\n"
+    "    }\n  };\n}\n```",
+    "Convert this loop into a list comprehension and return the whole function:\n\n```python\n"
+    "def squares_of_evens(numbers):\n    out = []\n    for n in numbers:\n        if n % 2 == 0:\n"
+    "            out.append(n * n)\n    return out\n\n\ndef cubes_of_odds(numbers):\n    out = []\n"
+    "    for n in numbers:\n        if n % 2 == 1:\n            out.append(n * n * n)\n    return out\n```",
+    "Add error handling for a missing file to this function and return the full code:\n\n```python\n"
+    "import csv\n\n\ndef column_average(path, column):\n    with open(path, newline=\"\") as f:\n"
+    "        reader = csv.DictReader(f)\n        values = [float(row[column]) for row in reader if row[column]]\n"
+    "    return sum(values) / len(values) if values else 0.0\n```",
+    "Rewrite this C function to take the array length as a size_t and keep everything else the same:\n\n"
+    "```c\nint sum_array(int *values, int n) {\n    int total = 0;\n    for (int i = 0; i < n; i++) {\n"
+    "        total += values[i];\n    }\n    return total;\n}\n\nint max_array(int *values, int n) {\n"
+    "    int best = values[0];\n    for (int i = 1; i < n; i++) {\n        if (values[i] > best) {\n"
+    "            best = values[i];\n        }\n    }\n    return best;\n}\n```",
+]
+PROMPT_SETS = {"fresh": FRESH, "edit": EDIT}
+PROMPTS = FRESH
 MODES = {"greedy": dict(temperature=0.0, top_p=1.0), "sampled": dict(temperature=0.7, top_p=0.95)}
 METHODS = {"a": "target alone (generate)", "b": "HF assisted generation", "c": "specdec in-process",
            "d": "specdec over gRPC"}
@@ -170,24 +200,24 @@ def cmd_bench(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     methods = [m for m in a.methods.split(",") if m]
     modes = [m for m in a.modes.split(",") if m]
-    prompts = PROMPTS[: a.prompts]
+    prompts = PROMPT_SETS[a.prompt_set][: a.prompts]
     log = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
 
     target_dir, draft_dir = str(resolve_model(a.target)), str(resolve_model(a.draft))
     log(f"loading models (quantization {a.quantize}, draft vocabulary {a.draft_vocab or 'all'})")
     model_thread = new_model_thread()  # as orchestrator.local does: one OpenMP team for both
     target = TargetEngine(load_model(target_dir, quantization=a.quantize), model_thread=model_thread)
-    draft = DraftEngine(load_model(draft_dir, quantization=a.quantize, head_rows=a.draft_vocab),
+    draft = DraftEngine(load_model(draft_dir, quantization=a.quantize, head_rows=a.draft_vocab, role="draft"),
                         model_thread=model_thread)
     decoder = SpeculativeDecoder(target, draft, tokenizer=target.tokenizer)
     tok = target.tokenizer
-    prompt_ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                              add_generation_prompt=True), add_special_tokens=False).input_ids
-                  for p in prompts]
+    encode = lambda p: tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,  # noqa: E731
+                                                   add_generation_prompt=True), add_special_tokens=False).input_ids
+    prompt_ids = [encode(p) for p in prompts]
     assistant = None
     if "b" in methods:  # HF's assistant needs the draft's full output head
         assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
-        quantize(assistant, resolve_quantization(a.quantize, "cpu", torch.float32))
+        quantize(assistant, resolve_quantization(a.quantize, "cpu", torch.float32, "draft"))
     stack = None
     if "d" in methods:
         stack = ProcessStack(target_dir, draft_dir, quantization=a.quantize, draft_vocab=a.draft_vocab).start()
@@ -198,6 +228,23 @@ def cmd_bench(a: argparse.Namespace) -> int:
     try:
         # warm-up: first passes allocate and pack weights
         decoder.generate(GenerationRequest(token_ids=prompt_ids[0], max_new_tokens=8, temperature=0, gamma=a.gamma))
+        if a.ablation:
+            from draft_service.ngram import NgramDraft
+
+            drafts = {"ngram": NgramDraft()}
+            for q in ("fp16", "int8"):
+                drafts[q] = draft if draft.loaded.quantization == q else DraftEngine(
+                    load_model(draft_dir, quantization=q, head_rows=a.draft_vocab), model_thread=model_thread)
+            sets = {name: [encode(p) for p in PROMPT_SETS[name][: a.prompts]] for name in a.ablation.split(",")}
+            ablation = run_ablation(a, target, drafts, sets, modes, log)
+            text = format_ablation(ablation)
+            (out / "ablation.md").write_text(f"{a.prompts} prompts per set, {a.max_new_tokens} new tokens, "
+                                             f"p_min {a.p_min}\n\n{text}\n")
+            with open(out / "ablation.csv", "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(ablation[0]))
+                w.writeheader()
+                w.writerows(ablation)
+            print(text, flush=True)
         if client:
             client.generate(token_ids=prompt_ids[0], max_new_tokens=8, temperature=0, gamma=a.gamma)
         for mode in modes:
@@ -256,6 +303,72 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+# The ablation ladder: each rung adds one technique to the one above it, so each gain is
+# attributed; all run in-process (method c) in one run, on the same prompts and seeds.
+# (label, draft, request gamma, gamma policy, DraftOptions fields)
+LADDER = [
+    ("target only (gamma 0)", None, 0, "fixed", {}),
+    ("gamma 4, fp16 draft", "fp16", 4, "fixed", {}),
+    ("+ int8 draft", "int8", 4, "fixed", {}),
+    ("+ confidence stop", "int8", 4, "fixed", {"p_min": "P_MIN"}),
+    ("+ lookup checked by the draft", "int8", 4, "fixed", {"p_min": "P_MIN", "lookup": 4}),
+    ("+ gamma from live costs (max 4)", "int8", 4, "goodput", {"p_min": "P_MIN", "lookup": 4}),
+    ("  ... max 8", "int8", 8, "goodput", {"p_min": "P_MIN", "lookup": 4}),
+    ("n-gram draft only (no model)", "ngram", 8, "goodput", {}),
+]
+
+
+def run_ablation(a, target, drafts: dict, prompt_sets: dict, modes: list[str], log) -> list[dict]:
+    """Runs every LADDER rung over every prompt set and mode; returns one row per (set, mode, rung)."""
+    from orchestrator.decoder import SpeculativeDecoder
+    from orchestrator.gamma import GammaPolicy
+    from specdec.protocol import DraftOptions, GenerationRequest
+
+    rows = []
+    for set_name, ids_list in prompt_sets.items():
+        for mode in modes:
+            base = None
+            reference = None
+            for label, draft_kind, gamma, policy, opts in LADDER:
+                options = DraftOptions(**{k: (a.p_min if v == "P_MIN" else v) for k, v in opts.items()})
+                decoder = SpeculativeDecoder(target, drafts[draft_kind] if draft_kind else None,
+                                             tokenizer=target.tokenizer, draft_options=options,
+                                             gamma_policy=GammaPolicy(adaptive=policy == "goodput"))
+                recs = []
+                for i, ids in enumerate(ids_list):
+                    t0 = time.perf_counter()
+                    r = decoder.generate(GenerationRequest(**specdec_request(ids, mode, a.max_new_tokens, 1000 + i,
+                                                                             gamma if draft_kind else 0)))
+                    recs.append(Run("c", mode, i, len(r.token_ids), time.perf_counter() - t0, r.token_ids, r.stats))
+                s = summarize(recs, "c", mode, base, reference or {})
+                if base is None:
+                    base, reference = s["tokens_per_s"], {r.prompt: r.tokens for r in recs}
+                st = [r.stats for r in recs]
+                drafted = sum(x["drafted_tokens"] for x in st)
+                row = {"prompts": set_name, "mode": mode, "config": label, "tokens_per_s": s["tokens_per_s"],
+                       "vs_gamma_0": s["ratio_to_a"] or 1.0, "same_tokens": s.get("same_tokens_as_a", ""),
+                       "acceptance_rate": s.get("acceptance_rate", 0.0),
+                       "tokens_per_round": s.get("mean_accepted_length", 1.0),
+                       "drafts_per_round": round(drafted / max(1, sum(x["rounds"] for x in st)), 2),
+                       "draft_s": s.get("time_s", {}).get("draft", 0.0),
+                       "verify_s": s.get("time_s", {}).get("verify", 0.0)}
+                rows.append(row)
+                log(f"ablation {set_name} {mode} {label}: {row['tokens_per_s']:.2f} tok/s ({row['vs_gamma_0']:.2f}x), "
+                    f"{row['drafts_per_round']} drafts/round, acceptance {row['acceptance_rate']}")
+    return rows
+
+
+def format_ablation(rows: list[dict]) -> str:
+    head = ("| prompts | mode | configuration | tok/s | vs gamma 0 | greedy = gamma 0 | drafts/round | acceptance | "
+            "tokens/round | draft s | verify s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(f"| {r['prompts']} | {r['mode']} | {r['config']} | {r['tokens_per_s']:.2f} | {r['vs_gamma_0']:.2f}x | "
+                     f"{r['same_tokens']} | {r['drafts_per_round']} | {r['acceptance_rate']} | {r['tokens_per_round']} | "
+                     f"{r['draft_s']} | {r['verify_s']} |")
+    return "\n".join(lines)
+
+
 def write_results(out: Path, header: str, config: dict, runs: list[Run], rows: list[dict], sweep: list[dict],
                   baseline: dict) -> None:
     (out / "summary.json").write_text(json.dumps({"config": config, "summary": rows, "sweep": sweep}, indent=1))
@@ -291,7 +404,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many prompts of each set")
+    p.add_argument("--prompt-set", default="fresh", choices=list(PROMPT_SETS),
+                   help="fresh: code written from scratch; edit: code edits that re-use the prompt's code")
+    p.add_argument("--ablation", default="", help="prompt sets (e.g. fresh,edit) for the ablation ladder, in-process: "
+                   "each technique added to the one before ('' to skip)")
+    p.add_argument("--p-min", type=float, default=0.3, help="the ablation's confidence stop")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--methods", default="a,b,c,d", help="comma-separated subset of a,b,c,d")

@@ -8,20 +8,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "start", "token_ids", "gamma", "sampling", "seed")
+    __slots__ = ("session_id", "start", "token_ids", "gamma", "sampling", "seed", "options")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
     sampling: _common_pb2.SamplingParams
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    options: DraftOptions
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[DraftOptions, _Mapping]] = ...) -> None: ...
+
+class DraftOptions(_message.Message):
+    __slots__ = ("p_min", "min_drafts", "lookup")
+    P_MIN_FIELD_NUMBER: _ClassVar[int]
+    MIN_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    p_min: float
+    min_drafts: int
+    lookup: int
+    def __init__(self, p_min: _Optional[float] = ..., min_drafts: _Optional[int] = ..., lookup: _Optional[int] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("index", "token_id", "probs", "compute_s", "batch_rows", "pass_s")

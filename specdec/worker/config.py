@@ -19,8 +19,8 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--dtype", default="auto", help="auto, float32, float16, bfloat16, float64"),
     Flag("--device-map", help="accelerate device map, e.g. 'auto' to spread the model over several GPUs"),
     Flag("--quantize", default="auto", field="quantization", choices=["auto", "none", "fp16", "int8"],
-         help="dynamic quantization of Linear layers on CPU: auto = fp16 weights on CPU (exact per row, ~2x "
-              "faster verify), int8 = faster but batch-dependent numerics, none = plain"),
+         help="dynamic quantization of Linear layers on CPU: auto = fp16 weights for a target (exact per row, ~2x "
+              "faster verify) and int8 for a draft (whose numerics never change the output), none = plain"),
     Flag("--draft-vocab", int, 0, "propose only from the first N token ids (smaller output head; 0 = all)",
          roles=["draft"]),
     Flag("--max-sessions", int, 64),
@@ -49,7 +49,7 @@ class WorkerConfig(ServedConfig):
     device: str = FLAGS.default("device")
     dtype: str = FLAGS.default("dtype")
     device_map: str | None = FLAGS.default("device_map")
-    quantization: str = FLAGS.default("quantization")  # auto: fp16 Linear weights on CPU, none elsewhere
+    quantization: str = FLAGS.default("quantization")  # auto on CPU: fp16 Linear weights (a draft: int8)
     draft_vocab: int = FLAGS.default("draft_vocab")  # draft only: score just the first N token ids (0: all)
     max_sessions: int = FLAGS.default("max_sessions")
     max_cached_tokens: int = FLAGS.default("max_cached_tokens")

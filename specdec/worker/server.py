@@ -45,7 +45,7 @@ class WorkerRole:
         from specdec.modeling import load_model
 
         loaded = load_model(config.model, device=config.device, dtype=config.dtype, device_map=config.device_map,
-                            quantization=config.quantization, head_rows=config.draft_vocab)
+                            quantization=config.quantization, head_rows=config.draft_vocab, role=config.role)
         return self.engine_class(loaded, max_sessions=config.max_sessions, max_cached_tokens=config.max_cached_tokens,
                                  session_ttl_s=config.session_ttl_s, max_batch_tokens=config.max_batch_tokens,
                                  pass_lock=config.pass_lock)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
+import draft_service.engine as engine_module
 from specdec.errors import Aborted
-from specdec.protocol import SamplingParams
+from specdec.protocol import DraftOptions, SamplingParams
 from tests.specdec.worker.test_engine import fresh_logits
 
 GREEDY = SamplingParams(temperature=0)
@@ -59,3 +61,67 @@ def test_the_last_proposal_reports_the_rows_and_seconds_of_its_passes(draft_engi
     *earlier, last = proposals
     assert all(p.batch_rows == 0 and p.pass_s == 0.0 for p in earlier)
     assert last.batch_rows >= 1 and 0 < last.pass_s <= sum(p.compute_s for p in proposals)
+
+
+def count_passes(engine, monkeypatch) -> list[int]:
+    """Counts the engine's forward passes (each appends its rows)."""
+    rows, original = [], engine._pass
+
+    def counted(batch):
+        rows.append(sum(n for _, n in batch.items))
+        return original(batch)
+
+    monkeypatch.setattr(engine, "_pass", counted)
+    return rows
+
+
+def propose_fresh(engine, name, prompt, gamma, params=GREEDY, options=DraftOptions(), seed=0):
+    engine.open_session(name, prompt)
+    try:
+        return list(engine.propose(name, len(prompt), [], gamma, params, seed, options))
+    finally:
+        engine.close_session(name)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, top_k=4)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("wrong_at", [None, 2, 0], ids=["guesses-hold", "third-guess-wrong", "first-guess-wrong"])
+def test_lookup_makes_the_same_proposals_in_fewer_passes(draft_engine, monkeypatch, params, wrong_at):
+    """With DraftOptions.lookup the draft runs the guessed tokens in one pass and draws each
+    proposal from its q as always: the proposals (and q) are those of plain drafting with the same
+    seed; only the passes are fewer, as many as the guesses that held save. The guesses here are
+    the plain proposals themselves, one made wrong (a random model never repeats itself enough
+    for a real lookup to hold; the bench measures real ones)."""
+    prompt = [9, 8, 7, 6, 5]
+    passes = count_passes(draft_engine, monkeypatch)
+    plain = propose_fresh(draft_engine, "plain", prompt, 6, params, seed=5)
+    assert len(passes) == 1 + 6  # the prefill, then one pass per proposal
+    guesses = [p.token_id for p in plain]
+    if wrong_at is not None:
+        guesses[wrong_at] = (guesses[wrong_at] + 1) % draft_engine.vocab_size
+    monkeypatch.setattr(engine_module.ngram, "lookup",
+                        lambda tokens, k, n: guesses[len(tokens) - len(prompt):][:k])
+    passes.clear()
+    looked = propose_fresh(draft_engine, "lookup", prompt, 6, params, DraftOptions(lookup=3), seed=5)
+    assert [p.token_id for p in looked] == [p.token_id for p in plain]
+    for a, b in zip(looked, plain):
+        assert (a.probs is None) == params.greedy
+        if a.probs is not None:
+            assert torch.allclose(a.probs.dense(), b.probs.dense(), atol=1e-6)
+    # one pass up to and including the first wrong guess's position, then one for the rest
+    expected = 1 if wrong_at is None else 2
+    assert len(passes) - 1 == expected, f"passes {passes}"
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
+def test_confidence_stop(draft_engine, params):
+    """DraftOptions.p_min ends the call after the first proposal the draft gave less than p_min,
+    once min_drafts are made: p_min 1 stops at min_drafts, p_min 0 never stops early."""
+    prompt = [9, 8, 7, 6]
+    assert len(propose_fresh(draft_engine, "never", prompt, 5, params, DraftOptions(p_min=0.0))) == 5
+    assert len(propose_fresh(draft_engine, "always", prompt, 5, params, DraftOptions(p_min=1.0, min_drafts=2))) == 2
+    if not params.greedy:  # every proposal before the last was confident; the last was not (or the gamma-th)
+        p_min = 0.05
+        made = propose_fresh(draft_engine, "some", prompt, 8, params, DraftOptions(p_min=p_min), seed=3)
+        assert all(p.probs.prob_of(p.token_id) >= p_min for p in made[:-1])
+        assert len(made) == 8 or made[-1].probs.prob_of(made[-1].token_id) < p_min
+        assert made[-1].batch_rows >= 1 and made[-1].pass_s > 0  # the last proposal reports the passes

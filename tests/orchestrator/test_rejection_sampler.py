@@ -101,6 +101,32 @@ def test_a_wrong_residual_is_detected():
     assert stats.chisquare(counts, probs / probs.sum() * counts.sum()).pvalue < 1e-6
 
 
+@pytest.mark.parametrize("x", [0, 3, 5], ids=["likely", "unlikely", "impossible"])
+def test_a_point_mass_draft_follows_target_distribution(x):
+    """A lookup draft (draft_service/ngram.py) proposes x with certainty and sends q = None: x is
+    kept w.p. p(x), a rejection draws from p without x. The output still follows p, whether x is
+    p's favourite, a rare token or one p never emits."""
+    p = dense([6, 1, 2, 0.5, 1, 0, 3, 1])
+    g = torch.Generator().manual_seed(11)
+    counts = np.zeros(V)
+    bonus = dense([1.0] * V)
+    for _ in range(DRAWS):
+        counts[rejection_sample([x], [None], [p, bonus], g).token_ids[0]] += 1
+    assert_follows(counts, p)
+
+
+def test_a_point_mass_taken_as_a_dense_q_would_be_detected():
+    """The point-mass test has teeth: drawing the recovered token from p itself (forgetting to
+    remove x) over-emits x, and the same check rejects it."""
+    p = dense([6, 1, 2, 0.5, 1, 0, 3, 1])
+    g = torch.Generator().manual_seed(11)
+    counts = np.zeros(V)
+    for _ in range(DRAWS):
+        u = float(torch.rand((), generator=g))
+        counts[0 if u < p.prob_of(0) else p.sample(g)] += 1
+    probs = p.dense().double().numpy()
+    support = probs > 0
+    assert stats.chisquare(counts[support], (probs / probs.sum() * counts.sum())[support]).pvalue < 1e-6
 
 
 def test_same_seed_same_output():
