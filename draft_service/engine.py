@@ -74,9 +74,10 @@ class DraftEngine(WorkerEngine):
                                  lambda logits: self._picks(logits, guess, params, generator, options, made))
                 # the tokens are the prefix, the guesses the draft took, and its last proposal,
                 # which stays uncached until the next pass; the cache holds no guess it refused
-                session.truncate(base + len(picks) - 1)
+                if guess:
+                    session.truncate(base + len(picks) - 1)
+                    version = session.version
                 session.tokens.append(picks[-1][0])
-                version = session.version
                 rows += session.last_pass_rows
                 seconds += session.last_pass_s
             elapsed = (time.perf_counter() - t0) / len(picks)
