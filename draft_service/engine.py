@@ -2,25 +2,91 @@
 
 Each proposal carries q, the draft's processed distribution at that position, which the
 orchestrator needs for the rejection test (none in greedy mode). The proposal is drawn from
-exactly the q that is returned, with a generator seeded by the request, so a retried call gives
-the same proposals.
+exactly the q that is returned, with a generator seeded by the request.
+
+A session keeps the proposals it made past its accepted tokens, each with its q (`Drafted`):
+a call whose new tokens agree with the session takes the proposals already there before it
+drafts more. That makes a retried call give the same proposals, and it is how drafting ahead
+works (DraftOptions.ahead): after a call's last proposal the worker keeps drafting on its own,
+its first token a guess of the target's bonus token, while the orchestrator verifies. When the
+round kept every draft and the bonus is that guess, the next call finds its proposals made.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from opentelemetry import metrics
 
-from specdec.errors import Aborted, InvalidArgument
+from specdec.errors import Aborted, InvalidArgument, ServiceError
 from specdec import ngram
+from specdec import telemetry as t
 from specdec.protocol import MAX_GAMMA, CompactProbs, DraftOptions, Proposal, SamplingParams
 from specdec.sampling import process_logits
-from specdec.worker.engine import WorkerEngine
+from specdec.worker.engine import Session, WorkerEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Drafted:
+    """The draft tokens a session holds from `start` on, each drawn from the q kept with it:
+    tokens[start + i] ~ probs[i] (None: greedy), with the draft's probability of it."""
+
+    start: int
+    params: SamplingParams
+    options: DraftOptions
+    generator: torch.Generator  # every draw of these proposals, in order, from the first call's seed
+    probs: list[CompactProbs | None] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.probs)
+
+    def cut(self, length: int) -> None:
+        """The session keeps `length` tokens: proposals past it are gone."""
+        keep = max(0, length - self.start)
+        del self.probs[keep:], self.confidence[keep:]
+
+    def accept_before(self, position: int) -> None:
+        """The tokens before `position` are the request's now: no longer proposals."""
+        drop = min(max(0, position - self.start), len(self.probs))
+        del self.probs[:drop], self.confidence[:drop]
+        self.start += drop
+
+    def agrees(self, session: Session, start: int, token_ids: list[int], params: SamplingParams,
+               options: DraftOptions) -> bool:
+        """A call that puts token_ids at `start` can take the proposals after them: the session
+        already holds those tokens there, and they reach into (or just up to) the proposals."""
+        end = start + len(token_ids)
+        return (params == self.params and options == self.options and self.start <= end <= self.end
+                and end <= len(session.tokens) and session.tokens[start:end] == token_ids)
 
 
 class DraftEngine(WorkerEngine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # drafting ahead: one job per session at most, each mostly waiting for its passes
+        self._ahead = ThreadPoolExecutor(max_workers=max(1, self.max_sessions), thread_name_prefix="ahead")
+        self.ahead_made = self.ahead_taken = 0  # tokens drafted ahead, and those a later call took
+
+    def instrument(self, telemetry, role: str) -> None:
+        super().instrument(telemetry, role)
+        meter = telemetry.meter if telemetry is not None else metrics.NoOpMeter(t.INSTRUMENTATION_SCOPE)
+        self._ahead_counter = meter.create_counter(
+            "specdec.draft.ahead_tokens", unit="{token}",
+            description="Tokens drafted ahead while the target verified, by outcome (made, taken)")
+
+    def close(self) -> None:
+        super().close()  # marks every session closed: their jobs stop at their next pass
+        self._ahead.shutdown(wait=True)
+
     def propose(
         self,
         session_id: str,
@@ -36,65 +102,117 @@ class DraftEngine(WorkerEngine):
         The session lock is held for each pass, never across a yield (the caller may take its time
         reading a proposal); a call that changes the session in between aborts this one.
 
-        With options.lookup, the first pass also runs the tokens that followed the sequence's last
-        n-gram where it occurred before (specdec/ngram.py), so that one pass yields the draft's
+        With options.lookup, a pass also runs the tokens that followed the sequence's last n-gram
+        where it occurred before (specdec/ngram.py), so that one pass yields the draft's
         distribution at every guessed position: proposal i is drawn from q_i as always, and while
         it equals the guess, q_{i+1} is already computed. The proposals are those of plain
         drafting; only fewer passes make them.
 
         With options.p_min, the call stops after a proposal the draft gave less than p_min (once
-        min_drafts are made). Both depend on the draft's side alone (its tokens, its q, its own
-        draws), never on the target: whatever the draft proposes, each proposal is a draw from the
-        q sent with it, and the rejection test keeps the output exactly the target's."""
+        min_drafts are made). Both, and drafting ahead, depend on the draft's side alone (its
+        tokens, its q, its own draws), never on the target: whatever the draft proposes, each
+        proposal is a draw from the q sent with it, and the rejection test keeps the output
+        exactly the target's. A proposal drafted ahead is taken only where the session's tokens
+        before it are the request's: it is then a draw from q given exactly the request's
+        context, made with randomness the target's decisions never saw."""
         if not 1 <= gamma <= MAX_GAMMA:
             raise InvalidArgument(f"gamma must lie in [1, {MAX_GAMMA}] for a proposal, got {gamma}")
         params.validate()
         options.validate()
         session = self.session(session_id)
+        end = start + len(token_ids)  # where this call's proposals begin
         with session.lock:
             session.check_start(start, len(token_ids))
             self.check_tokens(token_ids, already=start)
-            self.check_tokens([], already=start + len(token_ids) + gamma)
-            self.grow(session, start + len(token_ids) + gamma)
-            self.truncate_to(session, start)
-            session.tokens.extend(token_ids)
+            self.check_tokens([], already=end + gamma)
+            self.grow(session, end + gamma)
+            drafted = session.drafted
+            if drafted is not None and drafted.agrees(session, start, token_ids, params, options):
+                taken = min(gamma, drafted.end - end) if drafted.start < end else 0  # made ahead, not by a call
+                if taken:
+                    self.ahead_taken += taken
+                    self._ahead_counter.add(taken, {"outcome": "taken"})
+                session.version += 1  # a job drafting ahead stops; this call goes on from what it made
+                drafted.accept_before(end)
+            else:
+                self.truncate_to(session, start)
+                session.tokens.extend(token_ids)
+                drafted = session.drafted = Drafted(end, params, options, torch.Generator().manual_seed(seed))
             session.uncache_last()
             version = session.version
-        generator = torch.Generator().manual_seed(seed)
-        made, rows, seconds = 0, 0, 0.0  # proposals; rows and seconds of the passes, summed
+        made, rows, seconds = 0, 0, 0.0  # proposals; rows and seconds of this call's passes, summed
         while made < gamma:
             t0 = time.perf_counter()
             with session.lock:
                 if session.version != version:
                     raise Aborted(f"session {session_id} was changed by another call during this Propose")
-                guess = ngram.lookup(session.tokens, gamma - made - 1, options.lookup) if options.lookup else []
-                base = len(session.tokens)
-                session.tokens.extend(guess)
-                picks = self.run(session, len(guess) + 1, "propose",
-                                 lambda logits: self._picks(logits, guess, params, generator, options, made))
-                # the tokens are the prefix, the guesses the draft took, and its last proposal,
-                # which stays uncached until the next pass; the cache holds no guess it refused
-                if guess:
-                    session.truncate(base + len(picks) - 1)
+                if drafted.end <= end + made:  # none held: one pass makes one or more
+                    self._draft_pass(session, drafted, gamma - made, made, "propose")
                     version = session.version
-                session.tokens.append(picks[-1][0])
-                rows += session.last_pass_rows
-                seconds += session.last_pass_s
+                    rows += session.last_pass_rows
+                    seconds += session.last_pass_s
+                first = end + made - drafted.start
+                picks = [(session.tokens[drafted.start + i], drafted.probs[i], drafted.confidence[i])
+                         for i in range(first, min(drafted.end - drafted.start, first + gamma - made))]
             elapsed = (time.perf_counter() - t0) / len(picks)
-            for j, (token, probs, stop) in enumerate(picks):
+            for token, probs, confidence in picks:
                 made += 1
-                last = made == gamma or stop
-                # the last proposal reports the passes' rows and seconds per proposal (what one
-                # draft cost): the gamma policy fits them
-                yield Proposal(made - 1, token, probs, elapsed, max(1, round(rows / made)) if last else 0,
-                               seconds / made if last else 0.0)
+                last = made == gamma or confidence < options.p_min and made >= options.min_drafts
                 if last:
+                    if options.ahead:  # before the yield: the caller verifies as soon as it has this
+                        self._ahead.submit(self._draft_ahead, session, version, drafted, end + made + options.ahead)
+                    # the last proposal reports the passes' rows and seconds per proposal (what one
+                    # draft cost): the gamma policy fits them. None ran: nothing to report
+                    yield Proposal(made - 1, token, probs, elapsed, round(rows / made) if rows else 0,
+                                   seconds / made if rows else 0.0)
                     return
+                yield Proposal(made - 1, token, probs, elapsed)
+
+    def _draft_pass(self, session: Session, drafted: Drafted, left: int, made: int, kind: str) -> int:
+        """One pass, holding session.lock: appends the next proposals (at most `left`) to the
+        session and to `drafted`; returns how many. `made`: proposals of the call so far."""
+        guess = ngram.lookup(session.tokens, left - 1, drafted.options.lookup) if drafted.options.lookup else []
+        base = len(session.tokens)
+        session.tokens.extend(guess)
+        picks = self.run(session, len(guess) + 1, kind,
+                         lambda logits: self._picks(logits, guess, drafted.params, drafted.generator, drafted.options,
+                                                    made))
+        # the tokens are the prefix, the guesses the draft took, and its last proposal, which stays
+        # uncached until the next pass; the cache holds no guess it refused
+        if guess:
+            session.truncate(base + len(picks) - 1)
+        session.tokens.append(picks[-1][0])
+        for _, probs, confidence, _ in picks:
+            drafted.probs.append(probs)
+            drafted.confidence.append(confidence)
+        return len(picks)
+
+    def _draft_ahead(self, session: Session, version: int, drafted: Drafted, horizon: int) -> None:
+        """Drafts on until the session holds `horizon` tokens, while no call changes it (a job of
+        DraftOptions.ahead; it runs on its own thread, one pass at a time like any call)."""
+        try:
+            while True:
+                with session.lock:
+                    if (session.closed or session.version != version or session.drafted is not drafted
+                            or len(session.tokens) >= min(horizon, self.max_context)):
+                        return
+                    self.grow(session, len(session.tokens) + 1)
+                    n = self._draft_pass(session, drafted, horizon - len(session.tokens), MAX_GAMMA, "ahead")
+                    version = session.version
+                    self.ahead_made += n
+                    self._ahead_counter.add(n, {"outcome": "made"})
+                    if drafted.confidence[-1] < drafted.options.p_min:  # unsure: what follows is likely wasted
+                        return
+        except ServiceError as exc:  # e.g. the cache limit: drafting ahead is only ever a bonus
+            log.debug("stopped drafting ahead for session %s: %s", session.session_id, exc)
+        except Exception:  # noqa: BLE001 - the next call drafts as usual
+            log.exception("drafting ahead for session %s failed", session.session_id)
 
     def _picks(self, logits: torch.Tensor, guess: list[int], params: SamplingParams, generator: torch.Generator,
-               options: DraftOptions, made: int) -> list[tuple[int, CompactProbs | None, bool]]:
-        """logits: [len(guess) + 1, vocab] -> [(proposal, q, stop)], one per row while the
-        proposals equal the guesses, ending at the first that does not, or at a stop."""
+               options: DraftOptions, made: int) -> list[tuple[int, CompactProbs | None, float, bool]]:
+        """logits: [len(guess) + 1, vocab] -> [(proposal, q, the draft's probability of it, stop)],
+        one per row while the proposals equal the guesses, ending at the first that does not, or
+        at a stop."""
         picks = []
         for j in range(logits.shape[0]):
             row = logits[j]
@@ -106,7 +224,7 @@ class DraftEngine(WorkerEngine):
                 token = probs.sample(generator)
                 confidence = probs.prob_of(token)
             stop = confidence < options.p_min and made + j + 1 >= options.min_drafts
-            picks.append((token, probs, stop))
+            picks.append((token, probs, confidence, stop))
             if stop or j == len(guess) or token != guess[j]:
                 return picks
         return picks

@@ -30,6 +30,9 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--draft-min", int, 1, "drafts a round makes before --draft-p-min may stop it", field="draft_min"),
     Flag("--draft-lookup", int, 4, "the longest n-gram a model draft looks up in the sequence to check the tokens "
          "that followed it in one pass (0: off)"),
+    Flag("--draft-ahead", int, 0, "tokens a model draft keeps drafting past each round's drafts while the target "
+         "verifies; the next round takes them when the round kept every draft. Pays only where the draft has "
+         "cores (or a GPU) of its own (0: off)"),
     Flag("--worker-timeout", float, 120.0, "deadline of each call to a worker (prefill, verify, ...)",
          field="worker_timeout_s"),
     Flag("--draft-timeout", float, 10.0,
@@ -71,6 +74,7 @@ class OrchestratorConfig(ServedConfig):
     draft_p_min: float = FLAGS.default("draft_p_min")
     draft_min: int = FLAGS.default("draft_min")
     draft_lookup: int = FLAGS.default("draft_lookup")
+    draft_ahead: int = FLAGS.default("draft_ahead")
     worker_timeout_s: float = FLAGS.default("worker_timeout_s")
     draft_timeout_s: float = FLAGS.default("draft_timeout_s")
     startup_timeout_s: float = FLAGS.default("startup_timeout_s")
@@ -92,7 +96,7 @@ class OrchestratorConfig(ServedConfig):
 
     @property
     def draft_options(self) -> DraftOptions:
-        return DraftOptions(self.draft_p_min, self.draft_min, self.draft_lookup)
+        return DraftOptions(self.draft_p_min, self.draft_min, self.draft_lookup, self.draft_ahead)
 
     @property
     def worker_tls(self) -> ClientTls:
@@ -103,7 +107,8 @@ class OrchestratorConfig(ServedConfig):
         values = FLAGS.parse(argv, "python -m orchestrator", "Run the orchestrator.")
         try:
             parse_entries(values["target"]), parse_entries(values["draft"])
-            DraftOptions(values["draft_p_min"], values["draft_min"], values["draft_lookup"]).validate()
+            DraftOptions(values["draft_p_min"], values["draft_min"], values["draft_lookup"],
+                         values["draft_ahead"]).validate()
         except (ValueError, InvalidArgument) as exc:
             argparse.ArgumentParser(prog="python -m orchestrator").error(str(exc))
         return cls(**values)

@@ -201,11 +201,15 @@ class DraftOptions:
       and the steps after it more so. 0 never stops early.
     lookup: the longest n-gram to look up in the sequence (specdec/ngram.py): a model draft checks
       the tokens that followed its last occurrence in one pass; 0 does not look.
+    ahead: tokens the draft keeps drafting past a call's last proposal while the target verifies
+      (the first is its guess of the bonus token); the next call takes them when the round kept
+      every draft and the bonus is that guess. Pays only where the draft has cores of its own.
     """
 
     p_min: float = 0.0
     min_drafts: int = 1
     lookup: int = 0
+    ahead: int = 0
 
     def validate(self) -> "DraftOptions":
         if not 0.0 <= self.p_min <= 1.0 or not math.isfinite(self.p_min):
@@ -214,14 +218,17 @@ class DraftOptions:
             raise InvalidArgument(f"min_drafts must lie in [1, {MAX_GAMMA}], got {self.min_drafts}")
         if not 0 <= self.lookup <= 8:
             raise InvalidArgument(f"lookup (the longest n-gram) must lie in [0, 8], got {self.lookup}")
+        if not 0 <= self.ahead <= 2 * MAX_GAMMA:
+            raise InvalidArgument(f"ahead must lie in [0, {2 * MAX_GAMMA}], got {self.ahead}")
         return self
 
     def to_proto(self) -> draft_pb2.DraftOptions:
-        return draft_pb2.DraftOptions(p_min=self.p_min, min_drafts=self.min_drafts, lookup=self.lookup)
+        return draft_pb2.DraftOptions(p_min=self.p_min, min_drafts=self.min_drafts, lookup=self.lookup,
+                                      ahead=self.ahead)
 
     @classmethod
     def from_proto(cls, msg: draft_pb2.DraftOptions) -> "DraftOptions":
-        return cls(msg.p_min, msg.min_drafts or 1, msg.lookup)
+        return cls(msg.p_min, msg.min_drafts or 1, msg.lookup, msg.ahead)
 
 
 @dataclass

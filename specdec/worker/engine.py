@@ -59,6 +59,9 @@ class Session:
     version: int = 0
     last_pass_rows: int = 0  # tokens of all sessions in the last pass it took part in
     last_pass_s: float = 0.0  # and the seconds that pass took
+    # a draft's proposals past its accepted tokens, with the q of each (draft_service.engine.Drafted)
+    drafted: Any = None
+    closed: bool = False  # set once the session is freed: work still running for it stops
 
     @property
     def cached(self) -> int:
@@ -70,6 +73,8 @@ class Session:
             raise OutOfRange(f"session {self.session_id} holds {len(self.tokens)} tokens; cannot truncate to {length}")
         self.version += 1
         del self.tokens[length:]
+        if self.drafted is not None:
+            self.drafted.cut(length)
         if self.cached > length:
             self.cache.crop(length - self.cached)  # transformers 5: a negative count removes tokens
 
@@ -163,6 +168,8 @@ class WorkerEngine:
             self._model_thread.shutdown(wait=True)
         self._pass_lock.close()
         with self._sessions_lock:
+            for s in self._sessions.values():
+                s.closed = True
             self._sessions.clear()
 
     def instrument(self, telemetry, role: str) -> None:
@@ -214,6 +221,8 @@ class WorkerEngine:
             time.sleep(0.1)
         with self._sessions_lock:
             left = len(self._sessions)
+            for s in self._sessions.values():
+                s.closed = True
             self._sessions.clear()
         return left
 
@@ -267,8 +276,10 @@ class WorkerEngine:
     def close_session(self, session_id: str) -> None:
         check_session_id(session_id)
         with self._sessions_lock:
-            if self._sessions.pop(session_id, None) is None:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
                 raise NotFound(f"no open session {session_id!r} on this worker")
+            session.closed = True
 
     def _expire_idle_sessions(self) -> None:
         while not self._closed.wait(min(30.0, self.session_ttl_s / 4)):
@@ -278,6 +289,7 @@ class WorkerEngine:
                         if now - s.last_used > self.session_ttl_s and not s.lock.locked()]
                 for s in idle:
                     del self._sessions[s.session_id]
+                    s.closed = True
             for s in idle:
                 self._expired.add(1, {t.ROLE: self._role})
                 log.warning("freed session %s after %.0f s idle", s.session_id, now - s.last_used)

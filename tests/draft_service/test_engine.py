@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -125,3 +126,89 @@ def test_confidence_stop(draft_engine, params):
         assert all(p.probs.prob_of(p.token_id) >= p_min for p in made[:-1])
         assert len(made) == 8 or made[-1].probs.prob_of(made[-1].token_id) < p_min
         assert made[-1].batch_rows >= 1 and made[-1].pass_s > 0  # the last proposal reports the passes
+
+
+def wait_for(condition, timeout_s: float = 60.0) -> None:
+    """Polls `condition` (generously: these machines are shared) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come about"
+        time.sleep(0.01)
+
+
+def draft_ahead(engine, name, prompt, gamma, params, ahead, seed=0):
+    """Opens a session, proposes gamma drafts with DraftOptions(ahead=...), and waits until the
+    worker has drafted `ahead` more tokens; returns (proposals, the tokens drafted ahead)."""
+    options = DraftOptions(ahead=ahead)
+    engine.open_session(name, prompt)
+    proposals = list(engine.propose(name, len(prompt), [], gamma, params, seed, options))
+    session = engine.session(name)
+    end = len(prompt) + gamma
+    wait_for(lambda: len(session.tokens) >= end + ahead)
+    with session.lock:
+        return proposals, session.tokens[end:end + ahead]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, top_k=4)], ids=["greedy", "sampled"])
+def test_drafting_ahead_hands_the_next_call_its_proposals(draft_engine, monkeypatch, params):
+    """With DraftOptions.ahead the worker keeps drafting after a call's last proposal: its guess
+    of the bonus token, then the next round's drafts. A call that brings that guess as the bonus
+    gets those drafts at once, with no pass, each with the draft's exact q for its context."""
+    prompt = [9, 8, 7, 6]
+    options = DraftOptions(ahead=4)
+    first, ahead = draft_ahead(draft_engine, "ahead", prompt, 3, params, 4, seed=11)
+    try:
+        kinds, original = [], draft_engine._pass
+        monkeypatch.setattr(draft_engine, "_pass", lambda batch: (kinds.extend(w.kind for w, _ in batch.items),
+                                                                  original(batch))[1])
+        bonus = ahead[0]
+        start = len(prompt) + 3
+        taken_before = draft_engine.ahead_taken
+        nxt = list(draft_engine.propose("ahead", start, [bonus], 3, params, 99, options))
+        assert [p.token_id for p in nxt] == ahead[1:]
+        assert "propose" not in kinds, f"the proposals were made ahead, yet the call ran passes: {kinds}"
+        assert draft_engine.ahead_taken - taken_before == 3
+        assert nxt[-1].batch_rows == 0 and nxt[-1].pass_s == 0.0  # no pass of this call to report
+        seq = prompt + [p.token_id for p in first] + [bonus]
+        for p in nxt:
+            logits = fresh_logits(draft_engine, seq, 1)[-1]
+            if params.greedy:
+                assert p.probs is None and p.token_id == int(logits.argmax())
+            else:  # q is the draft's distribution given exactly this context
+                expected = engine_module.process_logits(logits, params, draft_engine.vocab_size)
+                assert torch.allclose(p.probs.dense(), expected.dense(), atol=1e-6)
+            seq.append(p.token_id)
+    finally:
+        draft_engine.close_session("ahead")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, top_k=4)], ids=["greedy", "sampled"])
+def test_a_bonus_other_than_the_guess_drops_what_was_drafted_ahead(draft_engine, params):
+    """When the round rejected a draft, or its bonus is not the draft's guess, the call drafts
+    as if nothing had been made ahead: the same proposals as a session that never drafted ahead."""
+    prompt = [9, 8, 7, 6]
+    first, ahead = draft_ahead(draft_engine, "dropped", prompt, 3, params, 4, seed=11)
+    other = (ahead[0] + 1) % draft_engine.vocab_size
+    try:
+        taken_before = draft_engine.ahead_taken
+        start = len(prompt) + 3
+        nxt = list(draft_engine.propose("dropped", start, [other], 3, params, 7, DraftOptions(ahead=4)))
+    finally:
+        draft_engine.close_session("dropped")
+    assert draft_engine.ahead_taken == taken_before
+    plain = propose_fresh(draft_engine, "plain", prompt + [p.token_id for p in first] + [other], 3, params, seed=7)
+    assert [p.token_id for p in nxt] == [p.token_id for p in plain]
+
+
+def test_drafting_ahead_stops_when_the_session_changes(draft_engine):
+    """A Truncate (or any call) stops the work drafted ahead: nothing is added after it."""
+    prompt = [9, 8, 7, 6]
+    draft_engine.open_session("stopped", prompt)
+    try:
+        list(draft_engine.propose("stopped", 4, [], 2, GREEDY, 0, DraftOptions(ahead=16)))
+        assert draft_engine.truncate("stopped", 4) == 4
+        session = draft_engine.session("stopped")
+        time.sleep(0.2)  # a job that went on would have added tokens by now (a pass takes milliseconds)
+        assert len(session.tokens) == 4
+    finally:
+        draft_engine.close_session("stopped")

@@ -26,10 +26,11 @@ CONFIGS = {
     "confidence stop and lookup": lambda draft: (draft, DraftOptions(p_min=0.4, lookup=3)),
     "n-gram draft": lambda draft: (NgramDraft(), DraftOptions()),
 }
+GREEDY_CONFIGS = {**CONFIGS, "drafting ahead": lambda draft: (draft, DraftOptions(lookup=3, ahead=6))}
 
 
 def decoder_for(config, target_engine, draft_engine):
-    draft, options = CONFIGS[config](draft_engine)
+    draft, options = GREEDY_CONFIGS[config](draft_engine)
     return SpeculativeDecoder(target_engine, draft, target_engine.tokenizer, draft_options=options)
 
 
@@ -46,7 +47,7 @@ def repeating_prompt(target_engine) -> list[int]:
     return [40, 41, max((p, y) for p, y in scored if p < 0.9)[1], 40, 41]
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", GREEDY_CONFIGS)
 @pytest.mark.parametrize("prompt", PROMPTS[:3])
 def test_greedy_output_is_the_targets(config, prompt, target_engine, draft_engine):
     decoder = decoder_for(config, target_engine, draft_engine)
@@ -69,4 +70,25 @@ def test_sampled_output_matches_target_distribution(config, target_engine, draft
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(one, range(REQUESTS)))
+    assert_matches(exact, results)
+
+
+def test_drafting_ahead_keeps_the_target_distribution(target_engine, draft_engine):
+    """Four tokens at gamma 1: the first round drafts one token and the draft goes on drafting
+    ahead (its guess of the bonus, then one more); the second round takes that one when the
+    first kept its draft and drew the guessed bonus. The output is still the target's."""
+    decoder = SpeculativeDecoder(target_engine, draft_engine, target_engine.tokenizer,
+                                 draft_options=DraftOptions(ahead=2))
+    prompt = [40, 41, 42, 43]
+    exact = exact_distribution(target_engine, prompt, new_tokens=4)
+    taken_before = draft_engine.ahead_taken
+
+    def one(seed):
+        r = decoder.generate(GenerationRequest(token_ids=prompt, max_new_tokens=4, temperature=PARAMS.temperature,
+                                               top_k=PARAMS.top_k, gamma=1, seed=seed))
+        return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(REQUESTS)))
+    assert draft_engine.ahead_taken > taken_before, "no round took a proposal drafted ahead: the test tests nothing"
     assert_matches(exact, results)

@@ -24,7 +24,7 @@ NEW_TOKENS = 3
 REQUESTS = 2400
 
 
-def exact_distribution(engine, prompt=PROMPT) -> dict[tuple[int, ...], float]:
+def exact_distribution(engine, prompt=PROMPT, new_tokens=NEW_TOKENS) -> dict[tuple[int, ...], float]:
     def next_probs(prefix):
         with torch.inference_mode():
             logits = engine.model(torch.tensor([prefix]), logits_to_keep=1).logits[0, -1]
@@ -33,7 +33,7 @@ def exact_distribution(engine, prompt=PROMPT) -> dict[tuple[int, ...], float]:
 
     eos = set(engine.info.eos_token_ids)
     dist = {(): 1.0}
-    for _ in range(NEW_TOKENS):
+    for _ in range(new_tokens):
         grown = {}
         for seq, p in dist.items():
             if seq and seq[-1] in eos:  # generation stops at EOS
