@@ -7,6 +7,7 @@
   specdec bench ...                                                    benchmarks (see specdec_tools/bench.py)
   specdec bench-tracing / specdec loadtest                             telemetry cost / load with faults
   specdec bench-serve                                                  throughput and latency against concurrency
+  specdec bench-ahead                                                  drafting ahead on split cores vs target alone
 """
 
 from __future__ import annotations
@@ -126,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     bs = sub.add_parser("bench-serve", help="throughput and latency against concurrency through the three services")
     bench_serve.add_arguments(bs)
     bs.set_defaults(func=bench_serve.cmd_bench_serve)
+
+    from specdec_tools import bench_ahead
+
+    ba = sub.add_parser("bench-ahead", help="drafting ahead, draft and target on cores of their own, side by side")
+    bench_ahead.add_arguments(ba)
+    ba.set_defaults(func=bench_ahead.cmd_bench_ahead)
 
     a = parser.parse_args(argv)
     return a.func(a)

@@ -49,8 +49,14 @@ class ProcessStack:
     """Target, draft and orchestrator as child processes on loopback."""
 
     def __init__(self, target_dir: str, draft_dir: str, *, device: str = "cpu", dtype: str = "auto",
-                 quantization: str = "auto", draft_vocab: int = 0, pass_lock: bool = True):
+                 quantization: str = "auto", draft_vocab: int = 0, pass_lock: bool = True,
+                 cores: dict[str, str] | None = None, orchestrator_args: tuple[str, ...] = ()):
+        """cores: {"target": "0", "draft": "1"} pins each worker to CPUs of its own (taskset -c,
+        as many OpenMP threads as CPUs) and drops the pass lock: the workers no longer share
+        cores. orchestrator_args: more flags for the orchestrator (e.g. --draft-ahead 4)."""
         self.ports = {name: free_port() for name in ("target", "draft", "orchestrator")}
+        self.cores = cores or {}
+        pass_lock = pass_lock and not self.cores
         # both workers share this host's cores: their passes take turns (specdec.threads.PassLock)
         self.pass_lock = os.path.join(tempfile.gettempdir(), f"specdec-passes-{self.ports['target']}.lock") \
             if pass_lock else None
@@ -62,9 +68,31 @@ class ProcessStack:
              "--draft-vocab", str(draft_vocab)],
             ["orchestrator", "--host", "127.0.0.1", "--port", str(self.ports["orchestrator"]), "--prefill",
              "sequential",  # all three share this host's cores
-             "--target", f"127.0.0.1:{self.ports['target']}", "--draft", f"127.0.0.1:{self.ports['draft']}"],
+             "--target", f"127.0.0.1:{self.ports['target']}", "--draft", f"127.0.0.1:{self.ports['draft']}",
+             *orchestrator_args],
         ]
         self.procs: list[subprocess.Popen] = []
+        self.extra_addresses: list[str] = []  # more orchestrators (add_orchestrator)
+
+    def add_orchestrator(self, *args: str) -> str:
+        """One more orchestrator on the same two workers, with its own flags (started by start());
+        returns its address. Benchmarks use it to compare orchestrator settings side by side."""
+        port = free_port()
+        self.commands.append(["orchestrator", "--host", "127.0.0.1", "--port", str(port),
+                              *self.commands[2][5:], *args])
+        self.extra_addresses.append(f"127.0.0.1:{port}")
+        return self.extra_addresses[-1]
+
+    def _argv(self, cmd: list[str]) -> tuple[list[str], dict]:
+        env = child_env(cmd[0])
+        role = cmd[0].removesuffix("_service")
+        if role not in self.cores:
+            return [sys.executable, "-m", *cmd], env
+        cpus = self.cores[role]
+        count = sum(int(b) - int(a) + 1 if "-" in part else 1
+                    for part in cpus.split(",") for a, _, b in [part.partition("-")])
+        env["OMP_NUM_THREADS"] = str(count)
+        return ["taskset", "-c", cpus, sys.executable, "-m", *cmd], env
 
     @property
     def address(self) -> str:
@@ -72,26 +100,30 @@ class ProcessStack:
 
     def start(self, stdout=None) -> "ProcessStack":
         # own sessions: Ctrl-C reaches only us, and we stop the children in order
-        self.procs = [subprocess.Popen([sys.executable, "-m", *cmd], start_new_session=True, env=child_env(cmd[0]),
-                                       stdout=stdout)
-                      for cmd in self.commands]
+        self.procs = [subprocess.Popen(argv, start_new_session=True, env=env, stdout=stdout)
+                      for argv, env in map(self._argv, self.commands)]
         return self
 
     def wait_until_ready(self, timeout_s: float) -> None:
+        """Until every orchestrator reports SERVING (so both workers have loaded)."""
         from orchestrator.client import Client
 
-        with Client(self.address) as client:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                dead = [cmd[0] for cmd, p in zip(self.commands, self.procs) if p.poll() is not None]
-                if dead:
-                    raise RuntimeError(f"{', '.join(dead)} exited during start-up; see its log above")
-                try:
-                    client.wait_until_ready(min(5.0, max(0.1, deadline - time.monotonic())))
-                    return
-                except Exception:  # noqa: BLE001 - not ready yet
-                    if time.monotonic() > deadline:
-                        raise
+        deadline = time.monotonic() + timeout_s
+        for address in [self.address, *self.extra_addresses]:
+            with Client(address) as client:
+                self._wait(client, deadline)
+
+    def _wait(self, client, deadline: float) -> None:
+        while True:
+            dead = [cmd[0] for cmd, p in zip(self.commands, self.procs) if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited during start-up; see its log above")
+            try:
+                client.wait_until_ready(min(5.0, max(0.1, deadline - time.monotonic())))
+                return
+            except Exception:  # noqa: BLE001 - not ready yet
+                if time.monotonic() > deadline:
+                    raise
 
     def stop(self, grace_s: float = 10.0) -> None:
         for p in self.procs:
