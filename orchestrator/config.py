@@ -20,6 +20,10 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          "in this process, by prompt lookup"),
     Flag("--host", default="0.0.0.0"),
     Flag("--port", int, DEFAULT_PORT),
+    Flag("--http-port", int, None, "also serve the OpenAI-compatible HTTP API (/v1/completions, "
+         "/v1/chat/completions, /v1/models, /tokenize, /health) on this port, same host, TLS and tokens; "
+         "0: any free port (default: off)"),
+    Flag("--served-model-name", help="the model id the HTTP API lists and accepts (default: the target's name)"),
     Flag("--max-workers", int, 32, "client requests decoding at once; more wait in the queue"),
     Flag("--max-queued", int, 128, "requests that may wait for a turn; beyond them RESOURCE_EXHAUSTED"),
     Flag("--gamma-policy", default="goodput", choices=["goodput", "fixed"],
@@ -68,6 +72,8 @@ class OrchestratorConfig(ServedConfig):
     draft: str | None = None  # draft workers, the same way; None serves gamma 0 only
     host: str = FLAGS.default("host")
     port: int = 0  # 0: any free port (the command line's default is 50050)
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (orchestrator/http.py); None: off
+    served_model_name: str | None = None  # its model id (None: the target's model name)
     max_workers: int = FLAGS.default("max_workers")
     max_queued: int = FLAGS.default("max_queued")
     gamma_policy: str = FLAGS.default("gamma_policy")

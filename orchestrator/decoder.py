@@ -21,6 +21,7 @@ import os
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -168,7 +169,7 @@ class SpeculativeDecoder:
         operation = "chat" if request.messages is not None else "text_completion"
         span = self.tracer.start_span(f"{operation} {self.target_info.model_name}", attributes={
             t.GEN_AI_OPERATION: operation, t.GEN_AI_REQUEST_MODEL: self.target_info.model_name,
-            t.GEN_AI_MAX_TOKENS: request.max_new_tokens, t.GEN_AI_TEMPERATURE: request.temperature,
+            t.GEN_AI_TEMPERATURE: request.temperature,
             t.GEN_AI_TOP_P: request.top_p, t.GEN_AI_TOP_K: request.top_k, t.GAMMA: request.gamma,
         })
         ctx = trace.set_span_in_context(span)
@@ -177,7 +178,11 @@ class SpeculativeDecoder:
                               self._prefill_pool)
         try:
             prompt = self.encode(request)
+            if request.max_new_tokens is None:  # as many as fit the context and this server's limit
+                request = replace(request, max_new_tokens=max(1, min(self.limits.max_new_tokens,
+                                                                     self.max_context - len(prompt))))
             params = self.validate(request, len(prompt))
+            span.set_attribute(t.GEN_AI_MAX_TOKENS, request.max_new_tokens)
             seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             generator = torch.Generator().manual_seed(seed)
             span.set_attributes({t.SESSION_ID: session_id, t.GEN_AI_SEED: seed, t.GEN_AI_INPUT_TOKENS: len(prompt)})

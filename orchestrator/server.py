@@ -19,6 +19,7 @@ from opentelemetry import metrics
 from orchestrator.admission import Admission
 from orchestrator.config import OrchestratorConfig
 from orchestrator.gamma import GammaPolicy
+from orchestrator.http import FrontDoor, HttpServer
 from draft_service.ngram import NGRAM_MODEL, NgramDraft
 from orchestrator.pool import WorkerPool, pair_pools, parse_entries
 from orchestrator.remote import RemoteDraft, RemoteTarget
@@ -135,6 +136,13 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
     )
     parts.slot = slot
     parts.admission = admission
+    parts.http = None
+    if config.http_port is not None:  # the OpenAI-compatible door on the same decoder and queue
+        parts.http = HttpServer(FrontDoor(slot, admission, tokens=read_tokens(config.auth_token_file),
+                                          served_model_name=config.served_model_name,
+                                          serving=lambda: parts.serving),
+                                config.host, config.http_port, config.tls, config.log_level).start()
+        parts.on_stop.insert(0, lambda: parts.http.stop(config.drain_timeout_s))
     _queue_gauges(parts.telemetry.meter, admission)
     if decoder is not None:
         slot.pools = (decoder.targets, decoder.drafts)
@@ -153,5 +161,6 @@ def main(argv: list[str] | None = None) -> None:
     # thread means no OpenMP team spinning on cores that co-located workers need
     torch.set_num_threads(config.torch_threads)
     parts, port = create_server(config, telemetry=Telemetry.from_env("specdec-orchestrator"))
-    log.info("orchestrator on port %d; target %s, draft %s", port, config.target, config.draft)
+    log.info("orchestrator on port %d%s; target %s, draft %s", port,
+             f", OpenAI-compatible HTTP on port {parts.http.port}" if parts.http else "", config.target, config.draft)
     serve_until_signalled(parts.server, parts, grace_s=config.drain_timeout_s)

@@ -34,12 +34,14 @@ class ServerParts:
     health: health.HealthServicer
 
     def set_serving(self, serving: bool) -> None:
+        self.serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         self.health.set("", status)
         for name in self.service_names:
             self.health.set(name, status)
 
     service_names: tuple[str, ...] = ()
+    serving: bool = False  # what health reports
     loader: object = None  # the model-loading thread, when the server loads its own model
     telemetry: Telemetry | None = None
     on_stop: list = field(default_factory=list)  # callables run after the server stops

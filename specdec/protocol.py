@@ -270,7 +270,7 @@ class GenerationRequest:
     prompt: str | None = None
     messages: Sequence[dict] | None = None
     token_ids: Sequence[int] | None = None
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS  # None: as many as fit (context, server limit)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0

@@ -79,6 +79,13 @@ def open_channel(address: str, tls: ClientTls | None, options: list, server_name
     return grpc.secure_channel(address, tls.credentials(), options=options)
 
 
+def open_aio_channel(address: str, tls: ClientTls | None, options: list) -> "grpc.aio.Channel":
+    """open_channel's asyncio twin (grpc.aio), for orchestrator.client.AsyncClient."""
+    if tls is None or not tls.on:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options)
+
+
 def read_tokens(path: str | None) -> frozenset[str]:
     """Bearer tokens, one per line (blank lines and # comments skipped)."""
     if not path:

@@ -1,0 +1,540 @@
+"""The OpenAI-compatible HTTP front door of the orchestrator (`--http-port`).
+
+    POST /v1/completions        prompt -> text (stream: server-sent events ending in `data: [DONE]`)
+    POST /v1/chat/completions   messages -> an assistant message (the same, streamed)
+    GET  /v1/models             the one model this orchestrator serves
+    POST /tokenize              prompt or messages -> token ids, as the decoder would encode them
+    GET  /health                200 while serving, 503 otherwise (no token needed)
+
+It runs beside the gRPC server in the same process (uvicorn on a thread of its own) and feeds the
+same decoder through the same admission queue: one decoding loop, one limit on requests running
+and waiting. The decoder blocks, so each request runs on a thread of a pool sized like the gRPC
+server's; its chunks reach the event loop through a queue. A client that disconnects sets a flag
+the thread reads after every round: the decoder's generator is closed, and with it the
+request's sessions on both workers.
+
+Mapping to the decoder (orchestrator/decoder.py): max_tokens / max_completion_tokens ->
+max_new_tokens (completions default to 16 as OpenAI's do; chat to as many as fit the context and
+--max-new-tokens); temperature, top_p, seed, stop as they are; extensions, e.g. the openai SDK's
+`extra_body`: `top_k` (0 or -1: off) and `gamma` (drafts per round; 0 = the target alone).
+Every answer carries the speculative statistics in the extension field `specdec` (the last
+chunk of a stream). Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import ssl
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Literal
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.admission import Admission
+from specdec.errors import ServiceError
+from specdec.protocol import MAX_GAMMA, GenerationChunk, GenerationRequest
+from specdec.security import ServerTls
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TOP_LOGPROBS = 20
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length"}
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+class OpenAIError(Exception):
+    """An HTTP error in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+HTTP_STATUS = {  # gRPC status of a ServiceError -> (HTTP status, OpenAI error type)
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.FAILED_PRECONDITION: (503, "service_unavailable"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+# the decoder's messages name its own fields; a client of this door knows them by OpenAI's names
+PARAM_NAMES = [("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+               ("top_k", "top_k"), ("gamma", "gamma"), ("stop", "stop"), ("prompt", "prompt"),
+               ("chat", "messages"), ("token id", "prompt"), ("seed", "seed")]
+
+
+def from_service_error(exc: ServiceError) -> OpenAIError:
+    status, type_ = HTTP_STATUS.get(exc.code, (500, "internal_error"))
+    param = None
+    if status == 400:
+        param = next((name for word, name in PARAM_NAMES if word in exc.message), None)
+    return OpenAIError(status, exc.message, type_, param, exc.code.name.lower())
+
+
+def error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+# ---- request bodies -----------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take. Unknown fields are ignored, as OpenAI's server does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # extension (vLLM's): 0 or -1 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    gamma: int | None = Field(None, ge=0, le=MAX_GAMMA)  # extension: drafts per round (0 = the target alone)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise OpenAIError(400, "n: only n=1 is supported (send n requests instead)", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise OpenAIError(400, f"{name}: not supported (the output is exactly the target's distribution)",
+                                  param=name)
+        if self.logit_bias:
+            raise OpenAIError(400, "logit_bias: not supported", param="logit_bias")
+
+    def generation_kwargs(self) -> dict:
+        kwargs: dict[str, Any] = {}
+        if self.temperature is not None:
+            kwargs["temperature"] = self.temperature
+        if self.top_p is not None:
+            kwargs["top_p"] = self.top_p
+        if self.top_k is not None:
+            kwargs["top_k"] = max(0, self.top_k)
+        if self.seed is not None:
+            kwargs["seed"] = self.seed
+        if self.gamma is not None:
+            kwargs["gamma"] = self.gamma
+        if self.stop is not None:
+            kwargs["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return kwargs
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def to_generation(self) -> GenerationRequest:
+        self.check_supported()
+        if self.echo:
+            raise OpenAIError(400, "echo: not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise OpenAIError(400, "best_of: only 1 is supported", param="best_of")
+        if self.suffix:
+            raise OpenAIError(400, "suffix: not supported", param="suffix")
+        if self.logprobs is not None:
+            raise OpenAIError(400, "logprobs: not supported yet", param="logprobs")
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise OpenAIError(400, "prompt: one prompt per request", param="prompt")
+            prompt = prompt[0]
+        source = {"prompt": prompt} if isinstance(prompt, str) else {"token_ids": list(prompt)}
+        max_new = self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        return GenerationRequest(**source, max_new_tokens=max_new, **self.generation_kwargs())
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise OpenAIError(400, f"messages[{index}].content: only text parts are supported, got "
+                                       f"'{part.type}'", param=f"messages[{index}].content")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict | None = None
+    tools: list | None = None
+
+    def to_generation(self) -> GenerationRequest:
+        self.check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise OpenAIError(400, "logprobs: not supported yet", param="logprobs")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise OpenAIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+        if self.tools:
+            raise OpenAIError(400, "tools: not supported", param="tools")
+        if not self.messages:
+            raise OpenAIError(400, "messages: at least one message is required", param="messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+                    for i, m in enumerate(self.messages)]
+        max_new = self.max_completion_tokens or self.max_tokens  # None: as many as fit
+        return GenerationRequest(messages=messages, max_new_tokens=max_new, **self.generation_kwargs())
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+# ---- the front door -----------------------------------------------------------------------------
+
+
+class _Call:
+    """What the admission queue asks of a call (as of a gRPC context): is its client still there."""
+
+    def __init__(self):
+        self.gone = threading.Event()
+
+    def is_active(self) -> bool:
+        return not self.gone.is_set()
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+_END = object()
+
+
+class FrontDoor:
+    """The FastAPI app over a DecoderSlot (orchestrator/servicer.py) and its admission queue."""
+
+    def __init__(self, slot, admission: Admission, *, tokens: frozenset[str] = frozenset(),
+                 served_model_name: str | None = None, serving: Callable[[], bool] = lambda: True):
+        self.slot, self.admission = slot, admission
+        self._tokens = [t.encode() for t in tokens]
+        self._served_name = served_model_name
+        self._serving = serving
+        # every running and every queued request holds a thread; the admission queue refuses the rest
+        self._pool = ThreadPoolExecutor(max_workers=admission.max_running + admission.max_queued + 4,
+                                        thread_name_prefix="http")
+        self.app = self._build()
+
+    @property
+    def model_name(self) -> str:
+        decoder = self.slot.get()
+        return self._served_name or decoder.target_info.model_name
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- plumbing --
+
+    def _authorize(self, request: Request) -> None:
+        if not self._tokens:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[len("Bearer "):].strip().encode() if header.startswith("Bearer ") else b""
+        # compare with every token, in constant time each: no early exit to time
+        if not (given and any([hmac.compare_digest(given, t) for t in self._tokens])):
+            raise OpenAIError(401, "missing or invalid bearer token (send 'Authorization: Bearer <token>')",
+                              "authentication_error", code="invalid_api_key")
+
+    def _check_model(self, model: str | None) -> None:
+        name = self.model_name
+        if model is not None and model != name:
+            raise OpenAIError(404, f"the model '{model}' does not exist; this server serves '{name}'",
+                              param="model", code="model_not_found")
+
+    async def _chunks(self, generation: GenerationRequest, call: _Call) -> AsyncIterator[GenerationChunk]:
+        """The decoder's chunks, produced on a pool thread; closing this iterator (the client
+        left, or the response ended) stops that thread within one round."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone (server stopping): nobody reads any more
+                call.gone.set()
+
+        def produce() -> None:
+            try:
+                decoder = self.slot.get()
+                with self.admission.slot(call):
+                    stream = decoder.generate_stream(generation)
+                    try:
+                        for chunk in stream:
+                            put(chunk)
+                            if call.gone.is_set():
+                                return
+                    finally:
+                        stream.close()  # closes the request's sessions when it stopped early
+            except BaseException as exc:  # noqa: BLE001 - handed to the event loop
+                put(exc)
+            else:
+                put(_END)
+
+        self._pool.submit(produce)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason:
+                    return
+        finally:
+            call.gone.set()
+
+    async def _first(self, chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk:
+        """The first chunk, so that a refusal (bad input, full, not ready) is an HTTP status,
+        not an event in a stream already begun."""
+        try:
+            return await chunks.__anext__()
+        except ServiceError as exc:
+            raise from_service_error(exc) from None
+
+    async def _collect(self, request: Request, chunks: AsyncIterator[GenerationChunk],
+                       call: _Call) -> list[GenerationChunk]:
+        """Every chunk of a non-streamed answer, watching for the client leaving meanwhile."""
+        async def drain():
+            return [chunk async for chunk in chunks]
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    call.gone.set()
+                    task.cancel()
+                    raise OpenAIError(499, "the client disconnected", "cancelled")
+        except ServiceError as exc:
+            raise from_service_error(exc) from None
+
+    # -- endpoints --
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="specdec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(OpenAIError)
+        async def openai_error(request: Request, exc: OpenAIError):
+            return error_response(exc)
+
+        @app.exception_handler(ServiceError)
+        async def service_error(request: Request, exc: ServiceError):
+            return error_response(from_service_error(exc))
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request: Request, exc: RequestValidationError):
+            first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+            loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+            param = ".".join(loc) or None
+            return error_response(OpenAIError(400, f"{param or 'body'}: {first.get('msg')}", param=param))
+
+        @app.get("/health")
+        async def health():
+            ok = self._serving() and self.slot.decoder is not None
+            return JSONResponse({"status": "serving" if ok else "not serving"}, status_code=200 if ok else 503)
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            self._authorize(request)
+            decoder = self.slot.get()
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                "owned_by": "specdec", "max_model_len": decoder.max_context}]}
+
+        @app.post("/tokenize")
+        async def tokenize(body: TokenizeRequest, request: Request):
+            self._authorize(request)
+            self._check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
+            generation = GenerationRequest(prompt=body.prompt) if body.prompt is not None else GenerationRequest(
+                messages=[{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)])
+            decoder = self.slot.get()
+            ids = await asyncio.get_running_loop().run_in_executor(self._pool, decoder.encode, generation)
+            return {"tokens": ids, "count": len(ids), "max_model_len": decoder.max_context}
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request):
+            return await self._answer(body, request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, request: Request):
+            return await self._answer(body, request, chat=True)
+
+        return app
+
+    async def _answer(self, body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool):
+        self._authorize(request)
+        self._check_model(body.model)
+        generation = body.to_generation()
+        call = _Call()
+        chunks = self._chunks(generation, call)
+        first = await self._first(chunks)
+        answer = Answer(chat, self.model_name)
+        if not body.stream:
+            if first.finish_reason:
+                await chunks.aclose()
+                return answer.whole([first])
+            return answer.whole([first, *await self._collect(request, chunks, call)])
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(answer.events(first, chunks, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class Answer:
+    """Chunks -> OpenAI response bodies: one whole object, or server-sent events."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    @staticmethod
+    def usage(stats) -> dict:
+        return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+                "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+
+    def whole(self, chunks: list[GenerationChunk]) -> dict:
+        last = chunks[-1]
+        text = "".join(c.text_delta for c in chunks)
+        finish = FINISH_REASONS.get(last.finish_reason, last.finish_reason)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(last.stats),
+                "specdec": last.stats.to_dict()}
+
+    def _event(self, choices: list, **extra) -> str:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, **extra}
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    def _choice(self, chunk: GenerationChunk, first: bool) -> dict:
+        finish = FINISH_REASONS.get(chunk.finish_reason, chunk.finish_reason) if chunk.finish_reason else None
+        if self.chat:
+            delta = {"role": "assistant", "content": chunk.text_delta} if first else {"content": chunk.text_delta}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": chunk.text_delta, "logprobs": None, "finish_reason": finish}
+
+    async def events(self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk],
+                     include_usage: bool) -> AsyncIterator[str]:
+        chunk, is_first = first, True
+        try:
+            while True:
+                last = chunk.finish_reason is not None
+                extra = {"specdec": chunk.stats.to_dict()} if last and chunk.stats is not None else {}
+                if include_usage:
+                    extra["usage"] = None  # OpenAI: every chunk has usage null but the last
+                yield self._event([self._choice(chunk, is_first)], **extra)
+                is_first = False
+                if last:
+                    break
+                chunk = await rest.__anext__()
+            if include_usage:
+                yield self._event([], usage=self.usage(chunk.stats))
+        except StopAsyncIteration:  # the producer ended without a final chunk: not expected
+            pass
+        except ServiceError as exc:  # after the stream began: an error event, then [DONE]
+            yield f"data: {json.dumps(from_service_error(exc).body())}\n\n"
+        finally:
+            await rest.aclose()
+        yield "data: [DONE]\n\n"
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+
+class HttpServer:
+    """uvicorn serving a FrontDoor on a thread of its own; bind first, so port 0 works."""
+
+    def __init__(self, door: FrontDoor, host: str, port: int, tls: ServerTls | None = None,
+                 log_level: str = "info"):
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        self.door = door
+        kwargs = {}
+        if tls is not None and tls.enabled:
+            kwargs = dict(ssl_certfile=tls.cert, ssl_keyfile=tls.key)
+            if tls.client_ca:
+                kwargs.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        self.server = uvicorn.Server(uvicorn.Config(door.app, log_level=log_level, lifespan="off",
+                                                    access_log=False, timeout_graceful_shutdown=5, **kwargs))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="http",
+                                       daemon=True)
+
+    def start(self) -> "HttpServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.server.started:
+            raise RuntimeError(f"the HTTP server did not start on port {self.port}")
+        return self
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(grace_s + 5)
+        self.door.close()
+        self.sock.close()

@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP door (orchestrator/http.py), with the official openai SDK as the
+client and raw HTTP for the server-sent-event framing; real servers on free ports."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from orchestrator.admission import Admission
+from orchestrator.http import FrontDoor, HttpServer
+from orchestrator.servicer import DecoderSlot
+from tests.support.servers import client_of, start_stack, stop_stack, wait_for
+
+PROMPT = "def fib(n):"
+CHAT = [{"role": "system", "content": "You write code."}, {"role": "user", "content": "Say hi"}]
+
+
+@pytest.fixture(scope="module")
+def http_stack(target_engine, draft_engine):
+    stack = start_stack(target_engine, draft_engine, http_port=0)
+    stack["http"] = f"http://127.0.0.1:{stack['orchestrator'].http.port}"
+    stack["model"] = stack["orchestrator"].slot.decoder.target_info.model_name
+    yield stack
+    stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
+def oai(http_stack):
+    with openai.OpenAI(base_url=http_stack["http"] + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def grpc_client(http_stack):
+    with client_of(http_stack["address"]) as c:
+        yield c
+
+
+def test_completion_is_the_grpc_answer_with_usage_and_stats(oai, grpc_client, http_stack):
+    r = oai.completions.create(model=http_stack["model"], prompt=PROMPT, max_tokens=12, temperature=0)
+    ref = grpc_client.generate(prompt=PROMPT, max_new_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.model == http_stack["model"]
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.prompt_tokens == ref.stats["prompt_tokens"]
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    stats = r.model_extra["specdec"]  # the extension field
+    assert stats["generated_tokens"] == len(ref.token_ids) and stats["rounds"] >= 1
+
+
+def test_completion_defaults_to_sixteen_tokens_like_openai(oai, http_stack):
+    r = oai.completions.create(model=http_stack["model"], prompt=PROMPT, temperature=0, extra_body={"gamma": 2})
+    assert r.usage.completion_tokens <= 16
+    assert r.choices[0].finish_reason == "stop" or r.usage.completion_tokens == 16
+
+
+def test_completion_takes_token_ids_and_stop(oai, grpc_client, http_stack):
+    ids = [5, 6, 7, 8]
+    r = oai.completions.create(model=http_stack["model"], prompt=ids, max_tokens=8, temperature=0)
+    ref = grpc_client.generate(token_ids=ids, max_new_tokens=8, temperature=0)
+    assert r.choices[0].text == ref.text
+    stop = ref.text[3:5]
+    if stop.strip():
+        r = oai.completions.create(model=http_stack["model"], prompt=ids, max_tokens=8, temperature=0, stop=[stop])
+        assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+
+
+def test_chat_is_the_grpc_chat_answer(oai, grpc_client, http_stack):
+    r = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=10, temperature=0)
+    ref = grpc_client.generate(messages=CHAT, max_new_tokens=10, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
+    assert r.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_chat_without_max_tokens_runs_to_eos_or_the_context(oai, http_stack):
+    r = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, temperature=0,
+                                    max_completion_tokens=None, extra_body={"gamma": 4})
+    assert r.usage.prompt_tokens + r.usage.completion_tokens <= 512  # the tiny models' context
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens > 16  # not the completions endpoint's default
+
+
+def test_sampled_answer_is_reproducible_with_a_seed(oai, http_stack):
+    kw = dict(model=http_stack["model"], prompt=PROMPT, max_tokens=10, temperature=0.8, top_p=0.9, seed=7,
+              extra_body={"top_k": 20})
+    assert oai.completions.create(**kw).choices[0].text == oai.completions.create(**kw).choices[0].text
+
+
+def test_streamed_chat_and_completion_concatenate_to_the_whole_answer(oai, http_stack):
+    whole = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=12, temperature=0)
+    chunks = list(oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=12,
+                                              temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert finals[0].model_extra["specdec"]["generated_tokens"] == whole.usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+    text = oai.completions.create(model=http_stack["model"], prompt=PROMPT, max_tokens=12, temperature=0)
+    streamed = list(oai.completions.create(model=http_stack["model"], prompt=PROMPT, max_tokens=12, temperature=0,
+                                           stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
+    assert all(c.usage is None for c in streamed)  # no include_usage: no usage chunk
+
+
+def test_sse_framing_over_raw_http(http_stack):
+    body = {"model": http_stack["model"], "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", http_stack["http"] + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ") and "\n" not in event
+        assert json.loads(event[len("data: "):])["object"] == "text_completion"
+
+
+def test_models_tokenize_and_health(http_stack, grpc_client):
+    base = http_stack["http"]
+    models = httpx.get(base + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [http_stack["model"]] and models["object"] == "list"
+    assert httpx.get(base + "/health").status_code == 200
+    tok = httpx.post(base + "/tokenize", json={"model": http_stack["model"], "prompt": PROMPT}).json()
+    ref = grpc_client.generate(prompt=PROMPT, max_new_tokens=1, temperature=0)
+    assert tok["count"] == len(tok["tokens"]) == ref.stats["prompt_tokens"]
+    chat = httpx.post(base + "/tokenize", json={"messages": CHAT}).json()
+    assert chat["count"] == grpc_client.generate(messages=CHAT, max_new_tokens=1, temperature=0).stats["prompt_tokens"]
+
+
+BAD = {  # body changes -> (status, param, words in the message)
+    "n": ({"n": 2}, 400, "n", "n=1"),
+    "temperature": ({"temperature": -1}, 400, "temperature", "temperature"),
+    "top_p": ({"top_p": 0}, 400, "top_p", "top_p"),
+    "max_tokens zero": ({"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    "beyond context": ({"max_tokens": 100_000}, 400, "max_tokens", "context"),
+    "gamma": ({"gamma": 99}, 400, "gamma", "gamma"),
+    "no model": ({"model": None}, 400, "model", "model"),
+    "unknown model": ({"model": "gpt-9"}, 404, "model", "gpt-9"),
+    "empty prompt": ({"prompt": ""}, 400, "prompt", "prompt"),
+    "penalty": ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    "token id": ({"prompt": [10**7]}, 400, "prompt", "vocabulary"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_requests_get_openai_errors_and_the_service_stays_healthy(http_stack, case):
+    change, status, param, words = BAD[case]
+    body = {"model": http_stack["model"], "prompt": PROMPT, "max_tokens": 4, **change}
+    body = {k: v for k, v in body.items() if v is not None}
+    r = httpx.post(http_stack["http"] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"] and error["type"]
+    ok = httpx.post(http_stack["http"] + "/v1/completions", timeout=60,
+                    json={"model": http_stack["model"], "prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_sdk_raises_its_own_error_classes(oai, http_stack):
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=http_stack["model"], messages=CHAT, n=3)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=http_stack["model"], messages=[{"role": "robot", "content": "x"}])
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_request(http_stack, target_engine, monkeypatch):
+    decoder = http_stack["orchestrator"].slot.decoder
+    admission = http_stack["orchestrator"].admission
+    original = decoder.generate_stream
+    seen = {"chunks": 0, "closed_early": False}
+    first = threading.Event()
+
+    def paced(request):  # the real decoder, one round at a time, slow enough to leave mid-way
+        stream = original(request)
+        try:
+            for chunk in stream:
+                seen["chunks"] += 1
+                yield chunk
+                first.set()
+                threading.Event().wait(0.02)
+        except GeneratorExit:
+            seen["closed_early"] = True
+            raise
+        finally:
+            stream.close()
+
+    monkeypatch.setattr(decoder, "generate_stream", paced)
+    body = {"model": http_stack["model"], "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "gamma": 0,
+            "stream": True}
+    with httpx.stream("POST", http_stack["http"] + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # the first event: the request is in flight
+        assert first.wait(30)
+    # the connection is closed: within a round the request stops, its sessions closed on both workers
+    wait_for(lambda: seen["closed_early"], 30, "the request stopped")
+    wait_for(lambda: admission.running == 0, 30, "the admission slot freed")
+    wait_for(lambda: target_engine.describe().open_sessions == 0, 30, "the target's session closed")
+    assert seen["chunks"] < 400
+
+
+# ---- a door of its own: tokens, a full queue, not ready ------------------------------------
+
+
+def test_bearer_token_is_required_when_configured(target_engine, draft_engine, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    stack = start_stack(target_engine, draft_engine, http_port=0, auth_token_file=str(tokens))
+    base = f"http://127.0.0.1:{stack['orchestrator'].http.port}/v1"
+    model = stack["orchestrator"].slot.decoder.target_info.model_name
+    try:
+        with openai.OpenAI(base_url=base, api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                bad.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        with openai.OpenAI(base_url=base, api_key="s3cret", max_retries=0) as good:
+            assert good.completions.create(model=model, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(base.removesuffix("/v1") + "/health").status_code == 200  # health needs no token
+    finally:
+        stop_stack(stack)
+
+
+def test_a_full_server_answers_429(http_stack):
+    door = FrontDoor(http_stack["orchestrator"].slot, Admission(max_running=1, max_queued=0))
+    server = HttpServer(door, "127.0.0.1", 0).start()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        door.admission.running = 1  # the one slot is taken
+        r = httpx.post(base + "/v1/completions", json={"model": http_stack["model"], "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        door.admission.running = 0
+        r = httpx.post(base + "/v1/completions", json={"model": http_stack["model"], "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        server.stop()
+
+
+def test_not_ready_is_503_everywhere():
+    slot = DecoderSlot()  # no decoder yet: the workers have not loaded
+    server = HttpServer(FrontDoor(slot, Admission(1, 1)), "127.0.0.1", 0).start()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        assert httpx.get(base + "/health").status_code == 503
+        assert httpx.get(base + "/v1/models").status_code == 503
+        r = httpx.post(base + "/v1/chat/completions", json={"model": "m", "messages": CHAT})
+        assert r.status_code == 503 and "starting" in r.json()["error"]["message"]
+    finally:
+        server.stop()
