@@ -54,7 +54,10 @@ class FlagTable:
         return [f for f in self.flags if f.roles is None or role in f.roles]
 
     def parser(self, prog: str, description: str, role: str = "") -> argparse.ArgumentParser:
+        from specdec import __version__
+
         p = argparse.ArgumentParser(prog=prog, description=description)
+        p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
         for flag in self.for_role(role):
             env = self.env_name(flag, role)
             value = os.environ.get(env)

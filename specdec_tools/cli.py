@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.threads import prefer_passive_openmp
 
     prefer_passive_openmp()  # the local stack and the benchmarks share cores (specdec/threads.py)
+    from specdec import __version__
+
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding over gRPC.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="send one request to an orchestrator")
