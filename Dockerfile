@@ -66,7 +66,7 @@ WORKDIR /home/specdec
 USER ${UID}:${UID}
 
 # 50050 orchestrator, 50051 target worker, 50052 draft worker (gRPC); 9464 Prometheus metrics
-EXPOSE 50050 50051 50052 9464
+EXPOSE 50050 50051 50052 8000 9464
 
 # Deliberately no role: without a command the container only prints the CLI's help.
 CMD ["specdec", "--help"]

@@ -39,7 +39,7 @@ from orchestrator.rounds import RequestState, run_round
 from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
 from specdec.errors import Cancelled, InvalidArgument, ServiceError
-from specdec.protocol import (MAX_GAMMA, DraftOptions, GenerationChunk, GenerationRequest, GenerationResult, GenerationStats,
+from specdec.protocol import (MAX_GAMMA, MAX_TOP_LOGPROBS, DraftOptions, GenerationChunk, GenerationRequest, GenerationResult, GenerationStats,
                               RequestLimits, SamplingParams)
 from specdec.telemetry import Telemetry
 
@@ -153,16 +153,22 @@ class SpeculativeDecoder:
                                   f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)")
         if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
             raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+        if request.top_logprobs and not request.logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs")
         if request.gamma > 0 and self.drafts is None:
             raise InvalidArgument("this orchestrator has no draft worker; use gamma 0")
         return params
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
-        text, ids = [], []
+        text, ids, logprobs = [], [], []
         for chunk in self.generate_stream(request):
             text.append(chunk.text_delta)
             ids.extend(chunk.token_ids)
-        return GenerationResult("".join(text), ids, chunk.finish_reason, chunk.stats.to_dict())
+            logprobs.extend(chunk.logprobs or ())
+        return GenerationResult("".join(text), ids, chunk.finish_reason, chunk.stats.to_dict(),
+                                logprobs if request.logprobs else None)
 
     def generate_stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
         t_start = time.perf_counter()
@@ -239,7 +245,8 @@ class SpeculativeDecoder:
         state = RequestState(placement, params, generator, self.tracer, self.eos, request.gamma,
                              request.max_new_tokens, list(prompt), stats, TextAssembler(self.tokenizer, request.stop),
                              started=time.perf_counter() - stats.prefill_s, policy=self.gamma_policy,
-                             draft_options=self.draft_options)
+                             draft_options=self.draft_options,
+                             top_logprobs=request.top_logprobs if request.logprobs else None)
         while state.finish is None:
             rnd = run_round(state, ctx)
             self.metrics.record_round(rnd.gamma, rnd.num_accepted, rnd.draft_s, rnd.verify_s, rnd.sampling_s,

@@ -63,3 +63,29 @@ class TextAssembler:
             if any(s.startswith(text[-n:]) for s in self.stop):
                 return n
         return 0
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes each byte as one printable character; this maps them back."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes one token stands for (a piece of a UTF-8 character, perhaps), as OpenAI's
+    logprobs report them: exact for byte-level BPE vocabularies (GPT-2, Qwen, Llama 3), else
+    the token's decoded text."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if piece is not None and all(c in BYTE_LEVEL for c in piece):
+        return bytes(BYTE_LEVEL[c] for c in piece)
+    return tokenizer.decode([token_id], clean_up_tokenization_spaces=False).encode()

@@ -42,14 +42,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.admission import Admission
+from orchestrator.detokenizer import token_bytes
 from specdec.errors import ServiceError
-from specdec.protocol import MAX_GAMMA, GenerationChunk, GenerationRequest
+from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, GenerationChunk, GenerationRequest
 from specdec.security import ServerTls
 
 log = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_TOP_LOGPROBS = 20
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length"}
 
 
@@ -168,8 +168,6 @@ class CompletionRequest(_Common):
             raise OpenAIError(400, "best_of: only 1 is supported", param="best_of")
         if self.suffix:
             raise OpenAIError(400, "suffix: not supported", param="suffix")
-        if self.logprobs is not None:
-            raise OpenAIError(400, "logprobs: not supported yet", param="logprobs")
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -177,7 +175,8 @@ class CompletionRequest(_Common):
             prompt = prompt[0]
         source = {"prompt": prompt} if isinstance(prompt, str) else {"token_ids": list(prompt)}
         max_new = self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        return GenerationRequest(**source, max_new_tokens=max_new, **self.generation_kwargs())
+        return GenerationRequest(**source, max_new_tokens=max_new, **self.generation_kwargs(),
+                                 logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0)
 
 
 class ContentPart(BaseModel):
@@ -213,8 +212,8 @@ class ChatCompletionRequest(_Common):
 
     def to_generation(self) -> GenerationRequest:
         self.check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise OpenAIError(400, "logprobs: not supported yet", param="logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise OpenAIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
         if self.tools:
@@ -224,7 +223,8 @@ class ChatCompletionRequest(_Common):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
                     for i, m in enumerate(self.messages)]
         max_new = self.max_completion_tokens or self.max_tokens  # None: as many as fit
-        return GenerationRequest(messages=messages, max_new_tokens=max_new, **self.generation_kwargs())
+        return GenerationRequest(messages=messages, max_new_tokens=max_new, **self.generation_kwargs(),
+                                 logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0)
 
 
 class TokenizeRequest(BaseModel):
@@ -424,7 +424,7 @@ class FrontDoor:
         call = _Call()
         chunks = self._chunks(generation, call)
         first = await self._first(chunks)
-        answer = Answer(chat, self.model_name)
+        answer = Answer(chat, self.model_name, self.slot.get().tokenizer if generation.logprobs else None)
         if not body.stream:
             if first.finish_reason:
                 await chunks.aclose()
@@ -438,10 +438,44 @@ class FrontDoor:
 class Answer:
     """Chunks -> OpenAI response bodies: one whole object, or server-sent events."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, tokenizer=None):
+        """tokenizer: the request asked for logprobs (token strings come from it)."""
+        self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._text_offset = 0  # completions' logprobs.text_offset, across chunks
+        self._pieces: dict[int, tuple[str, list[int]]] = {}
+
+    def _piece(self, token_id: int) -> tuple[str, list[int]]:
+        """(token text, its bytes): the text of a partial UTF-8 character shows U+FFFD."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            raw = token_bytes(self.tokenizer, token_id)
+            piece = self._pieces[token_id] = (raw.decode(errors="replace"), list(raw))
+        return piece
+
+    def _token(self, token_id: int) -> str:
+        return self._piece(token_id)[0]
+
+    def logprobs(self, chunks: list[GenerationChunk]) -> dict | None:
+        """OpenAI's logprobs object for these chunks' tokens (None: not asked for)."""
+        if self.tokenizer is None:
+            return None
+        items = [lp for c in chunks for lp in c.logprobs or ()]
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict:
+                token, raw = self._piece(token_id)
+                return {"token": token, "logprob": _finite(logprob), "bytes": raw}
+            return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, x) for t, x in lp.top]}
+                                for lp in items]}
+        tokens = [self._token(lp.token_id) for lp in items]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in items],
+                "top_logprobs": [{self._token(t): _finite(x) for t, x in lp.top} for lp in items],
+                "text_offset": offsets}
 
     @staticmethod
     def usage(stats) -> dict:
@@ -453,10 +487,10 @@ class Answer:
         text = "".join(c.text_delta for c in chunks)
         finish = FINISH_REASONS.get(last.finish_reason, last.finish_reason)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self.logprobs(chunks), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(chunks), "finish_reason": finish}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(last.stats),
                 "specdec": last.stats.to_dict()}
@@ -470,8 +504,8 @@ class Answer:
         finish = FINISH_REASONS.get(chunk.finish_reason, chunk.finish_reason) if chunk.finish_reason else None
         if self.chat:
             delta = {"role": "assistant", "content": chunk.text_delta} if first else {"content": chunk.text_delta}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": chunk.text_delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": self.logprobs([chunk]), "finish_reason": finish}
+        return {"index": 0, "text": chunk.text_delta, "logprobs": self.logprobs([chunk]), "finish_reason": finish}
 
     async def events(self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk],
                      include_usage: bool) -> AsyncIterator[str]:
@@ -496,6 +530,11 @@ class Answer:
         finally:
             await rest.aclose()
         yield "data: [DONE]\n\n"
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf; OpenAI reports an impossible token as -9999.0."""
+    return max(logprob, -9999.0)
 
 
 # ---- the server ---------------------------------------------------------------------------------

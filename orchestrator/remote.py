@@ -137,18 +137,27 @@ class RemoteTarget(_RemoteWorker):
         self._stub = target_pb2_grpc.TargetWorkerStub(self.channel)
 
     def verify(
-        self, session_id: str, start: int, token_ids: list[int], draft_token_ids: list[int], params: SamplingParams
+        self, session_id: str, start: int, token_ids: list[int], draft_token_ids: list[int], params: SamplingParams,
+        top_logprobs: int | None = None,
     ) -> Verification:
         request = target_pb2.VerifyRequest(
             session_id=session_id, start=start, token_ids=token_ids, draft_token_ids=draft_token_ids,
-            sampling=params.to_proto(),
+            sampling=params.to_proto(), logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
         )
         r = self._call(self._stub.Verify, request)
         probs = [CompactProbs.from_proto(p, self.vocab_size) for p in r.probs] if not params.greedy else None
         argmax = list(r.argmax_token_ids) if params.greedy else None
         if (argmax if params.greedy else probs) is None or len(argmax or probs) != len(draft_token_ids) + 1:
             raise ServiceError(f"{self.peer} returned a malformed verification", grpc.StatusCode.INTERNAL)
-        return Verification(argmax, probs, r.length, r.compute_s, r.batch_rows, r.pass_s, _wire(request, r))
+        positions = len(draft_token_ids) + 1
+        bases = top = None
+        if top_logprobs is not None:
+            bases = list(r.logprob_bases)
+            top = [(list(t.token_ids), list(t.logprobs)) for t in r.top_logprobs] if top_logprobs else None
+            if len(bases) != positions or (top is not None and len(top) != positions):
+                raise ServiceError(f"{self.peer} returned malformed logprobs", grpc.StatusCode.INTERNAL)
+        return Verification(argmax, probs, r.length, r.compute_s, r.batch_rows, r.pass_s, _wire(request, r),
+                            logprob_bases=bases, top_logprobs=top)
 
     def tokenizer_files(self) -> dict[str, bytes]:
         files: dict[str, bytearray] = {}

@@ -36,7 +36,8 @@ from orchestrator.placement import Placement, is_worker_fault
 from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample
 from specdec import telemetry as t
 from specdec.errors import ServiceError
-from specdec.protocol import CompactProbs, DraftOptions, GenerationChunk, GenerationStats, SamplingParams, Verification
+from specdec.protocol import (CompactProbs, DraftOptions, GenerationChunk, GenerationStats, SamplingParams, TokenLogprob,
+                              Verification)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class RequestState:
     started: float  # perf_counter at the request's start, for stats.total_s
     policy: GammaPolicy  # how many of `gamma` a round drafts (the decoder's)
     draft_options: DraftOptions = DraftOptions()  # how the draft proposes (the decoder's)
+    top_logprobs: int | None = None  # None: no logprobs; else each token's, and this many alternatives
     prompt_len: int = field(init=False)
     target_synced: int = field(init=False)  # how many of `tokens` the target's cache holds validly
     draft_synced: int = field(init=False)  # the same for the draft's
@@ -156,7 +158,7 @@ def verify(req: RequestState, rnd: Round) -> None:
             with req.tracer.start_as_current_span("verify"):
                 rnd.verification = req.placement.target.worker.verify(
                     req.placement.session_id, req.target_synced, req.tokens[req.target_synced:], rnd.drafts,
-                    req.params)
+                    req.params, req.top_logprobs)
         except ServiceError as exc:
             if not is_worker_fault(exc):
                 raise
@@ -221,13 +223,23 @@ def emit(req: RequestState, rnd: Round) -> GenerationChunk:
         new, req.finish = new[: keep - req.generated], "stop_string"
     req.tokens.extend(new)
     rnd.emitted = new
+    logprobs = token_logprobs(req, rnd) if req.top_logprobs is not None else None
     if req.finish is None and req.generated >= req.max_new_tokens:
         req.finish = "length"
     if req.finish is None:
-        return GenerationChunk(delta, new)
+        return GenerationChunk(delta, new, logprobs=logprobs)
     if req.finish != "stop_string":
         delta += req.assembler.finish()
     failovers = req.placement.failovers
     req.stats.target_failovers, req.stats.draft_failovers = failovers["target"], failovers["draft"]
     req.stats.finalize(req.generated, time.perf_counter() - req.started)
-    return GenerationChunk(delta, new, req.finish, req.stats)
+    return GenerationChunk(delta, new, req.finish, req.stats, logprobs)
+
+
+def token_logprobs(req: RequestState, rnd: Round) -> list[TokenLogprob]:
+    """The emitted tokens' log-probabilities under the target: token i of the round sits at
+    position i of the verification (the accepted drafts, then the recovered or bonus token)."""
+    v = rnd.verification
+    return [TokenLogprob(tok, v.logprob(i, tok, req.params),
+                         tuple(zip(*v.top_logprobs[i])) if v.top_logprobs else ())
+            for i, tok in enumerate(rnd.emitted)]

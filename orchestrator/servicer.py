@@ -35,14 +35,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         decoder = self.slot.get()
         with self.admission.slot(context):
             stream = decoder.generate_stream(request_from_proto(request))
-            text, ids = [], []
+            text, ids, logprobs = [], [], []
             for chunk in stream:
                 text.append(chunk.text_delta)
                 ids.extend(chunk.token_ids)
+                logprobs.extend(chunk.logprobs or ())
                 if not context.is_active():  # the client left: stop within one round
                     stream.close()
                     raise Cancelled("the client cancelled the request")
-        return result_to_proto("".join(text), ids, chunk)
+        return result_to_proto("".join(text), ids, chunk, logprobs)
 
     def GenerateStream(self, request, context):
         decoder = self.slot.get()

@@ -33,7 +33,8 @@ class DraftWorker(Worker, Protocol):
 
 class TargetWorker(Worker, Protocol):
     def verify(
-        self, session_id: str, start: int, token_ids: list[int], draft_token_ids: list[int], params: SamplingParams
+        self, session_id: str, start: int, token_ids: list[int], draft_token_ids: list[int], params: SamplingParams,
+        top_logprobs: int | None = None,
     ) -> Verification: ...
 
     def tokenizer_files(self) -> dict[str, bytes]: ...

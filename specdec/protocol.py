@@ -23,6 +23,7 @@ from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2
 MAX_GAMMA = 16  # most drafts per round a request may ask for
 DEFAULT_GAMMA = 4
 DEFAULT_MAX_NEW_TOKENS = 128
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 ANY_VOCABULARY = "*"  # the vocab_fingerprint of a draft that pairs with any target (a model-free one)
 
@@ -258,6 +259,17 @@ class Verification:
     batch_rows: int = 0  # tokens of all sessions in the forward pass the verify ran in
     pass_s: float = 0.0  # the seconds that pass took (the model alone: no queueing, no lock wait)
     wire_bytes: int = 0  # filled in by the gRPC client
+    # asked for logprobs: [gamma + 1] each. Greedy: the argmax's log-probability; sampling: c
+    # with log P(t) = temperature * log p(t) + c for every t that p can emit
+    logprob_bases: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None  # (ids, log-probabilities), most likely first
+
+    def logprob(self, position: int, token_id: int, params: "SamplingParams") -> float:
+        """The target model's log-probability of a token this round emits at `position`."""
+        if params.greedy:  # a greedy round emits only the argmax
+            return self.logprob_bases[position]
+        p = self.probs[position].prob_of(token_id)
+        return params.temperature * math.log(p) + self.logprob_bases[position] if p > 0 else -math.inf
 
 
 # ---- requests and results (client <-> orchestrator) ------------------------------------------
@@ -277,6 +289,8 @@ class GenerationRequest:
     seed: int | None = None
     gamma: int = DEFAULT_GAMMA
     stop: Sequence[str] = ()
+    logprobs: bool = False  # each token's log-probability under the target ...
+    top_logprobs: int = 0  # ... and this many most likely alternatives (0-MAX_TOP_LOGPROBS)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -351,6 +365,26 @@ class GenerationChunk:
     token_ids: list[int]
     finish_reason: str | None = None  # "length", "eos" or "stop_string" on the last chunk
     stats: GenerationStats | dict | None = None  # on the last chunk (a dict on the client side)
+    logprobs: list["TokenLogprob"] | None = None  # one per token id, when asked for
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target model (its raw logits, temperature
+    1), and the most likely tokens at its position with theirs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_proto(self) -> orchestrator_pb2.TokenLogprob:
+        return orchestrator_pb2.TokenLogprob(token_id=self.token_id, logprob=self.logprob,
+                                             top_token_ids=[t for t, _ in self.top],
+                                             top_logprobs=[lp for _, lp in self.top])
+
+    @classmethod
+    def from_proto(cls, msg: orchestrator_pb2.TokenLogprob) -> "TokenLogprob":
+        return cls(msg.token_id, msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
 @dataclass
@@ -359,6 +393,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: dict
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
 
 
 FINISH_REASONS = {
@@ -367,7 +402,7 @@ FINISH_REASONS = {
     "stop_string": orchestrator_pb2.FINISH_REASON_STOP_STRING,
 }
 FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
-_REQUEST_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma")
+_REQUEST_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "logprobs", "top_logprobs")
 
 
 def request_to_proto(
@@ -434,21 +469,25 @@ def chunk_to_proto(chunk: GenerationChunk) -> orchestrator_pb2.GenerateChunk:
         token_ids=chunk.token_ids,
         finish_reason=FINISH_REASONS.get(chunk.finish_reason, 0),
         stats=stats_to_proto(chunk.stats) if chunk.stats is not None else None,
+        logprobs=[lp.to_proto() for lp in chunk.logprobs or ()],
     )
 
 
 def chunk_from_proto(msg: orchestrator_pb2.GenerateChunk) -> GenerationChunk:
     last = msg.HasField("stats")
     return GenerationChunk(msg.text_delta, list(msg.token_ids), FINISH_NAMES.get(msg.finish_reason) if last else None,
-                           stats_from_proto(msg.stats) if last else None)
+                           stats_from_proto(msg.stats) if last else None,
+                           [TokenLogprob.from_proto(lp) for lp in msg.logprobs] or None)
 
 
-def result_to_proto(text: str, token_ids: list[int], last: GenerationChunk) -> orchestrator_pb2.GenerateResponse:
+def result_to_proto(text: str, token_ids: list[int], last: GenerationChunk,
+                    logprobs: list[TokenLogprob] | None = None) -> orchestrator_pb2.GenerateResponse:
     return orchestrator_pb2.GenerateResponse(text=text, token_ids=token_ids,
                                              finish_reason=FINISH_REASONS[last.finish_reason],
-                                             stats=stats_to_proto(last.stats))
+                                             stats=stats_to_proto(last.stats),
+                                             logprobs=[lp.to_proto() for lp in logprobs or ()])
 
 
 def result_from_proto(msg: orchestrator_pb2.GenerateResponse) -> GenerationResult:
     return GenerationResult(msg.text, list(msg.token_ids), FINISH_NAMES.get(msg.finish_reason, ""),
-                            stats_from_proto(msg.stats))
+                            stats_from_proto(msg.stats), [TokenLogprob.from_proto(lp) for lp in msg.logprobs] or None)

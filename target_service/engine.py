@@ -7,10 +7,13 @@ last gamma + 1 positions only: position i predicts draft i, the last is the bonu
 
 from __future__ import annotations
 
+import math
 import time
 
+import torch
+
 from specdec.errors import InvalidArgument
-from specdec.protocol import MAX_GAMMA, SamplingParams, Verification
+from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, SamplingParams, Verification
 from specdec.sampling import process_logits
 from specdec.worker.engine import WorkerEngine
 
@@ -23,9 +26,14 @@ class TargetEngine(WorkerEngine):
         token_ids: list[int],
         draft_token_ids: list[int],
         params: SamplingParams,
+        top_logprobs: int | None = None,
     ) -> Verification:
+        """top_logprobs: None, or also the model's log-probabilities at every position and that
+        many most likely tokens with theirs (Verification.logprob_bases, .top_logprobs)."""
         if len(draft_token_ids) > MAX_GAMMA:
             raise InvalidArgument(f"at most {MAX_GAMMA} drafts per round, got {len(draft_token_ids)}")
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
         params.validate()
         session = self.session(session_id)
         with session.lock:
@@ -37,13 +45,26 @@ class TargetEngine(WorkerEngine):
             session.tokens.extend(token_ids)
             session.uncache_last()
             session.tokens.extend(draft_token_ids)
-            argmax, probs = self.run(session, len(draft_token_ids) + 1, "verify",
-                                     lambda logits: self._score(logits, params))
+            argmax, probs, bases, top = self.run(session, len(draft_token_ids) + 1, "verify",
+                                                 lambda logits: self._score(logits, params, top_logprobs))
             return Verification(argmax, probs, len(session.tokens), time.perf_counter() - t0,
-                                session.last_pass_rows, session.last_pass_s)
+                                session.last_pass_rows, session.last_pass_s, logprob_bases=bases, top_logprobs=top)
 
-    def _score(self, logits, params: SamplingParams):
-        """logits: [gamma + 1, vocab] -> (argmax, None) greedy, else (None, p per position)."""
-        if params.greedy:
-            return logits.argmax(dim=-1).tolist(), None
-        return None, [process_logits(row, params, self.vocab_size) for row in logits]
+    def _score(self, logits, params: SamplingParams, top_logprobs: int | None):
+        """logits: [gamma + 1, vocab] -> (argmax, None) greedy, else (None, p per position);
+        then, asked for logprobs, (bases, top) of Verification, else (None, None)."""
+        argmax = logits.argmax(dim=-1) if params.greedy or top_logprobs is not None else None
+        probs = None if params.greedy else [process_logits(row, params, self.vocab_size) for row in logits]
+        bases = top = None
+        if top_logprobs is not None:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [gamma + 1, vocab]: the raw model's
+            at_argmax = logprobs.gather(-1, argmax[:, None])[:, 0].tolist()  # [gamma + 1]
+            if params.greedy:
+                bases = at_argmax
+            else:  # p(t) = exp(l_t / T) / S over p's support, so log P(t) = T log p(t) + c; the argmax fixes c
+                bases = [lp - params.temperature * math.log(p.prob_of(a))
+                         for lp, p, a in zip(at_argmax, probs, argmax.tolist())]
+            if top_logprobs:
+                values, indices = logprobs.topk(top_logprobs, dim=-1)  # [gamma + 1, top_logprobs]
+                top = list(zip(indices.tolist(), values.tolist()))
+        return (argmax.tolist() if params.greedy else None), probs, bases, top

@@ -15,6 +15,7 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetWorkerServicer):
             list(request.token_ids),
             list(request.draft_token_ids),
             SamplingParams.from_proto(request.sampling),
+            request.top_logprobs if request.logprobs else None,
         )
         return target_pb2.VerifyResponse(
             argmax_token_ids=v.argmax or [],
@@ -23,4 +24,6 @@ class TargetServicer(SessionRpcs, target_pb2_grpc.TargetWorkerServicer):
             compute_s=v.compute_s,
             batch_rows=v.batch_rows,
             pass_s=v.pass_s,
+            logprob_bases=v.logprob_bases or [],
+            top_logprobs=[target_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in v.top_logprobs or ()],
         )

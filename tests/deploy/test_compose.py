@@ -4,6 +4,8 @@ structural checks of what the files say."""
 
 from __future__ import annotations
 
+import json
+
 import os
 import re
 import shutil
@@ -29,7 +31,7 @@ from tests.deploy.deployfiles import (
     service_env,
 )
 
-SERVICES = {*ROLES, "jaeger", "prometheus"}
+SERVICES = {*ROLES, "jaeger", "prometheus", "grafana"}
 # variables the compose files read; unset for `config`, so it shows the defaults
 COMPOSE_VARIABLES = ("TARGET_MODEL", "DRAFT_MODEL", "ORCHESTRATOR_PORTS", "TORCH_CUDA_INDEX_URL")
 
@@ -68,7 +70,7 @@ def check_merged(services: dict, gpu: bool) -> None:
         else:
             assert devices == [], f"{role}: GPU devices only on workers, only in the GPU override"
             assert "TORCH_INDEX_URL" not in (svc["build"].get("args") or {}), "the base build is the CPU one"
-    for name in ("jaeger", "prometheus"):
+    for name in ("jaeger", "prometheus", "grafana"):
         assert _devices(services[name]) == []
 
 
@@ -116,7 +118,7 @@ def test_services_scale():
         assert "container_name" not in svc, name
     for role in WORKER_ROLES:
         assert "ports" not in services[role], f"{role}: workers are reached over the compose network"
-    assert _published_container_ports(services["orchestrator"]) == [50050]
+    assert _published_container_ports(services["orchestrator"]) == [50050, 8000]  # gRPC, OpenAI-compatible HTTP
     # one image tag per built service: parallel builds exporting one tag collide in Compose v2
     images = [services[r]["image"] for r in ROLES]
     assert len(set(images)) == len(images), images
@@ -166,6 +168,24 @@ def test_jaeger_and_prometheus():
     assert 9090 in _published_container_ports(services["prometheus"])
     mounts = services["prometheus"]["volumes"]
     assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard():
+    grafana = compose_services(COMPOSE)["grafana"]
+    assert grafana["ports"] == ["127.0.0.1:3000:3000"], "the dashboard is reachable from this host only"
+    mounts = dict(m.rsplit(":", 1)[0].split(":", 1) for m in grafana["volumes"])
+    assert mounts == {"./deploy/grafana/provisioning": "/etc/grafana/provisioning",
+                      "./deploy/grafana/dashboards": "/var/lib/grafana/dashboards"}
+    assert all(m.endswith(":ro") for m in grafana["volumes"])
+    datasources = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    (source,) = datasources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/specdec.yml").read_text())
+    assert providers["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/specdec.json").read_text())
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == source["uid"], panel["title"]
+        assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
 
 
 def test_prometheus_scrapes_every_replica():

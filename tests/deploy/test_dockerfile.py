@@ -171,4 +171,4 @@ def test_runtime_stage(dockerfile):
     assert re.search(r"\bSPECDEC_CACHE=/models\b", env)
     assert [r for w, r in runtime if w == "VOLUME"] == ["/models"]
     exposed = {int(p) for w, r in runtime if w == "EXPOSE" for p in r.split()}
-    assert exposed == {50050, 50051, 50052, METRICS_PORT}
+    assert exposed == {50050, 50051, 50052, 8000, METRICS_PORT}  # 8000: the OpenAI-compatible API

@@ -123,6 +123,12 @@ def test_deployments_and_services_match(docs):
             assert target in port_names or target in port_names.values(), (name, port)
         grpc = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
         assert grpc["port"] == _grpc_port(container)["containerPort"]
+        flags = container.get("args", [])
+        if "--http-port" in flags:  # the orchestrator's OpenAI-compatible API: exposed where it listens
+            http = int(flags[flags.index("--http-port") + 1])
+            assert port_names.get("http") == http, (name, port_names)
+            assert any(p["targetPort"] == "http" for p in svc["spec"]["ports"]), name
+    assert "--http-port" in _container(deployments[DEPLOYMENTS["orchestrator"]])["args"]
 
 
 def test_worker_services_are_headless(docs):

@@ -32,3 +32,14 @@ def test_overlapping_stop_strings_cut_at_the_first_completed():
     a = TextAssembler(CharTokenizer(), stop=["Human:", "man"])
     delta, keep = a.add(ids("Hi Human: more"))
     assert delta == "Hi Hu" and keep == len("Hi Human")
+
+
+def test_token_bytes_are_the_exact_bytes_of_a_byte_level_vocabulary(target_engine):
+    from orchestrator.detokenizer import BYTE_LEVEL, token_bytes
+
+    assert sorted(BYTE_LEVEL.values()) == list(range(256))  # one character per byte, none twice
+    tokenizer = target_engine.tokenizer
+    text = "naïve café → 数据 ok"
+    pieces = [token_bytes(tokenizer, i) for i in tokenizer(text, add_special_tokens=False).input_ids]
+    assert b"".join(pieces) == text.encode()
+    assert any(len(p.decode(errors="replace")) != len(p.decode(errors="ignore")) for p in pieces)  # split characters

@@ -256,3 +256,32 @@ def test_not_ready_is_503_everywhere():
         assert r.status_code == 503 and "starting" in r.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_logprobs_in_completions_and_chat_match_grpc(oai, grpc_client, http_stack):
+    ref = grpc_client.generate(prompt=PROMPT, max_new_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    r = oai.completions.create(model=http_stack["model"], prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
+    assert lp.text_offset[0] == 0 and len(lp.tokens) == len(ref.token_ids)
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    streamed = list(oai.completions.create(model=http_stack["model"], prompt=PROMPT, max_tokens=8, temperature=0,
+                                           logprobs=2, stream=True))
+    assert [x for c in streamed for x in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs)
+    assert [x for c in streamed for x in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+    ref = grpc_client.generate(messages=CHAT, max_new_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    chat = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-5)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    special = set(grpc_client_special_ids(http_stack))
+    text_bytes = bytes(b for c, x in zip(content, ref.logprobs) if x.token_id not in special for b in c.bytes)
+    assert text_bytes.decode(errors="replace") == chat.choices[0].message.content  # the tokens' exact bytes
+    plain = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def grpc_client_special_ids(http_stack) -> list[int]:
+    return http_stack["orchestrator"].slot.decoder.tokenizer.all_special_ids

@@ -7,8 +7,11 @@ client gets; the Prometheus endpoint must serve them in the exposition format.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import urllib.request
+from pathlib import Path
 from collections import defaultdict
 
 import pytest
@@ -274,6 +277,55 @@ def test_prometheus_endpoint_serves_the_same_numbers(traced):
     assert drafted["0"] >= r.stats["drafted_by_position"][0]
     assert "gen_ai_server_time_to_first_token_seconds_bucket" in body
     assert "specdec_round_accepted_length" in body
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "specdec.json"
+UNIT_SUFFIXES = {"s": "_seconds", "By": "_bytes"}  # units in braces ({token}) add none
+
+
+def _prometheus_name(name: str, unit: str) -> str:
+    base = name.replace(".", "_")
+    suffix = UNIT_SUFFIXES.get(unit, "")
+    return base if base.endswith(suffix) else base + suffix
+
+
+def _exported(readers) -> dict[str, set[str]]:
+    """{Prometheus base name: label names} of every metric the readers saw."""
+    out = defaultdict(set)
+    for reader in readers:
+        data = reader.get_metrics_data()
+        for rm in data.resource_metrics if data else ():
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    name = _prometheus_name(m.name, m.unit)
+                    for p in m.data.data_points:
+                        out[name] |= {k.replace(".", "_") for k in p.attributes}
+    return out
+
+
+def test_the_grafana_dashboard_queries_what_the_services_export(traced):
+    traced["client"].generate(prompt="def add(a, b):", max_new_tokens=10, temperature=0, gamma=3)
+    exported = _exported(traced["readers"].values())
+    # the naming rule above is Prometheus' own: every orchestrator metric is in its real scrape
+    port = traced["telemetry"]["specdec-orchestrator"].prometheus_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        scraped = {f.name for f in text_string_to_metric_families(resp.read().decode())}
+    orchestrator = _exported([traced["readers"]["specdec-orchestrator"]])
+    assert orchestrator and set(orchestrator) <= scraped, set(orchestrator) - scraped
+
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    for expr in exprs:
+        grouped = [x.strip() for group in re.findall(r"by \(([^)]*)\)", expr) for x in group.split(",")]
+        matched = re.findall(r"(\w+)=", expr)
+        bare = re.sub(r"by \([^)]*\)", "", re.sub(r"\{[^}]*\}", "", expr))
+        names = {re.sub(r"_(total|bucket|sum|count)$", "", n)
+                 for n in re.findall(r"\b((?:specdec|gen_ai)_[a-z0-9_]+)\b", bare)}
+        assert names, expr
+        for name in names:
+            assert name in exported, f"{name} is not exported (exported: {sorted(exported)})"
+            labels = {x for x in grouped + matched if x != "le"}
+            assert labels <= exported[name] | {"le"}, (expr, labels - exported[name])
 
 
 # ---- configuration from the environment ----------------------------------------------------
