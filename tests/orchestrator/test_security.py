@@ -44,9 +44,11 @@ def secure_stack(pki, target_engine, draft_engine):
     # workers are reached as "localhost": the name their certificates carry
     stack = start_stack(target_engine, draft_engine, worker_tls=server_tls, worker_host="localhost", **server_tls,
                         worker_tls_ca=pki["ca"], worker_tls_cert=pki["client_cert"],
-                        worker_tls_key=pki["client_key"], auth_token_file=pki["tokens"])
+                        worker_tls_key=pki["client_key"], auth_token_file=pki["tokens"], http_port=0)
     tport, _, oport = stack["ports"]
-    yield {"address": f"localhost:{oport}", "target": f"localhost:{tport}"}
+    yield {"address": f"localhost:{oport}", "target": f"localhost:{tport}",
+           "https": f"https://localhost:{stack['orchestrator'].http.port}",
+           "model": stack["orchestrator"].slot.decoder.target_info.model_name}
     stop_stack(stack)
 
 
@@ -102,3 +104,27 @@ def test_every_listed_token_works_and_health_needs_none(secure_stack, pki):
             "--tls-key", pki["client_key"]]
     assert healthcheck.main(args) == 0
     assert healthcheck.main(args[:3]) == 1, "no client certificate: the handshake fails"
+
+
+def test_the_http_door_takes_the_same_certificates_and_tokens(secure_stack, pki):
+    import ssl
+
+    import httpx
+
+    body = {"model": secure_stack["model"], "prompt": "def", "max_tokens": 3, "temperature": 0}
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    good = ssl.create_default_context(cafile=pki["ca"])
+    good.load_cert_chain(pki["client_cert"], pki["client_key"])
+    r = httpx.post(secure_stack["https"] + "/v1/completions", json=body, headers=auth, verify=good, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    r = httpx.post(secure_stack["https"] + "/v1/completions", json=body, headers={"Authorization": "Bearer no"},
+                   verify=good, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    rogue = ssl.create_default_context(cafile=pki["ca"])
+    rogue.load_cert_chain(pki["rogue_cert"], pki["rogue_key"])
+    for refused in (ssl.create_default_context(cafile=pki["ca"]), rogue):  # no client certificate; another CA's
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            httpx.post(secure_stack["https"] + "/v1/completions", json=body, headers=auth, verify=refused, timeout=30)
+    with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):  # plaintext
+        httpx.post(secure_stack["https"].replace("https", "http") + "/v1/completions", json=body, headers=auth,
+                   timeout=30)

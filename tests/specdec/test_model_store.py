@@ -174,9 +174,13 @@ def test_short_name_uses_complete_conversion_without_network(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = ms.DEFAULT_MODELS[ms.DEFAULT_DRAFT]
-    out = tmp_path / "converted" / f"{Path(model.gguf_filename).stem}-{model.sha256[:12]}"
+    out = tmp_path / "converted" / f"{Path(model.gguf_filename).stem}-{model.sha256[:12]}-f16"
     out.mkdir(parents=True)
     (out / "config.json").write_text("{}")
+    old_fp32 = out.with_name(out.name.removesuffix("-f16"))  # a complete conversion of the store before float16
+    old_fp32.mkdir()
+    (old_fp32 / "config.json").write_text("{}")
+    (old_fp32 / ".complete").write_text("")
 
     calls: list[str] = []
 
@@ -202,6 +206,7 @@ def test_short_name_uses_complete_conversion_without_network(
     assert resolve_model("default-draft", cache_dir=tmp_path, progress=False) == out
     assert calls == ["fetch", "convert"]
     assert (out / ".complete").is_file()
+    assert not old_fp32.exists(), "the superseded fp32 conversion is removed"
     # now complete: returned without fetching or converting
     assert resolve_model(ms.DEFAULT_DRAFT, cache_dir=tmp_path, progress=False) == out
     assert calls == ["fetch", "convert"]
