@@ -9,7 +9,7 @@ from specdec.worker.server import SessionRpcs
 
 class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftWorkerServicer):
     def Propose(self, request, context):
-        proposals = self.slot.get().propose(
+        proposals = self.authorized(request, context).propose(
             request.session_id,
             request.start,
             list(request.token_ids),

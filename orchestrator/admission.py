@@ -5,6 +5,10 @@ next `max_queued` wait here in arrival order, their deadlines and cancellations 
 they wait; beyond that a request gets RESOURCE_EXHAUSTED at once, so a client backs off instead
 of piling up. The gRPC server has a thread for every running and every queued request (see
 orchestrator/server.py), so a waiting request costs a sleeping thread and nothing else.
+
+With `max_per_client`, one client (its bearer token, else its IP address) holds at most that
+many requests, running and waiting together; its next gets RESOURCE_EXHAUSTED at once, so a
+few slow clients cannot occupy every slot.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ POLL_S = 0.1  # how often a waiting request checks that its client is still ther
 
 
 class Admission:
-    def __init__(self, max_running: int, max_queued: int):
+    def __init__(self, max_running: int, max_queued: int, max_per_client: int = 0):
         self.max_running, self.max_queued = max_running, max_queued
+        self.max_per_client = max_per_client  # 0: no limit per client
+        self._per_client: dict[str, int] = {}
         self.running = 0
         self._waiting: list[int] = []  # tickets, in arrival order
         self._tickets = itertools.count()
@@ -33,16 +39,43 @@ class Admission:
         return len(self._waiting)
 
     @contextmanager
-    def slot(self, context=None) -> Iterator[None]:
+    def slot(self, context=None, client: str = "") -> Iterator[None]:
         """Holds a running slot for the body; waits for one first when all are taken.
-        context: the gRPC call's (is_active, time_remaining); None waits without limit."""
-        self._enter(context)
+        context: the gRPC call's (is_active, time_remaining); None waits without limit.
+        client: who asks (see client_key), for max_per_client."""
+        self._hold(client)
+        try:
+            self._enter(context)
+        except BaseException:
+            self._let_go(client)
+            raise
         try:
             yield
         finally:
             with self._cond:
                 self.running -= 1
                 self._cond.notify_all()
+            self._let_go(client)
+
+    def _hold(self, client: str) -> None:
+        if not self.max_per_client:
+            return
+        with self._cond:
+            held = self._per_client.get(client, 0)
+            if held >= self.max_per_client:
+                raise ResourceExhausted(f"this client already has {held} requests running or waiting "
+                                        f"(--max-per-client {self.max_per_client})")
+            self._per_client[client] = held + 1
+
+    def _let_go(self, client: str) -> None:
+        if not self.max_per_client:
+            return
+        with self._cond:
+            left = self._per_client.get(client, 1) - 1
+            if left:
+                self._per_client[client] = left
+            else:
+                self._per_client.pop(client, None)
 
     def _enter(self, context) -> None:
         with self._cond:
@@ -81,3 +114,13 @@ class Admission:
                     return False
                 self._cond.wait(left)
         return True
+
+
+def client_key(token: bytes | None, peer: str) -> str:
+    """Who a request comes from: its bearer token (hashed: keys may be logged), else the host of
+    its gRPC peer ("ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7"; HTTP passes "http:HOST")."""
+    if token:
+        import hashlib
+
+        return "token:" + hashlib.sha256(token).hexdigest()[:16]
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer

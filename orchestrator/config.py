@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from orchestrator.pool import parse_entries
-from specdec.flags import Flag, FlagTable, ServedConfig, log_level_flag, tls_flags
+from specdec.flags import Flag, FlagTable, ServedConfig, connection_flags, log_level_flag, reflection_flag, tls_flags
 from specdec.errors import InvalidArgument
 from specdec.protocol import DraftOptions
 from specdec.security import ClientTls
@@ -26,6 +26,8 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--served-model-name", help="the model id the HTTP API lists and accepts (default: the target's name)"),
     Flag("--max-workers", int, 32, "client requests decoding at once; more wait in the queue"),
     Flag("--max-queued", int, 128, "requests that may wait for a turn; beyond them RESOURCE_EXHAUSTED"),
+    Flag("--max-per-client", int, 0, "requests one client (its bearer token, else its IP address) may have running "
+         "and waiting together; beyond them RESOURCE_EXHAUSTED (0: no limit)"),
     Flag("--gamma-policy", default="goodput", choices=["goodput", "fixed"],
          help="goodput: each round drafts the gamma (up to the request's) that maximizes measured goodput, "
               "fewer as the target's batch grows; fixed: always the request's gamma"),
@@ -57,12 +59,17 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--max-new-tokens", int, 4096, "the most tokens one request may ask for"),
     Flag("--max-prompt-tokens", int, 0, "the longest prompt accepted, in tokens (0: what the context allows)"),
     log_level_flag(),
+    reflection_flag(),
+    *connection_flags(),
     *tls_flags(),
     Flag("--worker-tls-ca", help="reach the workers over TLS, verifying their certificates against this PEM CA"),
     Flag("--worker-tls-cert", help="mutual TLS with the workers: our cert"),
     Flag("--worker-tls-key", help="mutual TLS with the workers: our key"),
     Flag("--auth-token-file",
          help="file of bearer tokens (one per line) a client must send as 'authorization: Bearer T'"),
+    Flag("--admin-token-file",
+         help="file of admin bearer tokens: AddWorkers, and the workers' addresses in ListWorkers, need one "
+              "(they also pass where client tokens are asked for). Without it AddWorkers is off"),
 ])
 
 
@@ -76,6 +83,7 @@ class OrchestratorConfig(ServedConfig):
     served_model_name: str | None = None  # its model id (None: the target's model name)
     max_workers: int = FLAGS.default("max_workers")
     max_queued: int = FLAGS.default("max_queued")
+    max_per_client: int = FLAGS.default("max_per_client")
     gamma_policy: str = FLAGS.default("gamma_policy")
     draft_p_min: float = FLAGS.default("draft_p_min")
     draft_min: int = FLAGS.default("draft_min")
@@ -95,10 +103,15 @@ class OrchestratorConfig(ServedConfig):
     tls_cert: str | None = None  # serve clients over TLS: PEM certificate chain ...
     tls_key: str | None = None  # ... and key
     tls_client_ca: str | None = None  # mutual TLS with clients: accept certificates this CA signed
+    reflection: bool = FLAGS.default("reflection")  # gRPC server reflection
+    keepalive_s: float = FLAGS.default("keepalive_s")
+    max_connection_age_s: float = FLAGS.default("max_connection_age_s")
+    max_connection_age_grace_s: float = FLAGS.default("max_connection_age_grace_s")
     worker_tls_ca: str | None = None  # reach workers over TLS, verifying them against this CA
     worker_tls_cert: str | None = None  # mutual TLS with workers: our certificate ...
     worker_tls_key: str | None = None  # ... and key
     auth_token_file: str | None = None  # bearer tokens clients must send, one per line
+    admin_token_file: str | None = None  # bearer tokens of admins (AddWorkers, worker addresses)
 
     @property
     def draft_options(self) -> DraftOptions:

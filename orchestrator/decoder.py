@@ -46,6 +46,9 @@ from specdec.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string: the detokenizer holds back that much text each round
+MAX_MESSAGES = 1024
+MAX_ROLE_CHARS = 64
 
 
 def load_tokenizer_from(target: TargetWorker):
@@ -93,10 +96,24 @@ class SpeculativeDecoder:
 
     # ---- request handling ----------------------------------------------------------------
 
+    def check_sizes(self, request: GenerationRequest) -> None:
+        """What a request may hold, checked before any work that grows with it (tokenizing,
+        the chat template, the detokenizer's stop search)."""
+        if len(request.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in request.stop):
+            raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                                  f"{MAX_STOP_CHARS} characters")
+        if request.messages is not None:
+            if len(request.messages) > MAX_MESSAGES:
+                raise InvalidArgument(f"chat has {len(request.messages)} messages; at most {MAX_MESSAGES}")
+            for i, m in enumerate(request.messages):
+                if not 1 <= len(str(m.get("role", ""))) <= MAX_ROLE_CHARS:
+                    raise InvalidArgument(f"chat message {i}: its role must have 1 to {MAX_ROLE_CHARS} characters")
+
     def encode(self, request: GenerationRequest) -> list[int]:
         given = [x is not None for x in (request.prompt, request.messages, request.token_ids)]
         if sum(given) != 1:
             raise InvalidArgument("give exactly one of prompt, chat messages or token ids")
+        self.check_sizes(request)
         if request.prompt is not None:
             if not request.prompt:
                 raise InvalidArgument("prompt is empty")
@@ -107,7 +124,8 @@ class SpeculativeDecoder:
                 raise InvalidArgument("chat has no messages")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise InvalidArgument(f"model '{self.target_info.model_name}' has no chat template; send a prompt")
-            self._check_text_fits(sum(len(str(m.get("content", ""))) for m in request.messages))
+            self._check_text_fits(sum(len(str(m.get("content", ""))) + len(str(m.get("role", "")))
+                                      for m in request.messages))
             try:
                 text = self.tokenizer.apply_chat_template(list(request.messages), tokenize=False,
                                                           add_generation_prompt=True)
@@ -151,8 +169,6 @@ class SpeculativeDecoder:
         if self.limits.max_prompt_tokens and prompt_len > self.limits.max_prompt_tokens:
             raise InvalidArgument(f"the prompt has {prompt_len} tokens; this server accepts at most "
                                   f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)")
-        if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
-            raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
         if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
         if request.top_logprobs and not request.logprobs:

@@ -24,7 +24,6 @@ chunk of a stream). Errors use OpenAI's shape {"error": {"message", "type", "par
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import socket
@@ -41,11 +40,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.admission import Admission
+from orchestrator.admission import Admission, client_key
 from orchestrator.detokenizer import token_bytes
 from specdec.errors import ServiceError
 from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, GenerationChunk, GenerationRequest
-from specdec.security import ServerTls
+from specdec.security import ServerTls, TokenSet
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +258,7 @@ class FrontDoor:
     def __init__(self, slot, admission: Admission, *, tokens: frozenset[str] = frozenset(),
                  served_model_name: str | None = None, serving: Callable[[], bool] = lambda: True):
         self.slot, self.admission = slot, admission
-        self._tokens = [t.encode() for t in tokens]
+        self._tokens = TokenSet(tokens)
         self._served_name = served_model_name
         self._serving = serving
         # every running and every queued request holds a thread; the admission queue refuses the rest
@@ -281,9 +280,8 @@ class FrontDoor:
         if not self._tokens:
             return
         header = request.headers.get("authorization", "")
-        given = header[len("Bearer "):].strip().encode() if header.startswith("Bearer ") else b""
-        # compare with every token, in constant time each: no early exit to time
-        if not (given and any([hmac.compare_digest(given, t) for t in self._tokens])):
+        given = header[len("Bearer "):].strip().encode() if header.startswith("Bearer ") else None
+        if not self._tokens.holds(given):
             raise OpenAIError(401, "missing or invalid bearer token (send 'Authorization: Bearer <token>')",
                               "authentication_error", code="invalid_api_key")
 
@@ -293,7 +291,8 @@ class FrontDoor:
             raise OpenAIError(404, f"the model '{model}' does not exist; this server serves '{name}'",
                               param="model", code="model_not_found")
 
-    async def _chunks(self, generation: GenerationRequest, call: _Call) -> AsyncIterator[GenerationChunk]:
+    async def _chunks(self, generation: GenerationRequest, call: _Call,
+                      client: str = "") -> AsyncIterator[GenerationChunk]:
         """The decoder's chunks, produced on a pool thread; closing this iterator (the client
         left, or the response ended) stops that thread within one round."""
         loop = asyncio.get_running_loop()
@@ -308,7 +307,7 @@ class FrontDoor:
         def produce() -> None:
             try:
                 decoder = self.slot.get()
-                with self.admission.slot(call):
+                with self.admission.slot(call, client):
                     stream = decoder.generate_stream(generation)
                     try:
                         for chunk in stream:
@@ -422,7 +421,9 @@ class FrontDoor:
         self._check_model(body.model)
         generation = body.to_generation()
         call = _Call()
-        chunks = self._chunks(generation, call)
+        header = request.headers.get("authorization", "")
+        token = header[len("Bearer "):].strip().encode() if header.startswith("Bearer ") and self._tokens else None
+        chunks = self._chunks(generation, call, client_key(token, f"http:{request.client.host if request.client else ''}"))
         first = await self._first(chunks)
         answer = Answer(chat, self.model_name, self.slot.get().tokenizer if generation.logprobs else None)
         if not body.stream:

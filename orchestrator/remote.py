@@ -46,6 +46,7 @@ class _RemoteWorker:
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._info: ModelInfo | None = None
         self.vocab_size = 0
+        self._secrets: dict[str, bytes] = {}  # session id -> the secret its OpenSession returned
 
     @property
     def peer(self) -> str:
@@ -81,13 +82,22 @@ class _RemoteWorker:
 
     def open_session(self, session_id: str, token_ids: list[int]) -> tuple[int, float]:
         r = self._call(self._stub.OpenSession, common_pb2.OpenSessionRequest(session_id=session_id, token_ids=token_ids))
+        self._secrets[session_id] = r.session_secret
         return r.length, r.compute_s
 
+    def secret(self, session_id: str) -> bytes:
+        return self._secrets.get(session_id, b"")
+
     def truncate(self, session_id: str, length: int) -> int:
-        return self._call(self._stub.Truncate, common_pb2.TruncateRequest(session_id=session_id, length=length)).length
+        return self._call(self._stub.Truncate, common_pb2.TruncateRequest(
+            session_id=session_id, length=length, session_secret=self.secret(session_id))).length
 
     def close_session(self, session_id: str) -> None:
-        self._call(self._stub.CloseSession, common_pb2.CloseSessionRequest(session_id=session_id))
+        try:
+            self._call(self._stub.CloseSession, common_pb2.CloseSessionRequest(
+                session_id=session_id, session_secret=self.secret(session_id)))
+        finally:
+            self._secrets.pop(session_id, None)
 
     def close(self) -> None:
         self._raw_channel.close()
@@ -111,7 +121,7 @@ class RemoteDraft(_RemoteWorker):
     ) -> Iterator[Proposal]:
         request = draft_pb2.ProposeRequest(
             session_id=session_id, start=start, token_ids=token_ids, gamma=gamma, sampling=params.to_proto(), seed=seed,
-            options=options.to_proto() if options != DraftOptions() else None,
+            options=options.to_proto() if options != DraftOptions() else None, session_secret=self.secret(session_id),
         )
         request_bytes = _wire(request)
         # a Propose that first catches up many tokens (a lazily opened session, or rounds that did
@@ -143,6 +153,7 @@ class RemoteTarget(_RemoteWorker):
         request = target_pb2.VerifyRequest(
             session_id=session_id, start=start, token_ids=token_ids, draft_token_ids=draft_token_ids,
             sampling=params.to_proto(), logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
+            session_secret=self.secret(session_id),
         )
         r = self._call(self._stub.Verify, request)
         probs = [CompactProbs.from_proto(p, self.vocab_size) for p in r.probs] if not params.greedy else None

@@ -28,7 +28,7 @@ from orchestrator.servicer import DecoderSlot, OrchestratorServicer
 from specdec.errors import FailedPrecondition, ServiceError
 from specdec.grpc_server import HEALTH_RESERVE, ServerParts, build_server, serve_until_signalled
 from specdec.protocol import CLIENT_MAX_MESSAGE_BYTES, RequestLimits
-from specdec.security import BearerTokenInterceptor, read_tokens
+from specdec.security import BearerTokenInterceptor, TokenSet, read_tokens
 from specdec.telemetry import Telemetry
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -104,6 +104,7 @@ def _auth(config: OrchestratorConfig) -> list:
     tokens = read_tokens(config.auth_token_file)
     if not tokens:
         return []
+    tokens |= read_tokens(config.admin_token_file)  # an admin may do what a client may
     if not config.tls.enabled:
         log.warning("bearer tokens over plaintext can be read on the wire: serve TLS (--tls-cert) as well")
     return [BearerTokenInterceptor(tokens, f"/{SERVICE_NAME}/")]
@@ -121,10 +122,11 @@ def _queue_gauges(meter, admission: Admission) -> None:
 def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None = None,
                   telemetry: Telemetry | None = None) -> tuple[ServerParts, int]:
     slot = DecoderSlot(decoder)
-    admission = Admission(config.max_workers, config.max_queued)
+    admission = Admission(config.max_workers, config.max_queued, config.max_per_client)
     parts = build_server(
         config.address,
-        lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(slot, admission), s),
+        lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
+            OrchestratorServicer(slot, admission, TokenSet(read_tokens(config.admin_token_file))), s),
         [SERVICE_NAME],
         # a thread for every running and every queued request, and some for health and ListWorkers:
         # the admission queue, not gRPC, says RESOURCE_EXHAUSTED when the server is full
@@ -133,12 +135,16 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
         telemetry=telemetry,
         tls=config.tls,
         interceptors=_auth(config),
+        reflection_on=config.reflection,
+        connection=config.connection,
     )
     parts.slot = slot
     parts.admission = admission
     parts.http = None
     if config.http_port is not None:  # the OpenAI-compatible door on the same decoder and queue
-        parts.http = HttpServer(FrontDoor(slot, admission, tokens=read_tokens(config.auth_token_file),
+        client_tokens = read_tokens(config.auth_token_file)
+        tokens = client_tokens | read_tokens(config.admin_token_file) if client_tokens else frozenset()
+        parts.http = HttpServer(FrontDoor(slot, admission, tokens=tokens,
                                           served_model_name=config.served_model_name,
                                           serving=lambda: parts.serving),
                                 config.host, config.http_port, config.tls, config.log_level).start()

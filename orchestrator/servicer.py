@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from orchestrator.admission import Admission
+import re
+
+from orchestrator.admission import Admission, client_key
 from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.pool import parse_entries
-from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, ServiceError, Unavailable
+from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError, Unavailable
+from specdec.security import TokenSet, bearer_token
 from specdec.protocol import chunk_to_proto, request_from_proto, result_to_proto
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -27,13 +30,19 @@ class DecoderSlot:
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, slot: DecoderSlot, admission: Admission):
+    def __init__(self, slot: DecoderSlot, admission: Admission, admins: TokenSet = TokenSet(frozenset())):
         self.slot = slot
         self.admission = admission  # running requests, and the queue of those waiting for a turn
+        # --admin-token-file: adding workers, and seeing where they are, is for admins only
+        # (a fake worker added by any client would receive prompts and write the answers)
+        self.admins = admins
+
+    def _client(self, context) -> str:
+        return client_key(bearer_token(context.invocation_metadata()), context.peer())
 
     def Generate(self, request, context):
         decoder = self.slot.get()
-        with self.admission.slot(context):
+        with self.admission.slot(context, self._client(context)):
             stream = decoder.generate_stream(request_from_proto(request))
             text, ids, logprobs = [], [], []
             for chunk in stream:
@@ -47,15 +56,19 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def GenerateStream(self, request, context):
         decoder = self.slot.get()
-        with self.admission.slot(context):
+        with self.admission.slot(context, self._client(context)):
             # a cancelled stream closes this generator, whose finally closes the sessions
             for chunk in decoder.generate_stream(request_from_proto(request)):
                 yield chunk_to_proto(chunk)
 
     def ListWorkers(self, request, context):
-        return self._workers()
+        return self._workers(addresses=self.admins.caller_holds_one(context))
 
     def AddWorkers(self, request, context):
+        if not self.admins:
+            raise PermissionDenied("AddWorkers is off: start the orchestrator with --admin-token-file to allow it")
+        if not self.admins.caller_holds_one(context):
+            raise PermissionDenied("AddWorkers needs an admin token (--admin-token-file)")
         targets, drafts = self.slot.pools
         try:
             entries = parse_entries(request.target), parse_entries(request.draft)
@@ -66,14 +79,21 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         targets.add(entries[0])
         if entries[1]:
             drafts.add(entries[1])
-        return self._workers()
+        return self._workers(addresses=True)
 
-    def _workers(self) -> orchestrator_pb2.ListWorkersResponse:
+    def _workers(self, addresses: bool) -> orchestrator_pb2.ListWorkersResponse:
+        """addresses: where each worker is (False for callers without an admin token)."""
         statuses = []
         for pool in self.slot.pools:
             for m in pool.members() if pool is not None else ():
                 statuses.append(orchestrator_pb2.WorkerStatus(
-                    role=pool.role, address=m.address, source=m.entry, state=m.state, message=m.message,
+                    role=pool.role, address=m.address if addresses else "", source=m.entry if addresses else "",
+                    state=m.state, message=m.message if addresses else _without_addresses(m.message),
                     model_name=m.info.model_name if m.info else "", open_sessions=m.info.open_sessions if m.info else 0,
                     active_sessions=m.active, placed_sessions=m.placed))
         return orchestrator_pb2.ListWorkersResponse(workers=statuses)
+
+
+def _without_addresses(message: str) -> str:
+    """A worker's state message for callers who may not see where workers are."""
+    return re.sub(r"\b[\w.-]+:\d+\b", "<address>", message)

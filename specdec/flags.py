@@ -93,10 +93,34 @@ class ServedConfig:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def connection(self) -> list[tuple[str, int]]:
+        from specdec.grpc_server import connection_options
+
+        return connection_options(self.keepalive_s, self.max_connection_age_s, self.max_connection_age_grace_s)
+
 
 def log_level_flag() -> Flag:
     return Flag("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                 help="debug adds a line per forward pass (workers) and per gamma choice (orchestrator)")
+
+
+def reflection_flag() -> Flag:
+    return Flag("--reflection", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
+                help="gRPC server reflection (grpcurl's `list` and `describe`); off in production hides the API's shape")
+
+
+def connection_flags() -> list[Flag]:
+    """How long a server keeps a client's connection (specdec.grpc_server.connection_options)."""
+    return [
+        Flag("--keepalive", float, 60.0, "seconds between the server's pings of a connection; a peer that does not "
+             "answer within 20 s is dropped, with its calls (0: off)", field="keepalive_s"),
+        Flag("--max-connection-age", float, 1800.0, "seconds after which the server asks a client to reconnect "
+             "(GOAWAY; calls in flight get --max-connection-age-grace more), so load spreads over new "
+             "replicas (0: never)", field="max_connection_age_s"),
+        Flag("--max-connection-age-grace", float, 600.0, "seconds calls in flight get after that GOAWAY",
+             field="max_connection_age_grace_s"),
+    ]
 
 
 def tls_flags() -> list[Flag]:

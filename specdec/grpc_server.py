@@ -25,6 +25,24 @@ from specdec.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 HEALTH_RESERVE = 4  # handler threads kept free of long calls
+KEEPALIVE_TIMEOUT_S = 20.0
+
+
+def connection_options(keepalive_s: float, max_age_s: float, max_age_grace_s: float) -> list[tuple[str, int]]:
+    """gRPC server options: ping idle connections and drop peers that do not answer (a client
+    that vanished without closing stops holding its calls), and ask clients to reconnect after
+    max_age_s, so a long-lived client moves to new replicas. 0 turns either off."""
+    options = []
+    if keepalive_s > 0:
+        options += [("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+                    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+                    ("grpc.keepalive_permit_without_calls", 1),
+                    # clients may ping us as often as every 10 s without being told off
+                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)]
+    if max_age_s > 0:
+        options += [("grpc.max_connection_age_ms", int(max_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(max_age_grace_s * 1000))]
+    return options
 
 
 @dataclass
@@ -65,6 +83,8 @@ def build_server(
     telemetry: Telemetry | None = None,
     tls: ServerTls | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    reflection_on: bool = True,
+    connection: Sequence[tuple[str, int]] = (),
 ) -> ServerParts:
     """Binds (TLS when configured) and starts a server; health says NOT_SERVING until
     set_serving(True). interceptors run inside tracing and outside error mapping (e.g. auth)."""
@@ -73,7 +93,7 @@ def build_server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         # tracing outermost, so its server span sees the status the error interceptor sets
         interceptors=[*telemetry.server_interceptors(), *interceptors, ErrorInterceptor()],
-        options=message_options(max_message_bytes),
+        options=[*message_options(max_message_bytes), *connection],
         # beyond this, calls get RESOURCE_EXHAUSTED instead of queueing, so the pool always has
         # threads left for health checks
         maximum_concurrent_rpcs=max(1, max_workers - HEALTH_RESERVE),
@@ -81,7 +101,8 @@ def build_server(
     register(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if reflection_on:
+        reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = bind(server, address, tls)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")

@@ -97,11 +97,36 @@ def read_tokens(path: str | None) -> frozenset[str]:
     return tokens
 
 
+def bearer_token(metadata) -> bytes | None:
+    """The token of an 'authorization: Bearer T' entry of gRPC metadata (None: no such entry)."""
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):].strip().encode()
+    return None
+
+
+class TokenSet:
+    """Tokens a caller may present, compared in constant time each (no early exit to time)."""
+
+    def __init__(self, tokens: frozenset[str]):
+        self._tokens = [t.encode() for t in tokens]
+
+    def __bool__(self) -> bool:
+        return bool(self._tokens)
+
+    def holds(self, given: bytes | None) -> bool:
+        return given is not None and any([hmac.compare_digest(given, t) for t in self._tokens])
+
+    def caller_holds_one(self, context) -> bool:
+        """The gRPC caller of `context` sent one of these tokens."""
+        return self.holds(bearer_token(context.invocation_metadata()))
+
+
 class BearerTokenInterceptor(grpc.ServerInterceptor):
     """Refuses calls to the protected services without a valid `authorization: Bearer` header."""
 
     def __init__(self, tokens: frozenset[str], protected_prefix: str):
-        self._tokens = [t.encode() for t in tokens]
+        self._tokens = TokenSet(tokens)
         self._prefix = protected_prefix
 
         def refuse(request, context):
@@ -114,12 +139,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         }
 
     def _valid(self, metadata) -> bool:
-        for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                given = value[len("Bearer "):].strip().encode()
-                # compare with every token, in constant time each: no early exit to time
-                return any([hmac.compare_digest(given, t) for t in self._tokens])
-        return False
+        return self._tokens.holds(bearer_token(metadata))
 
     def intercept_service(self, continuation, handler_call_details):
         if not handler_call_details.method.startswith(self._prefix) or self._valid(

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import subprocess
@@ -323,10 +324,13 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
                                                       "--session-ttl", "30", "--pass-lock", pass_lock],
                                   out / "logs", port)
     port = free_port()
+    admin = secrets.token_hex(16)  # the monitor reads the workers' addresses: an admin's right
+    (out / "admin-token").write_text(admin + "\n")
     procs["orchestrator"] = Proc("orchestrator", [
         "orchestrator", "--host", "127.0.0.1", "--port", str(port), "--poll-interval", "0.5", "--prefill", "sequential",
         "--target", f"{procs['target0'].address},{procs['target1'].address}",
-        "--draft", f"{procs['draft0'].address},{procs['draft1'].address}"], out / "logs", port)
+        "--draft", f"{procs['draft0'].address},{procs['draft1'].address}",
+        "--admin-token-file", str(out / "admin-token")], out / "logs", port)
     stop, records, events, lock, peaks = threading.Event(), [], [], threading.Lock(), {}
     threads: list[threading.Thread] = []
     try:
@@ -334,7 +338,7 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
             p.start()
         print(f"[loadtest] computing references; logs in {out}/logs", file=sys.stderr, flush=True)
         prompts, refs, eos = references(target_dir, a.prompts, a.seed)
-        client = Client(procs["orchestrator"].address, timeout_s=30)
+        client = Client(procs["orchestrator"].address, timeout_s=30, token=admin)
         client.wait_until_ready(300)
         deadline = time.monotonic() + 120
         while [w["state"] for w in client.workers()] != ["serving"] * 4:

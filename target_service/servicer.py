@@ -9,7 +9,7 @@ from specdec.worker.server import SessionRpcs
 
 class TargetServicer(SessionRpcs, target_pb2_grpc.TargetWorkerServicer):
     def Verify(self, request, context):
-        v = self.slot.get().verify(
+        v = self.authorized(request, context).verify(
             request.session_id,
             request.start,
             list(request.token_ids),

@@ -83,20 +83,24 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("length", "compute_s")
+    __slots__ = ("length", "compute_s", "session_secret")
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     length: int
     compute_s: float
-    def __init__(self, length: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    session_secret: bytes
+    def __init__(self, length: _Optional[int] = ..., compute_s: _Optional[float] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class TruncateRequest(_message.Message):
-    __slots__ = ("session_id", "length")
+    __slots__ = ("session_id", "length", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     length: int
-    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+    session_secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class TruncateResponse(_message.Message):
     __slots__ = ("length",)
@@ -105,10 +109,12 @@ class TruncateResponse(_message.Message):
     def __init__(self, length: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    session_secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class CloseSessionResponse(_message.Message):
     __slots__ = ()

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "start", "token_ids", "gamma", "sampling", "seed", "options")
+    __slots__ = ("session_id", "start", "token_ids", "gamma", "sampling", "seed", "options", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ProposeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +24,8 @@ class ProposeRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     seed: int
     options: DraftOptions
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[DraftOptions, _Mapping]] = ...) -> None: ...
+    session_secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[DraftOptions, _Mapping]] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class DraftOptions(_message.Message):
     __slots__ = ("p_min", "min_drafts", "lookup", "ahead")

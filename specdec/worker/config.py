@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.flags import Flag, FlagTable, ServedConfig, log_level_flag, tls_flags
+from specdec.flags import Flag, FlagTable, ServedConfig, connection_flags, log_level_flag, reflection_flag, tls_flags
 
 FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--model", required=True,
@@ -36,6 +36,8 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--pass-lock", help="a file to lock around each forward pass: give the workers that share this host's "
          "cores the same one, so their passes take turns instead of oversubscribing the cores"),
     log_level_flag(),
+    reflection_flag(),
+    *connection_flags(),
     *tls_flags(),
 ])
 
@@ -62,6 +64,10 @@ class WorkerConfig(ServedConfig):
     tls_cert: str | None = None  # serve TLS with this PEM certificate chain ...
     tls_key: str | None = None  # ... and key
     tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
+    reflection: bool = FLAGS.default("reflection")  # gRPC server reflection
+    keepalive_s: float = FLAGS.default("keepalive_s")
+    max_connection_age_s: float = FLAGS.default("max_connection_age_s")
+    max_connection_age_grace_s: float = FLAGS.default("max_connection_age_grace_s")
 
     @classmethod
     def from_args(cls, role: str, argv: list[str] | None = None, default_port: int = 0) -> "WorkerConfig":

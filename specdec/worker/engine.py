@@ -13,7 +13,9 @@ target_service/engine.py; gRPC lives in specdec/worker/server.py and the roles' 
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import tempfile
 import threading
 import time
@@ -62,6 +64,10 @@ class Session:
     # a draft's proposals past its accepted tokens, with the q of each (draft_service.engine.Drafted)
     drafted: Any = None
     closed: bool = False  # set once the session is freed: work still running for it stops
+    # who may use it (worker servicers check both: specdec/worker/server.py): the secret
+    # OpenSession returned, and the opener's certificate identity ("" without mutual TLS)
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
+    owner: str = ""
 
     @property
     def cached(self) -> int:
@@ -226,15 +232,16 @@ class WorkerEngine:
             self._sessions.clear()
         return left
 
-    def open_session(self, session_id: str, token_ids: list[int]) -> tuple[int, float]:
-        """Prefills all but the last token; returns (tokens held, seconds spent)."""
+    def open_session(self, session_id: str, token_ids: list[int], owner: str = "") -> tuple[int, float]:
+        """Prefills all but the last token; returns (tokens held, seconds spent).
+        owner: the caller's certificate identity, bound to the session (see authorize)."""
         check_session_id(session_id)
         if not token_ids:
             raise InvalidArgument("cannot open a session with an empty prompt")
         if self.draining:
             raise Unavailable("this worker is shutting down; open the session on another worker")
         self.check_tokens(token_ids, already=0)
-        session = Session(session_id, list(token_ids[:-1]), DynamicCache(config=self.model.config))
+        session = Session(session_id, list(token_ids[:-1]), DynamicCache(config=self.model.config), owner=owner)
         session.lock.acquire()  # held from before the session is visible until its prefill is done
         try:
             with self._sessions_lock:
@@ -272,6 +279,25 @@ class WorkerEngine:
         with self.tracer.start_as_current_span("truncate", attributes={
                 t.SESSION_ID: session.session_id, t.TRUNCATE_FROM: len(session.tokens), t.TRUNCATE_TO: length}):
             session.truncate(length)
+
+    def authorize(self, session_id: str, secret: bytes, owner: str = "") -> None:
+        """Refuses a caller that is not the session's opener exactly as an unknown session
+        (NOT_FOUND, the same message): it learns nothing and changes nothing. The secret is
+        compared in constant time."""
+        check_session_id(session_id)
+        with self._sessions_lock:
+            session = self._sessions.get(session_id)
+        if session is None or not (hmac.compare_digest(session.secret, secret)
+                                   and hmac.compare_digest(session.owner.encode(), owner.encode())):
+            raise NotFound(f"no open session {session_id!r} on this worker")
+
+    def secret_of(self, session_id: str) -> bytes:
+        """The secret of a session this worker just opened (for OpenSession's answer)."""
+        with self._sessions_lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"no open session {session_id!r} on this worker")
+        return session.secret
 
     def close_session(self, session_id: str) -> None:
         check_session_id(session_id)

@@ -71,24 +71,47 @@ class EngineSlot:
             self._engine.close()
 
 
+def peer_identity(context) -> str:
+    """The caller's certificate identity under mutual TLS (its first subject alternative name,
+    else its common name); "" for a plaintext or server-only-TLS caller."""
+    auth = context.auth_context() if context is not None else {}
+    for key in ("x509_subject_alternative_name", "x509_common_name"):
+        values = auth.get(key)
+        if values:
+            return values[0].decode(errors="replace")
+    return ""
+
+
 class SessionRpcs:
-    """Describe, OpenSession, Truncate and CloseSession: the same on both workers."""
+    """Describe, OpenSession, Truncate and CloseSession: the same on both workers.
+
+    A session belongs to the caller that opened it: every later call must carry the secret
+    OpenSession returned and, under mutual TLS, come from the same certificate identity; any
+    other caller gets NOT_FOUND, as for an unknown session, and changes nothing."""
 
     def __init__(self, slot: EngineSlot):
         self.slot = slot
+
+    def authorized(self, request, context) -> WorkerEngine:
+        engine = self.slot.get()
+        engine.authorize(request.session_id, request.session_secret, peer_identity(context))
+        return engine
 
     def Describe(self, request, context):
         return self.slot.get().describe().to_proto()
 
     def OpenSession(self, request, context):
-        length, compute_s = self.slot.get().open_session(request.session_id, list(request.token_ids))
-        return common_pb2.OpenSessionResponse(length=length, compute_s=compute_s)
+        engine = self.slot.get()
+        length, compute_s = engine.open_session(request.session_id, list(request.token_ids), peer_identity(context))
+        return common_pb2.OpenSessionResponse(length=length, compute_s=compute_s,
+                                              session_secret=engine.secret_of(request.session_id))
 
     def Truncate(self, request, context):
-        return common_pb2.TruncateResponse(length=self.slot.get().truncate(request.session_id, request.length))
+        engine = self.authorized(request, context)
+        return common_pb2.TruncateResponse(length=engine.truncate(request.session_id, request.length))
 
     def CloseSession(self, request, context):
-        self.slot.get().close_session(request.session_id)
+        self.authorized(request, context).close_session(request.session_id)
         return common_pb2.CloseSessionResponse()
 
     def GetTokenizer(self, request, context):
@@ -127,7 +150,8 @@ def create_server(role: WorkerRole, config: WorkerConfig, engine: WorkerEngine |
     Stopping the parts closes the engine the server loaded (not one it was given)."""
     slot = EngineSlot(engine)
     parts = build_server(config.address, lambda s: role.add_servicer(role.servicer_class(slot), s), [role.service_name],
-                         max_workers=config.max_workers, telemetry=telemetry, tls=config.tls)
+                         max_workers=config.max_workers, telemetry=telemetry, tls=config.tls,
+                         reflection_on=config.reflection, connection=config.connection)
     parts.slot = slot
     if engine is not None:
         engine.instrument(parts.telemetry, config.role)

@@ -170,6 +170,15 @@ def test_jaeger_and_prometheus():
     assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
 
 
+def test_only_the_orchestrator_is_published_beyond_this_host():
+    """Traces, metrics and dashboards show prompts' timings and internal addresses: loopback only."""
+    for name, svc in compose_services(COMPOSE).items():
+        for port in svc.get("ports", []):
+            if name == "orchestrator":
+                continue
+            assert isinstance(port, str) and port.startswith("127.0.0.1:"), (name, port)
+
+
 def test_grafana_is_provisioned_with_prometheus_and_the_dashboard():
     grafana = compose_services(COMPOSE)["grafana"]
     assert grafana["ports"] == ["127.0.0.1:3000:3000"], "the dashboard is reachable from this host only"

@@ -228,6 +228,14 @@ def test_security_context_matches_the_image(docs):
         pod = _pod(dep)["securityContext"]
         assert pod["runAsNonRoot"] is True and pod["runAsUser"] == uid, name
         assert _container(dep)["securityContext"]["allowPrivilegeEscalation"] is False, name
+        # a read-only root filesystem, writable scratch (and the model cache, on workers) only
+        assert _container(dep)["securityContext"]["readOnlyRootFilesystem"] is True, name
+        assert _pod(dep)["automountServiceAccountToken"] is False, name
+        mounts = {m["mountPath"]: m["name"] for m in _container(dep)["volumeMounts"]}
+        volumes = {v["name"] for v in _pod(dep)["volumes"]}
+        assert {"/tmp", "/home/specdec"} <= set(mounts) and set(mounts.values()) <= volumes, name
+        if name != DEPLOYMENTS["orchestrator"]:
+            assert "/models" in mounts, name
 
 
 def test_images(docs):
@@ -271,6 +279,42 @@ def test_shared_model_cache_component(tmp_path):
         _validate(dep, "1.31")
         volumes = {v["name"]: v for v in _pod(dep).get("volumes", [])}
         if name == DEPLOYMENTS["orchestrator"]:
-            assert not volumes
+            assert "models" not in volumes
         else:
             assert volumes["models"] == {"name": "models", "persistentVolumeClaim": {"claimName": "specdec-models"}}
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def test_network_policies_let_only_orchestrators_reach_workers_and_only_prometheus_scrape(docs):
+    policies = by_kind(docs, "NetworkPolicy")
+    deployments = by_kind(docs, "Deployment")
+    pods = {role: deployments[name]["spec"]["template"]["metadata"]["labels"] for role, name in DEPLOYMENTS.items()}
+    for role, labels in pods.items():
+        covering = [p for p in policies.values() if _selects(p["spec"]["podSelector"], labels)]
+        assert len(covering) == 1, (role, [p["metadata"]["name"] for p in covering])
+        spec = covering[0]["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        ports = {p["name"] for p in _container(deployments[DEPLOYMENTS[role]])["ports"]}
+        for rule in spec["ingress"]:
+            named = {p["port"] for p in rule["ports"]}
+            assert named <= ports, (role, named - ports)  # named ports that exist on the container
+            if "metrics" in named:
+                assert named == {"metrics"}
+                (peer,) = rule["from"]
+                assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+            elif role in WORKER_ROLES:
+                assert named == {"grpc"}
+                (peer,) = rule["from"]  # from orchestrator pods, and no one else
+                assert _selects(peer["podSelector"], pods["orchestrator"]) and "namespaceSelector" not in peer
+                assert not any(_selects(peer["podSelector"], pods[r]) for r in WORKER_ROLES)
+            else:
+                assert named == {"grpc", "http"} and "from" not in rule  # clients, from anywhere

@@ -99,3 +99,22 @@ def test_queued_requests_over_grpc_wait_then_finish_exactly(stack, target_engine
         assert admission.wait_idle(10)
     finally:
         parts.stop(None)
+
+
+def test_one_client_holds_at_most_max_per_client_and_others_still_get_in():
+    from orchestrator.admission import client_key
+
+    a = Admission(max_running=4, max_queued=4, max_per_client=2)
+    greedy, other = client_key(None, "ipv4:10.0.0.7:5000"), client_key(None, "ipv4:10.0.0.8:6000")
+    assert client_key(None, "ipv4:10.0.0.7:5999") == greedy  # one host, any port
+    assert client_key(b"s3cret", "ipv4:10.0.0.7:1") != greedy and "s3cret" not in client_key(b"s3cret", "x")
+    with a.slot(None, greedy), a.slot(None, greedy):
+        with pytest.raises(ResourceExhausted) as e:
+            with a.slot(None, greedy):
+                pass
+        assert "--max-per-client 2" in e.value.message
+        with a.slot(None, other):  # a different client is not held back
+            assert a.running == 3
+    with a.slot(None, greedy):  # released: the first client may come back
+        assert a.running == 1
+    assert a._per_client == {}

@@ -20,7 +20,7 @@ from specdec.errors import ServiceError
 from specdec_tools.stack import free_port
 from tests.orchestrator.test_greedy_equivalence import reference
 from tests.support.processes import WorkerProcess
-from tests.support.servers import start_orchestrator
+from tests.support.servers import ADMIN_TOKEN, start_orchestrator
 from tests.support.servers import wait_for as _eventually
 
 LONG = 300  # tokens: enough rounds that a kill after the first chunk lands mid-request
@@ -43,7 +43,7 @@ def workers(model_dirs):
 def orchestrator_for(targets, drafts, **kwargs):
     parts, address = start_orchestrator([w.address for w in targets], [w.address for w in drafts],
                                         poll_s=0.2, worker_timeout_s=10, **kwargs)
-    return parts, Client(address, timeout_s=120)
+    return parts, Client(address, timeout_s=120, token=ADMIN_TOKEN)
 
 
 def holder(client, role):

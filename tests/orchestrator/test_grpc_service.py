@@ -31,6 +31,12 @@ BAD_REQUESTS = {
     "token id negative": (dict(token_ids=[-1]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
     "empty token ids": (dict(token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty"),
     "empty stop string": (dict(prompt="a", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    "too many stop strings": (dict(prompt="a", stop=["x"] * 17), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    "long stop string": (dict(prompt="a", stop=["x" * 257]), grpc.StatusCode.INVALID_ARGUMENT, "256 characters"),
+    "too many messages": (dict(messages=[{"role": "user", "content": "a"}] * 1025), grpc.StatusCode.INVALID_ARGUMENT,
+                          "at most 1024"),
+    "long role": (dict(messages=[{"role": "u" * 65, "content": "a"}]), grpc.StatusCode.INVALID_ARGUMENT, "role"),
+    "empty role": (dict(messages=[{"role": "", "content": "a"}]), grpc.StatusCode.INVALID_ARGUMENT, "role"),
 }
 
 
@@ -57,23 +63,24 @@ def test_worker_session_errors_have_precise_statuses(target_stub):
     with pytest.raises(grpc.RpcError) as e:
         target_stub.Verify(target_pb2.VerifyRequest(session_id="unknown", sampling=greedy))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
-    target_stub.OpenSession(common_pb2.OpenSessionRequest(session_id="s1", token_ids=[1, 2, 3]))
+    secret = target_stub.OpenSession(common_pb2.OpenSessionRequest(session_id="s1", token_ids=[1, 2, 3])).session_secret
     with pytest.raises(grpc.RpcError) as e:
         target_stub.OpenSession(common_pb2.OpenSessionRequest(session_id="s1", token_ids=[1]))
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
     with pytest.raises(grpc.RpcError) as e:
-        target_stub.Truncate(common_pb2.TruncateRequest(session_id="s1", length=10))
+        target_stub.Truncate(common_pb2.TruncateRequest(session_id="s1", length=10, session_secret=secret))
     assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
     with pytest.raises(grpc.RpcError) as e:
-        target_stub.Verify(target_pb2.VerifyRequest(session_id="s1", start=2, token_ids=[10**7], sampling=greedy))
+        target_stub.Verify(target_pb2.VerifyRequest(session_id="s1", start=2, token_ids=[10**7], sampling=greedy,
+                                                    session_secret=secret))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as e:
         target_stub.Verify(target_pb2.VerifyRequest(session_id="s1", start=3, sampling=common_pb2.SamplingParams(
-            temperature=1.0, top_p=0)))
+            temperature=1.0, top_p=0), session_secret=secret))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    target_stub.CloseSession(common_pb2.CloseSessionRequest(session_id="s1"))
+    target_stub.CloseSession(common_pb2.CloseSessionRequest(session_id="s1", session_secret=secret))
     with pytest.raises(grpc.RpcError) as e:  # closed: gone
-        target_stub.Truncate(common_pb2.TruncateRequest(session_id="s1", length=1))
+        target_stub.Truncate(common_pb2.TruncateRequest(session_id="s1", length=1, session_secret=secret))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as e:
         target_stub.OpenSession(common_pb2.OpenSessionRequest(session_id="s2", token_ids=[]))
@@ -101,20 +108,58 @@ def test_health_and_reflection(stack, port_index):
     channel.close()
 
 
-def test_worker_is_not_serving_until_its_model_loads(model_dirs):
+def test_reflection_off_hides_the_api_and_health_still_answers(stack, target_engine):
     from specdec.worker.config import WorkerConfig
-    from tests.support.servers import create_target as create_server
+    from tests.support.servers import create_target, start_orchestrator
 
-    parts, port = create_server(WorkerConfig("target", str(model_dirs["target"]), host="127.0.0.1"))
+    worker, wport = create_target(WorkerConfig("target", "t", host="127.0.0.1", reflection=False), target_engine)
+    orch, address = start_orchestrator([f"127.0.0.1:{wport}"], reflection=False)
     try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        health = health_pb2_grpc.HealthStub(channel)
-        first = health.Check(health_pb2.HealthCheckRequest()).status
-        parts.loader.join(60)
-        assert first in (health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING)
-        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
-        channel.close()
+        for target in (f"127.0.0.1:{wport}", address):
+            with grpc.insecure_channel(target) as channel:
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
+                stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+                with pytest.raises(grpc.RpcError) as e:
+                    next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+                assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
+        orch.stop(None)
+        worker.stop(None)
+
+
+def test_worker_is_not_serving_until_its_model_loads(model_dirs):
+    """The loader is held at a gate: health must say NOT_SERVING (and calls UNAVAILABLE) until
+    the model is in, then SERVING."""
+    import threading
+
+    from specdec.worker.config import WorkerConfig
+    from specdec.worker.server import create_server
+    from target_service.role import TARGET
+
+    gate, loading = threading.Event(), threading.Event()
+
+    class GatedRole(type(TARGET)):
+        def make_engine(self, config):
+            loading.set()
+            assert gate.wait(60), "the test never opened the gate"
+            return super().make_engine(config)
+
+    role = GatedRole(**{f: getattr(TARGET, f) for f in TARGET.__dataclass_fields__})
+    parts, port = create_server(role, WorkerConfig("target", str(model_dirs["target"]), host="127.0.0.1"))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert loading.wait(30)
+            assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as e:
+                target_pb2_grpc.TargetWorkerStub(channel).Describe(common_pb2.DescribeRequest())
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in e.value.details()
+            gate.set()
+            parts.loader.join(60)
+            assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        gate.set()
         parts.stop(None)
 
 
@@ -218,3 +263,41 @@ def test_tiny_temperature_is_greedy_not_an_error(client):
     a = client.generate(prompt="abc", max_new_tokens=6, temperature=1e-9)
     b = client.generate(prompt="abc", max_new_tokens=6, temperature=0)
     assert a.token_ids == b.token_ids
+
+
+def test_a_caller_that_knows_only_the_session_id_can_neither_use_nor_close_it(target_stub):
+    greedy = common_pb2.SamplingParams(temperature=0)
+    secret = target_stub.OpenSession(common_pb2.OpenSessionRequest(session_id="mine", token_ids=[1, 2, 3, 4])).session_secret
+    assert len(secret) == 16
+    for wrong in (b"", bytes(16), secret[:-1] + bytes([secret[-1] ^ 1])):
+        calls = [
+            lambda: target_stub.Truncate(common_pb2.TruncateRequest(session_id="mine", length=1, session_secret=wrong)),
+            lambda: target_stub.CloseSession(common_pb2.CloseSessionRequest(session_id="mine", session_secret=wrong)),
+            lambda: target_stub.Verify(target_pb2.VerifyRequest(session_id="mine", start=1, token_ids=[9, 9, 9],
+                                                                sampling=greedy, session_secret=wrong)),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no open session" in e.value.details()
+    # untouched: the opener continues where it was, and the answer is what it would have been
+    v = target_stub.Verify(target_pb2.VerifyRequest(session_id="mine", start=4, draft_token_ids=[5], sampling=greedy,
+                                                    session_secret=secret))
+    assert v.length == 5
+    target_stub.CloseSession(common_pb2.CloseSessionRequest(session_id="mine", session_secret=secret))
+
+
+def test_a_draft_session_takes_proposals_only_from_its_opener(stack):
+    from specdec.v1 import draft_pb2, draft_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{stack['ports'][1]}") as channel:
+        stub = draft_pb2_grpc.DraftWorkerStub(channel)
+        secret = stub.OpenSession(common_pb2.OpenSessionRequest(session_id="d1", token_ids=[1, 2, 3])).session_secret
+        greedy = common_pb2.SamplingParams(temperature=0)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Propose(draft_pb2.ProposeRequest(session_id="d1", start=3, gamma=2, sampling=greedy)))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        got = list(stub.Propose(draft_pb2.ProposeRequest(session_id="d1", start=3, gamma=2, sampling=greedy,
+                                                         session_secret=secret)))
+        assert len(got) == 2
+        stub.CloseSession(common_pb2.CloseSessionRequest(session_id="d1", session_secret=secret))

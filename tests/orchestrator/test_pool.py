@@ -24,7 +24,7 @@ from specdec.modeling import load_model
 from specdec.worker.config import WorkerConfig
 from target_service.engine import TargetEngine
 from tests.orchestrator.test_greedy_equivalence import reference
-from tests.support.servers import create_draft, create_target, start_orchestrator
+from tests.support.servers import ADMIN_TOKEN, create_draft, create_target, start_orchestrator
 from tests.support.servers import wait_for as _wait_for
 
 
@@ -48,7 +48,7 @@ def workers(model_dirs):
 def orchestrator(workers):
     parts, address = start_orchestrator([w["address"] for w in workers["target"]],
                                         [w["address"] for w in workers["draft"]], poll_s=0.2)
-    with Client(address, timeout_s=120) as client:
+    with Client(address, timeout_s=120, token=ADMIN_TOKEN) as client:
         client.wait_until_ready(30)
         _wait_for(lambda: [w["state"] for w in client.workers()] == [SERVING] * 4)
         yield {"parts": parts, "client": client, "address": address}
@@ -160,8 +160,9 @@ def test_workers_are_added_at_run_time_and_a_mismatch_is_refused(orchestrator, t
 
 
 def test_workers_command_lists_the_pools(orchestrator, workers):
-    out = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "workers", "--server", orchestrator["address"], "--json"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    admin = ["--token", ADMIN_TOKEN]  # the addresses are for admins
+    out = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "workers", "--server", orchestrator["address"], "--json",
+                          *admin], capture_output=True, text=True, timeout=60, check=True).stdout
     listed = {(w["role"], w["address"]) for w in json.loads(out)}
     assert {(role, w["address"]) for role in workers for w in workers[role]} <= listed
     table = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "workers", "--server", orchestrator["address"]],

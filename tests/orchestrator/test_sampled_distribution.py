@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+import pytest
 from scipy import stats
 
 from specdec.protocol import SamplingParams
@@ -24,12 +25,13 @@ NEW_TOKENS = 3
 REQUESTS = 2400
 
 
-def exact_distribution(engine, prompt=PROMPT, new_tokens=NEW_TOKENS) -> dict[tuple[int, ...], float]:
+def exact_distribution(engine, prompt=PROMPT, new_tokens=NEW_TOKENS, params=PARAMS) -> dict[tuple[int, ...], float]:
     def next_probs(prefix):
         with torch.inference_mode():
             logits = engine.model(torch.tensor([prefix]), logits_to_keep=1).logits[0, -1]
-        d = process_logits(logits, PARAMS)
-        return {int(i): float(p) for i, p in zip(d.indices, d.probs)}
+        d = process_logits(logits, params)
+        ids = d.indices if d.indices is not None else range(d.probs.numel())
+        return {int(i): float(p) for i, p in zip(ids, d.probs) if p > 0}
 
     eos = set(engine.info.eos_token_ids)
     dist = {(): 1.0}
@@ -44,18 +46,38 @@ def exact_distribution(engine, prompt=PROMPT, new_tokens=NEW_TOKENS) -> dict[tup
     return dist
 
 
-def test_sampled_output_matches_target_distribution(client, target_engine):
-    exact = exact_distribution(target_engine)
-    assert abs(sum(exact.values()) - 1) < 1e-5
-
+def sample(client, params: SamplingParams, requests: int = REQUESTS) -> list[tuple[tuple[int, ...], int, int]]:
     def one(seed):
-        r = client.generate(token_ids=PROMPT, max_new_tokens=NEW_TOKENS, temperature=PARAMS.temperature,
-                            top_k=PARAMS.top_k, gamma=2, seed=seed)
+        r = client.generate(token_ids=PROMPT, max_new_tokens=NEW_TOKENS, temperature=params.temperature,
+                            top_k=params.top_k, top_p=params.top_p, gamma=2, seed=seed)
         return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"]
 
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(one, range(REQUESTS)))
-    assert_matches(exact, results)
+        return list(pool.map(one, range(requests)))
+
+
+def test_sampled_output_matches_target_distribution(client, target_engine):
+    exact = exact_distribution(target_engine)
+    assert abs(sum(exact.values()) - 1) < 1e-5
+    assert_matches(exact, sample(client, PARAMS))
+
+
+# temperature and top-p too: a target or draft that ignored either would fail here
+TUNED = SamplingParams(temperature=0.7, top_k=6, top_p=0.8)
+
+
+def test_temperature_and_top_p_keep_the_target_distribution(client, target_engine):
+    exact = exact_distribution(target_engine, params=TUNED)
+    assert abs(sum(exact.values()) - 1) < 1e-5
+    assert_matches(exact, sample(client, TUNED))
+
+
+def test_the_chi_square_test_catches_a_wrong_distribution_over_grpc(client, target_engine):
+    """Negative control: the service's samples at TUNED, tested against the distribution of
+    temperature 1 without top-p (what a service ignoring them would produce), must fail."""
+    wrong = exact_distribution(target_engine, params=SamplingParams(temperature=1.0, top_k=6))
+    with pytest.raises(AssertionError, match="p-value"):
+        assert_matches(wrong, sample(client, TUNED))
 
 
 def assert_matches(exact: dict, results: list[tuple[tuple[int, ...], int, int]]) -> None:

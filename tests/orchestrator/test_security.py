@@ -16,7 +16,7 @@ from specdec import healthcheck
 from specdec.errors import ServiceError
 from specdec.security import ClientTls
 from tests.orchestrator.test_greedy_equivalence import reference
-from tests.support.servers import start_stack, stop_stack
+from tests.support.servers import start_orchestrator, start_stack, stop_stack, wait_for
 
 TOKEN = "s3cret-token"
 
@@ -28,7 +28,7 @@ def pki(tmp_path_factory):
     files = {"ca": root / "ca.pem"}
     ca.cert_pem.write_to_path(str(files["ca"]))
     for name, issuer, identities in (("server", ca, ("localhost", "127.0.0.1")), ("client", ca, ("client.test",)),
-                                     ("rogue", rogue, ("client.test",))):
+                                     ("rogue", rogue, ("client.test",)), ("other", ca, ("other.test",))):
         cert = issuer.issue_cert(*identities)
         files[f"{name}_cert"], files[f"{name}_key"] = root / f"{name}.pem", root / f"{name}.key"
         files[f"{name}_cert"].write_bytes(b"".join(p.bytes() for p in cert.cert_chain_pems))
@@ -128,3 +128,89 @@ def test_the_http_door_takes_the_same_certificates_and_tokens(secure_stack, pki)
     with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):  # plaintext
         httpx.post(secure_stack["https"].replace("https", "http") + "/v1/completions", json=body, headers=auth,
                    timeout=30)
+
+
+def test_under_mutual_tls_a_session_belongs_to_the_openers_certificate(secure_stack, pki):
+    """Another client the CA signed, holding the session's id and even its secret, is refused."""
+    from specdec.protocol import SamplingParams
+
+    opener = RemoteTarget(secure_stack["target"], timeout_s=10, tls=good_tls(pki))
+    other = RemoteTarget(secure_stack["target"], timeout_s=10,
+                         tls=ClientTls(pki["ca"], pki["other_cert"], pki["other_key"]))
+    try:
+        opener.describe(), other.describe()  # both are valid clients of the worker
+        opener.open_session("owned", [1, 2, 3])
+        other._secrets["owned"] = opener.secret("owned")  # leaked, say
+        for call in (lambda: other.truncate("owned", 1), lambda: other.close_session("owned"),
+                     lambda: other.verify("owned", 3, [], [4], SamplingParams(temperature=0))):
+            with pytest.raises(ServiceError) as e:
+                call()
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+        assert opener.verify("owned", 3, [], [4], SamplingParams(temperature=0)).length == 4
+        opener.close_session("owned")
+    finally:
+        opener.close()
+        other.close()
+
+
+# ---- admin scope: adding workers, and where they are ---------------------------------------
+
+
+@pytest.fixture()
+def worker_addresses(stack):
+    tport, dport, _ = stack["ports"]
+    return [f"127.0.0.1:{tport}"], [f"127.0.0.1:{dport}"]
+
+
+def test_without_admin_tokens_no_one_adds_workers_or_sees_where_they_are(worker_addresses):
+    parts, address = start_orchestrator(*worker_addresses, admin_token_file=None)
+    try:
+        with Client(address, timeout_s=30) as client:
+            workers = client.workers()
+            assert {w["role"] for w in workers} == {"target", "draft"}
+            assert all(w["address"] == "" and w["source"] == "" and w["state"] == "serving" for w in workers)
+            with pytest.raises(ServiceError) as e:
+                client.add_workers(target=["127.0.0.1:1"])
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED and "--admin-token-file" in e.value.message
+            assert len(client.workers()) == 2  # nothing was added
+    finally:
+        parts.stop(None)
+
+
+def test_only_an_admin_token_adds_workers_and_sees_addresses(worker_addresses, tmp_path):
+    (tmp_path / "clients").write_text("client-token\n")
+    (tmp_path / "admins").write_text("admin-token\n")
+    parts, address = start_orchestrator(*worker_addresses, auth_token_file=str(tmp_path / "clients"),
+                                        admin_token_file=str(tmp_path / "admins"))
+    try:
+        with Client(address, timeout_s=30, token="client-token") as client:
+            assert client.generate(prompt="def", max_new_tokens=2, temperature=0).token_ids
+            assert all(w["address"] == "" for w in client.workers())
+            with pytest.raises(ServiceError) as e:
+                client.add_workers(target=["127.0.0.1:1"])
+            assert e.value.code == grpc.StatusCode.PERMISSION_DENIED
+        with Client(address, timeout_s=30, token="admin-token") as admin:
+            assert admin.generate(prompt="def", max_new_tokens=2, temperature=0).token_ids  # an admin is a client too
+            assert sorted(w["address"] for w in admin.workers()) == sorted(sum(worker_addresses, []))
+            added = admin.add_workers(target=["127.0.0.1:1"])
+            assert "127.0.0.1:1" in {w["address"] for w in added}
+    finally:
+        parts.stop(None)
+
+
+def test_one_client_cannot_hold_more_than_max_per_client_streams(worker_addresses, tmp_path):
+    (tmp_path / "clients").write_text("alice\nbob\n")
+    parts, address = start_orchestrator(*worker_addresses, max_per_client=1, auth_token_file=str(tmp_path / "clients"))
+    try:
+        with Client(address, timeout_s=60, token="alice") as alice, Client(address, timeout_s=60, token="bob") as bob:
+            stream = alice.stream(prompt="def", max_new_tokens=200, temperature=0, gamma=0)
+            next(stream)  # alice's first request is in flight
+            with pytest.raises(ServiceError) as e:
+                alice.generate(prompt="def", max_new_tokens=2)
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-per-client 1" in e.value.message
+            assert bob.generate(prompt="def", max_new_tokens=2, temperature=0).token_ids  # others still get in
+            stream.close()
+            wait_for(lambda: parts.admission.running == 0, 30, "alice's stream ended")
+            assert alice.generate(prompt="def", max_new_tokens=2, temperature=0).token_ids
+    finally:
+        parts.stop(None)

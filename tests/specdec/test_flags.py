@@ -84,3 +84,17 @@ def test_port_defaults_to_the_role_port_and_zero_means_any():
     assert _parse("target", ["--model", "m"], {}).port == 5
     assert _parse("target", ["--model", "m", "--port", "0"], {}).port == 0
     assert _parse("orchestrator", ["--target", "t:1"], {}).port == 50050
+
+
+def test_connection_flags_become_grpc_server_options():
+    from orchestrator.config import OrchestratorConfig
+
+    config = OrchestratorConfig.from_args(["--target", "t:1", "--keepalive", "30", "--max-connection-age", "600",
+                                           "--max-connection-age-grace", "60"])
+    options = dict(config.connection)
+    assert options["grpc.keepalive_time_ms"] == 30_000 and options["grpc.keepalive_timeout_ms"] == 20_000
+    assert options["grpc.max_connection_age_ms"] == 600_000 and options["grpc.max_connection_age_grace_ms"] == 60_000
+    off = OrchestratorConfig.from_args(["--target", "t:1", "--keepalive", "0", "--max-connection-age", "0"])
+    assert off.connection == []
+    default = dict(OrchestratorConfig(target="t:1").connection)
+    assert default["grpc.keepalive_time_ms"] == 60_000 and default["grpc.max_connection_age_ms"] == 1_800_000

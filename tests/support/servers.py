@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 from draft_service.role import DRAFT
 from orchestrator.client import Client
@@ -13,6 +15,16 @@ from specdec.worker.server import create_server
 from target_service.role import TARGET
 
 HOST = "127.0.0.1"
+ADMIN_TOKEN = "admin-token-of-the-tests"  # every test orchestrator takes it (--admin-token-file)
+
+
+def admin_token_file() -> str:
+    import tempfile
+
+    path = Path(tempfile.gettempdir()) / f"specdec-test-admin-{os.getpid()}"
+    if not path.exists():
+        path.write_text(ADMIN_TOKEN + "\n")
+    return str(path)
 
 
 def create_target(config, engine=None, telemetry=None):
@@ -29,6 +41,7 @@ def start_orchestrator(targets: list[str], drafts: list[str] = (), *, telemetry=
     """An orchestrator server paired with these worker addresses and SERVING: (parts, address).
     Rounds draft the request's gamma (the fixed policy) unless gamma_policy says otherwise: on the
     tiny models a draft costs as much as the target, so the goodput policy would draft nothing."""
+    config.setdefault("admin_token_file", admin_token_file())
     config = OrchestratorConfig(target=",".join(targets), draft=",".join(drafts) or None,
                                 host=config.pop("host", HOST), gamma_policy=config.pop("gamma_policy", "fixed"),
                                 **config)
