@@ -26,6 +26,8 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--served-model-name", help="the model id the HTTP API lists and accepts (default: the target's name)"),
     Flag("--max-workers", int, 32, "client requests decoding at once; more wait in the queue"),
     Flag("--max-queued", int, 128, "requests that may wait for a turn; beyond them RESOURCE_EXHAUSTED"),
+    Flag("--request-timeout", float, 1800.0, "the deadline of a request whose client set none, in seconds; "
+         "beyond it DEADLINE_EXCEEDED (0: none)", field="request_timeout_s"),
     Flag("--max-per-client", int, 0, "requests one client (its bearer token, else its IP address) may have running "
          "and waiting together; beyond them RESOURCE_EXHAUSTED (0: no limit)"),
     Flag("--gamma-policy", default="goodput", choices=["goodput", "fixed"],
@@ -84,6 +86,7 @@ class OrchestratorConfig(ServedConfig):
     max_workers: int = FLAGS.default("max_workers")
     max_queued: int = FLAGS.default("max_queued")
     max_per_client: int = FLAGS.default("max_per_client")
+    request_timeout_s: float = FLAGS.default("request_timeout_s")
     gamma_policy: str = FLAGS.default("gamma_policy")
     draft_p_min: float = FLAGS.default("draft_p_min")
     draft_min: int = FLAGS.default("draft_min")

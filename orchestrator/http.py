@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.admission import Admission, client_key
 from orchestrator.detokenizer import token_bytes
-from specdec.errors import ServiceError
+from specdec.errors import DeadlineExceeded, ServiceError
 from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, GenerationChunk, GenerationRequest
 from specdec.security import ServerTls, TokenSet
 
@@ -237,16 +237,22 @@ class TokenizeRequest(BaseModel):
 
 
 class _Call:
-    """What the admission queue asks of a call (as of a gRPC context): is its client still there."""
+    """What the admission queue asks of a call (as of a gRPC context): is its client still
+    there, and how long it may take (the server's --request-timeout: HTTP clients send none)."""
 
-    def __init__(self):
+    def __init__(self, timeout_s: float = 0.0):
         self.gone = threading.Event()
+        self.expires = time.monotonic() + timeout_s if timeout_s > 0 else None
 
     def is_active(self) -> bool:
         return not self.gone.is_set()
 
     def time_remaining(self) -> float | None:
-        return None
+        return None if self.expires is None else self.expires - time.monotonic()
+
+    def check(self) -> None:
+        if self.expires is not None and time.monotonic() > self.expires:
+            raise DeadlineExceeded("the request ran past the server's deadline (--request-timeout)")
 
 
 _END = object()
@@ -255,12 +261,14 @@ _END = object()
 class FrontDoor:
     """The FastAPI app over a DecoderSlot (orchestrator/servicer.py) and its admission queue."""
 
-    def __init__(self, slot, admission: Admission, *, tokens: frozenset[str] = frozenset(),
-                 served_model_name: str | None = None, serving: Callable[[], bool] = lambda: True):
+    def __init__(self, slot, admission: Admission, *, tokens: "TokenSet | frozenset[str]" = frozenset(),
+                 served_model_name: str | None = None, serving: Callable[[], bool] = lambda: True,
+                 request_timeout_s: float = 0.0):
         self.slot, self.admission = slot, admission
-        self._tokens = TokenSet(tokens)
+        self._tokens = tokens if isinstance(tokens, TokenSet) else TokenSet(tokens)
         self._served_name = served_model_name
         self._serving = serving
+        self.request_timeout_s = request_timeout_s
         # every running and every queued request holds a thread; the admission queue refuses the rest
         self._pool = ThreadPoolExecutor(max_workers=admission.max_running + admission.max_queued + 4,
                                         thread_name_prefix="http")
@@ -314,6 +322,8 @@ class FrontDoor:
                             put(chunk)
                             if call.gone.is_set():
                                 return
+                            if chunk.finish_reason is None:
+                                call.check()
                     finally:
                         stream.close()  # closes the request's sessions when it stopped early
             except BaseException as exc:  # noqa: BLE001 - handed to the event loop
@@ -420,7 +430,7 @@ class FrontDoor:
         self._authorize(request)
         self._check_model(body.model)
         generation = body.to_generation()
-        call = _Call()
+        call = _Call(self.request_timeout_s)
         header = request.headers.get("authorization", "")
         token = header[len("Bearer "):].strip().encode() if header.startswith("Bearer ") and self._tokens else None
         chunks = self._chunks(generation, call, client_key(token, f"http:{request.client.host if request.client else ''}"))

@@ -104,7 +104,8 @@ def _auth(config: OrchestratorConfig) -> list:
     tokens = read_tokens(config.auth_token_file)
     if not tokens:
         return []
-    tokens |= read_tokens(config.admin_token_file)  # an admin may do what a client may
+    # an admin may do what a client may; both files are followed (tokens change without a restart)
+    tokens = TokenSet(files=(config.auth_token_file, config.admin_token_file))
     if not config.tls.enabled:
         log.warning("bearer tokens over plaintext can be read on the wire: serve TLS (--tls-cert) as well")
     return [BearerTokenInterceptor(tokens, f"/{SERVICE_NAME}/")]
@@ -126,7 +127,8 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
     parts = build_server(
         config.address,
         lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
-            OrchestratorServicer(slot, admission, TokenSet(read_tokens(config.admin_token_file))), s),
+            OrchestratorServicer(slot, admission, TokenSet(files=(config.admin_token_file,)),
+                                 config.request_timeout_s), s),
         [SERVICE_NAME],
         # a thread for every running and every queued request, and some for health and ListWorkers:
         # the admission queue, not gRPC, says RESOURCE_EXHAUSTED when the server is full
@@ -142,11 +144,11 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
     parts.admission = admission
     parts.http = None
     if config.http_port is not None:  # the OpenAI-compatible door on the same decoder and queue
-        client_tokens = read_tokens(config.auth_token_file)
-        tokens = client_tokens | read_tokens(config.admin_token_file) if client_tokens else frozenset()
+        tokens = TokenSet(files=(config.auth_token_file, config.admin_token_file)) if config.auth_token_file \
+            else TokenSet()
         parts.http = HttpServer(FrontDoor(slot, admission, tokens=tokens,
                                           served_model_name=config.served_model_name,
-                                          serving=lambda: parts.serving),
+                                          serving=lambda: parts.serving, request_timeout_s=config.request_timeout_s),
                                 config.host, config.http_port, config.tls, config.log_level).start()
         parts.on_stop.insert(0, lambda: parts.http.stop(config.drain_timeout_s))
     _queue_gauges(parts.telemetry.meter, admission)

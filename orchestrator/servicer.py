@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+import time
 
 from orchestrator.admission import Admission, client_key
 from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.pool import parse_entries
-from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError, Unavailable
+from specdec.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError, Unavailable
 from specdec.security import TokenSet, bearer_token
 from specdec.protocol import chunk_to_proto, request_from_proto, result_to_proto
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -29,9 +30,39 @@ class DecoderSlot:
         raise Unavailable(f"orchestrator is starting: waiting for {self.waiting_for}")
 
 
+NO_DEADLINE_S = 1e9  # a "remaining time" beyond this (about 30 years) means no deadline
+
+
+class CallDeadline:
+    """A call's deadline: the client's, else the server's default (--request-timeout), so a
+    client that sets none cannot hold a slot for ever. Quacks like the gRPC context for the
+    admission queue (is_active, time_remaining)."""
+
+    def __init__(self, context, default_s: float):
+        self.context = context
+        client = context.time_remaining()  # gRPC gives ~9.2e18 s, not None, when the client set none
+        self.own = (client is None or client > NO_DEADLINE_S) and default_s > 0  # the server's, not the client's
+        self.expires = time.monotonic() + default_s if self.own else None
+
+    def is_active(self) -> bool:
+        return self.context.is_active()
+
+    def time_remaining(self) -> float | None:
+        if self.own:
+            return self.expires - time.monotonic()
+        return self.context.time_remaining()
+
+    def check(self) -> None:
+        if self.own and time.monotonic() > self.expires:
+            raise DeadlineExceeded("the request ran past the server's deadline (--request-timeout); "
+                                   "set a deadline of your own, or ask for fewer tokens")
+
+
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, slot: DecoderSlot, admission: Admission, admins: TokenSet = TokenSet(frozenset())):
+    def __init__(self, slot: DecoderSlot, admission: Admission, admins: TokenSet = TokenSet(frozenset()),
+                 request_timeout_s: float = 0.0):
         self.slot = slot
+        self.request_timeout_s = request_timeout_s
         self.admission = admission  # running requests, and the queue of those waiting for a turn
         # --admin-token-file: adding workers, and seeing where they are, is for admins only
         # (a fake worker added by any client would receive prompts and write the answers)
@@ -42,7 +73,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def Generate(self, request, context):
         decoder = self.slot.get()
-        with self.admission.slot(context, self._client(context)):
+        deadline = CallDeadline(context, self.request_timeout_s)
+        with self.admission.slot(deadline, self._client(context)):
             stream = decoder.generate_stream(request_from_proto(request))
             text, ids, logprobs = [], [], []
             for chunk in stream:
@@ -52,14 +84,27 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 if not context.is_active():  # the client left: stop within one round
                     stream.close()
                     raise Cancelled("the client cancelled the request")
+                if chunk.finish_reason is None:
+                    try:
+                        deadline.check()
+                    except DeadlineExceeded:
+                        stream.close()
+                        raise
         return result_to_proto("".join(text), ids, chunk, logprobs)
 
     def GenerateStream(self, request, context):
         decoder = self.slot.get()
-        with self.admission.slot(context, self._client(context)):
+        deadline = CallDeadline(context, self.request_timeout_s)
+        with self.admission.slot(deadline, self._client(context)):
             # a cancelled stream closes this generator, whose finally closes the sessions
-            for chunk in decoder.generate_stream(request_from_proto(request)):
-                yield chunk_to_proto(chunk)
+            stream = decoder.generate_stream(request_from_proto(request))
+            try:
+                for chunk in stream:
+                    yield chunk_to_proto(chunk)
+                    if chunk.finish_reason is None:
+                        deadline.check()
+            finally:
+                stream.close()
 
     def ListWorkers(self, request, context):
         return self._workers(addresses=self.admins.caller_holds_one(context))

@@ -13,6 +13,9 @@ stay open, so probes need no secret. Tokens over plaintext are readable on the w
 from __future__ import annotations
 
 import hmac
+import os
+import threading
+import time
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,11 +40,34 @@ class ServerTls:
         return bool(self.cert)
 
     def credentials(self) -> grpc.ServerCredentials:
+        """Credentials that follow the files: each new connection is served with the certificate,
+        key and client CA as they are on disk then (a renewed certificate needs no restart; a
+        half-written or unreadable set keeps the one before, with a warning)."""
         if not (self.cert and self.key):
             raise ValueError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
-        ca = _read(self.client_ca)
-        return grpc.ssl_server_credentials([(_read(self.key), _read(self.cert))], root_certificates=ca,
-                                           require_client_auth=ca is not None)
+        files = tuple(p for p in (self.cert, self.key, self.client_ca) if p)
+        state = {"stamp": _stamp(files)}
+
+        def configuration() -> grpc.ServerCertificateConfiguration:
+            ca = _read(self.client_ca)
+            return grpc.ssl_server_certificate_configuration([(_read(self.key), _read(self.cert))],
+                                                            root_certificates=ca)
+
+        def fetch():  # gRPC asks before each handshake; None keeps the current configuration
+            try:
+                stamp = _stamp(files)
+                if stamp == state["stamp"]:
+                    return None
+                fresh = configuration()
+            except (OSError, ValueError) as exc:
+                log.warning("keeping the TLS certificate loaded before: %s", exc)
+                return None
+            state["stamp"] = stamp
+            log.info("TLS certificate files changed: new connections get the new ones")
+            return fresh
+
+        return grpc.dynamic_ssl_server_credentials(configuration(), fetch,
+                                                   require_client_authentication=self.client_ca is not None)
 
 
 @dataclass(frozen=True)
@@ -60,6 +86,10 @@ class ClientTls:
             raise ValueError("a client certificate needs its key, and a key its certificate")
         return grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),
                                             certificate_chain=_read(self.cert))
+
+
+def _stamp(files: tuple[str, ...]) -> tuple:
+    return tuple((st.st_mtime_ns, st.st_size) for st in map(os.stat, files))
 
 
 def bind(server: grpc.Server, address: str, tls: ServerTls | None) -> int:
@@ -106,15 +136,50 @@ def bearer_token(metadata) -> bytes | None:
 
 
 class TokenSet:
-    """Tokens a caller may present, compared in constant time each (no early exit to time)."""
+    """Tokens a caller may present, compared in constant time each (no early exit to time).
 
-    def __init__(self, tokens: frozenset[str]):
-        self._tokens = [t.encode() for t in tokens]
+    From files (`files=`), the set follows them: a file whose size or modification time changed
+    is read again (checked at most once a second), so tokens are added and revoked without a
+    restart. A file that became unreadable or empty keeps the tokens read before, with a warning."""
+
+    RECHECK_S = 1.0
+
+    def __init__(self, tokens: frozenset[str] = frozenset(), files: tuple[str | None, ...] = ()):
+        self._static = frozenset(tokens)
+        self._files = tuple(p for p in files if p)
+        self._stamp: tuple | None = None
+        self._checked = float("-inf")
+        self._lock = threading.Lock()
+        self._tokens = [t.encode() for t in self._static]
+        if self._files:
+            self._refresh(force=True)
+
+    def _refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self._files or (not force and now - self._checked < self.RECHECK_S):
+            return
+        with self._lock:
+            self._checked = now
+            try:
+                stamp = tuple((s.st_mtime_ns, s.st_size) for s in map(os.stat, self._files))
+                if stamp == self._stamp:
+                    return
+                tokens = self._static.union(*(read_tokens(p) for p in self._files))
+            except (OSError, ValueError) as exc:
+                if force:
+                    raise
+                log.warning("keeping the tokens read before: %s", exc)
+                return
+            self._tokens, self._stamp = [t.encode() for t in tokens], stamp
+            if not force:
+                log.info("token files changed: %d tokens now", len(tokens))
 
     def __bool__(self) -> bool:
+        self._refresh()
         return bool(self._tokens)
 
     def holds(self, given: bytes | None) -> bool:
+        self._refresh()
         return given is not None and any([hmac.compare_digest(given, t) for t in self._tokens])
 
     def caller_holds_one(self, context) -> bool:
@@ -125,8 +190,8 @@ class TokenSet:
 class BearerTokenInterceptor(grpc.ServerInterceptor):
     """Refuses calls to the protected services without a valid `authorization: Bearer` header."""
 
-    def __init__(self, tokens: frozenset[str], protected_prefix: str):
-        self._tokens = TokenSet(tokens)
+    def __init__(self, tokens: "TokenSet | frozenset[str]", protected_prefix: str):
+        self._tokens = tokens if isinstance(tokens, TokenSet) else TokenSet(tokens)
         self._prefix = protected_prefix
 
         def refuse(request, context):

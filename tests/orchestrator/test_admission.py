@@ -118,3 +118,36 @@ def test_one_client_holds_at_most_max_per_client_and_others_still_get_in():
     with a.slot(None, greedy):  # released: the first client may come back
         assert a.running == 1
     assert a._per_client == {}
+
+
+def test_a_request_without_a_deadline_gets_the_servers(stack, target_engine, monkeypatch):
+    """--request-timeout: a client that sets no deadline cannot hold its slot for ever (the
+    decoder is paced so that the request cannot finish first: 300 rounds of at least 50 ms)."""
+    from tests.support.servers import start_orchestrator, wait_for
+
+    tport, dport, _ = stack["ports"]
+    parts, address = start_orchestrator([f"127.0.0.1:{tport}"], [f"127.0.0.1:{dport}"], request_timeout_s=1.0)
+    decoder = parts.slot.decoder
+    original = decoder.generate_stream
+
+    def paced(request):
+        stream = original(request)
+        try:
+            for chunk in stream:
+                yield chunk
+                threading.Event().wait(0.05)
+        finally:
+            stream.close()
+
+    monkeypatch.setattr(decoder, "generate_stream", paced)
+    try:
+        ids = target_engine.tokenizer("The quick brown fox").input_ids  # no EOS within 300 tokens
+        with Client(address) as client:  # no deadline of its own
+            for call in (lambda: client.generate(token_ids=ids, max_new_tokens=300, temperature=0, gamma=0),
+                         lambda: list(client.stream(token_ids=ids, max_new_tokens=300, temperature=0, gamma=0))):
+                with pytest.raises(ServiceError) as e:
+                    call()
+                assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "--request-timeout" in e.value.message
+        wait_for(lambda: parts.admission.running == 0, 30, "the slots freed")
+    finally:
+        parts.stop(None)

@@ -282,3 +282,33 @@ def test_logprobs_in_completions_and_chat_match_grpc(oai, grpc_client, http_stac
 
 def grpc_client_special_ids(http_stack) -> list[int]:
     return http_stack["orchestrator"].slot.decoder.tokenizer.all_special_ids
+
+
+def test_the_servers_deadline_applies_to_http_requests(http_stack, target_engine, monkeypatch):
+    decoder = http_stack["orchestrator"].slot.decoder
+    original = decoder.generate_stream
+
+    def paced(request):  # 300 rounds of at least 50 ms: cannot finish within the 1 s deadline
+        stream = original(request)
+        try:
+            for chunk in stream:
+                yield chunk
+                threading.Event().wait(0.05)
+        finally:
+            stream.close()
+
+    monkeypatch.setattr(decoder, "generate_stream", paced)
+    door = FrontDoor(http_stack["orchestrator"].slot, http_stack["orchestrator"].admission, request_timeout_s=1.0)
+    server = HttpServer(door, "127.0.0.1", 0).start()
+    body = {"model": http_stack["model"], "prompt": target_engine.tokenizer("The quick brown fox").input_ids,
+            "max_tokens": 300, "temperature": 0, "gamma": 0}
+    try:
+        r = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
+        with httpx.stream("POST", f"http://127.0.0.1:{server.port}/v1/completions", json={**body, "stream": True},
+                          timeout=60) as s:
+            events = [line for line in s.iter_lines() if line]
+        assert events[-1] == "data: [DONE]" and "--request-timeout" in events[-2]
+        wait_for(lambda: http_stack["orchestrator"].admission.running == 0, 30, "the slots freed")
+    finally:
+        server.stop()

@@ -96,3 +96,22 @@ def assert_matches(exact: dict, results: list[tuple[tuple[int, ...], int, int]])
     obs = np.append(observed[~small], observed[small].sum()) if small.any() else observed
     result = stats.chisquare(obs, exp * obs.sum() / exp.sum())
     assert result.pvalue > 1e-3, f"p-value {result.pvalue}: observed {obs}, expected {exp.round(1)}"
+
+
+def test_a_restricted_draft_head_keeps_the_target_distribution(target_engine, model_dirs):
+    """The draft scores only the first 200 token ids (--draft-vocab): q is 0 elsewhere, and the
+    target's tokens there are reached through the residual, exactly."""
+    from draft_service.engine import DraftEngine
+    from orchestrator.client import Client
+    from specdec.modeling import load_model
+    from tests.support.servers import start_stack, stop_stack
+
+    restricted = DraftEngine(load_model(str(model_dirs["draft"]), dtype="float64", head_rows=200, role="draft"))
+    stack = start_stack(target_engine, restricted)
+    try:
+        exact = exact_distribution(target_engine)
+        assert sum(p for seq, p in exact.items() if any(t >= 200 for t in seq)) > 0.3, "mass outside the head"
+        with Client(stack["address"], timeout_s=120) as client:
+            assert_matches(exact, sample(client, PARAMS))
+    finally:
+        stop_stack(stack)

@@ -6,6 +6,8 @@ second, rogue CA signs another client certificate that every server must refuse.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import trustme
@@ -214,3 +216,72 @@ def test_one_client_cannot_hold_more_than_max_per_client_streams(worker_addresse
             assert alice.generate(prompt="def", max_new_tokens=2, temperature=0).token_ids
     finally:
         parts.stop(None)
+
+
+def test_token_files_are_followed_without_a_restart(worker_addresses, tmp_path):
+    import os
+
+    tokens = tmp_path / "clients"
+    tokens.write_text("first\n")
+    parts, address = start_orchestrator(*worker_addresses, auth_token_file=str(tokens))
+
+    def works(token: str) -> bool:
+        with Client(address, timeout_s=30, token=token) as client:
+            try:
+                return bool(client.generate(prompt="def", max_new_tokens=1, temperature=0).token_ids)
+            except ServiceError as err:
+                assert err.code == grpc.StatusCode.UNAUTHENTICATED
+                return False
+
+    try:
+        assert works("first") and not works("second")
+        tokens.write_text("second\n")  # "first" revoked, "second" issued
+        stat = tokens.stat()
+        os.utime(tokens, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a new mtime even on coarse clocks
+        wait_for(lambda: works("second"), 30, "the new token accepted")
+        assert not works("first")
+        tokens.write_text("")  # emptied by mistake: the tokens read before stay
+        os.utime(tokens, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
+        time.sleep(1.5)  # past the once-a-second recheck (a pause, not a timing claim)
+        assert works("second")
+    finally:
+        parts.stop(None)
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(target_engine, tmp_path):
+    """The worker's certificate files are replaced by ones another CA signed: new connections get
+    them (a client trusting only the new CA gets in), with no restart."""
+    from specdec.worker.config import WorkerConfig
+    from tests.support.servers import create_target
+
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    old_ca_file, new_ca_file = tmp_path / "old-ca.pem", tmp_path / "new-ca.pem"
+    old_ca.cert_pem.write_to_path(str(old_ca_file))
+    new_ca.cert_pem.write_to_path(str(new_ca_file))
+
+    def install(ca):
+        issued = ca.issue_cert("localhost")
+        cert.write_bytes(b"".join(p.bytes() for p in issued.cert_chain_pems))
+        issued.private_key_pem.write_to_path(str(key))
+
+    install(old_ca)
+    worker, port = create_target(WorkerConfig("target", "t", host="127.0.0.1", tls_cert=str(cert), tls_key=str(key)),
+                                 target_engine)
+
+    def accepted(ca_file) -> bool:
+        remote = RemoteTarget(f"localhost:{port}", timeout_s=5, tls=ClientTls(str(ca_file)))
+        try:
+            return remote.describe().model_name == "tiny-target"
+        except ServiceError:
+            return False
+        finally:
+            remote.close()
+
+    try:
+        assert accepted(old_ca_file) and not accepted(new_ca_file)
+        install(new_ca)
+        wait_for(lambda: accepted(new_ca_file), 30, "the renewed certificate served")
+        assert not accepted(old_ca_file)
+    finally:
+        worker.stop(None)
