@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -129,11 +130,10 @@ def test_stalled_draft_costs_one_round_deadline_not_the_request(workers, prompt,
         w.wait_serving()
     parts, client = orchestrator_for([target], [draft], draft_timeout_s=1.0)
     try:
-        t0 = time.monotonic()
+        # a stalled draft holding the request would end in the client's deadline (120 s), not here
         tokens, stats, _ = kill_mid_request(client, prompt, "draft", {draft.address: draft}, sig=signal.SIGSTOP)
         assert tokens == expected
         assert stats["draft_failovers"] == 1
-        assert time.monotonic() - t0 < 60, "a stalled draft must not hold the request"
     finally:
         draft.proc.send_signal(signal.SIGCONT)
         client.close()
@@ -163,19 +163,15 @@ def test_only_target_killed_gives_unavailable_not_a_hang(workers, prompt):
         w.wait_serving()
     parts, client = orchestrator_for([target], [draft])
     try:
-        t0 = time.monotonic()
-        with pytest.raises(ServiceError) as e:
+        with pytest.raises(ServiceError) as e:  # UNAVAILABLE, not the client's deadline (a hang)
             kill_mid_request(client, prompt, "target", {target.address: target})
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
         assert target.address in e.value.message and "no other target" in e.value.message
-        assert time.monotonic() - t0 < 30
         assert draft.open_sessions() == 0, "the draft session is closed even when the request fails"
         # the target comes back (same address): the pool takes it again and requests succeed
         target.start().wait_serving()
-        deadline = time.monotonic() + 10
-        while {w["address"]: w["state"] for w in client.workers()}[target.address] != "serving":
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        _eventually(lambda: {w["address"]: w["state"] for w in client.workers()}[target.address] == "serving",
+                    timeout_s=30)
         assert client.generate(token_ids=prompt, max_new_tokens=5, temperature=0).finish_reason == "length"
     finally:
         client.close()
@@ -193,9 +189,27 @@ def test_client_cancel_and_deadline_free_both_sessions(workers, prompt):
         assert target.open_sessions() == 1
         stream.close()  # the client goes away
         _eventually(lambda: target.open_sessions() == 0 and draft.open_sessions() == 0)
-        with Client(client.address, timeout_s=0.3) as hasty, pytest.raises(ServiceError) as e:
-            hasty.generate(token_ids=prompt, max_new_tokens=LONG, temperature=0, gamma=3)
-        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        # a request that cannot finish before its 0.3 s deadline: each round waits for `go`
+        go = threading.Event()
+        original = parts.slot.decoder.generate_stream
+
+        def gated(request):
+            stream = original(request)
+            try:
+                for chunk in stream:
+                    yield chunk
+                    go.wait(60)
+            finally:
+                stream.close()
+
+        parts.slot.decoder.generate_stream = gated
+        try:
+            with Client(client.address, timeout_s=0.3) as hasty, pytest.raises(ServiceError) as e:
+                hasty.generate(token_ids=prompt, max_new_tokens=LONG, temperature=0, gamma=3)
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            go.set()
+            parts.slot.decoder.generate_stream = original
         _eventually(lambda: target.open_sessions() == 0 and draft.open_sessions() == 0)
         assert all(w["active_sessions"] == 0 for w in client.workers())
     finally:
@@ -232,10 +246,31 @@ def test_sigterm_lets_the_session_finish_then_the_worker_exits(workers, prompt, 
         w.wait_serving()
     parts, client = orchestrator_for([target, spare], [draft])
     try:
+        # the request waits after its first round until the victim drains, so SIGTERM surely
+        # lands while it is in flight (without the gate it could have ended before)
+        go = threading.Event()
+        original = parts.slot.decoder.generate_stream
+
+        def gated(request):
+            stream = original(request)
+            try:
+                for i, chunk in enumerate(stream):
+                    yield chunk
+                    if i == 0:
+                        assert go.wait(60), "the test never let the request go on"
+            finally:
+                stream.close()
+
+        parts.slot.decoder.generate_stream = gated
         chunks = client.stream(token_ids=prompt, max_new_tokens=LONG, temperature=0, gamma=3)
         tokens = list(next(chunks).token_ids)
         victim = {target.address: target, spare.address: spare}[holder(client, "target")]
+        assert victim.open_sessions() == 1
         victim.kill(signal.SIGTERM)
+        _eventually(lambda: {w["address"]: w["state"] for w in client.workers()}[victim.address] == "draining",
+                    timeout_s=30)
+        assert victim.open_sessions() == 1, "in flight when the drain began"
+        go.set()
         for chunk in chunks:
             tokens.extend(chunk.token_ids)
             stats = chunk.stats or {}
