@@ -123,23 +123,12 @@ def test_one_client_holds_at_most_max_per_client_and_others_still_get_in():
 def test_a_request_without_a_deadline_gets_the_servers(stack, target_engine, monkeypatch):
     """--request-timeout: a client that sets no deadline cannot hold its slot for ever (the
     decoder is paced so that the request cannot finish first: 300 rounds of at least 50 ms)."""
-    from tests.support.servers import start_orchestrator, wait_for
+    from tests.support.servers import paced, start_orchestrator, wait_for
 
     tport, dport, _ = stack["ports"]
     parts, address = start_orchestrator([f"127.0.0.1:{tport}"], [f"127.0.0.1:{dport}"], request_timeout_s=1.0)
     decoder = parts.slot.decoder
-    original = decoder.generate_stream
-
-    def paced(request):
-        stream = original(request)
-        try:
-            for chunk in stream:
-                yield chunk
-                threading.Event().wait(0.05)
-        finally:
-            stream.close()
-
-    monkeypatch.setattr(decoder, "generate_stream", paced)
+    monkeypatch.setattr(decoder, "generate_stream", paced(decoder.generate_stream, lambda i: time.sleep(0.05)))
     try:
         ids = target_engine.tokenizer("The quick brown fox").input_ids  # no EOS within 300 tokens
         with Client(address) as client:  # no deadline of its own

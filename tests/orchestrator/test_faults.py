@@ -22,7 +22,7 @@ from specdec_tools.stack import free_port
 from tests.orchestrator.test_greedy_equivalence import reference
 from tests.support.processes import WorkerProcess
 from tests.support.servers import ADMIN_TOKEN, start_orchestrator
-from tests.support.servers import wait_for as _eventually
+from tests.support.servers import paced, wait_for as _eventually
 
 LONG = 300  # tokens: enough rounds that a kill after the first chunk lands mid-request
 
@@ -192,17 +192,7 @@ def test_client_cancel_and_deadline_free_both_sessions(workers, prompt):
         # a request that cannot finish before its 0.3 s deadline: each round waits for `go`
         go = threading.Event()
         original = parts.slot.decoder.generate_stream
-
-        def gated(request):
-            stream = original(request)
-            try:
-                for chunk in stream:
-                    yield chunk
-                    go.wait(60)
-            finally:
-                stream.close()
-
-        parts.slot.decoder.generate_stream = gated
+        parts.slot.decoder.generate_stream = paced(original, lambda i: go.wait(60))
         try:
             with Client(client.address, timeout_s=0.3) as hasty, pytest.raises(ServiceError) as e:
                 hasty.generate(token_ids=prompt, max_new_tokens=LONG, temperature=0, gamma=3)
@@ -249,19 +239,8 @@ def test_sigterm_lets_the_session_finish_then_the_worker_exits(workers, prompt, 
         # the request waits after its first round until the victim drains, so SIGTERM surely
         # lands while it is in flight (without the gate it could have ended before)
         go = threading.Event()
-        original = parts.slot.decoder.generate_stream
-
-        def gated(request):
-            stream = original(request)
-            try:
-                for i, chunk in enumerate(stream):
-                    yield chunk
-                    if i == 0:
-                        assert go.wait(60), "the test never let the request go on"
-            finally:
-                stream.close()
-
-        parts.slot.decoder.generate_stream = gated
+        parts.slot.decoder.generate_stream = paced(parts.slot.decoder.generate_stream,
+                                                   lambda i: i > 0 or go.wait(60))
         chunks = client.stream(token_ids=prompt, max_new_tokens=LONG, temperature=0, gamma=3)
         tokens = list(next(chunks).token_ids)
         victim = {target.address: target, spare.address: spare}[holder(client, "target")]

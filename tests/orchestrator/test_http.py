@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -13,7 +14,7 @@ import pytest
 from orchestrator.admission import Admission
 from orchestrator.http import FrontDoor, HttpServer
 from orchestrator.servicer import DecoderSlot
-from tests.support.servers import client_of, start_stack, stop_stack, wait_for
+from tests.support.servers import client_of, paced, start_stack, stop_stack, wait_for
 
 PROMPT = "def fib(n):"
 CHAT = [{"role": "system", "content": "You write code."}, {"role": "user", "content": "Say hi"}]
@@ -286,18 +287,8 @@ def grpc_client_special_ids(http_stack) -> list[int]:
 
 def test_the_servers_deadline_applies_to_http_requests(http_stack, target_engine, monkeypatch):
     decoder = http_stack["orchestrator"].slot.decoder
-    original = decoder.generate_stream
-
-    def paced(request):  # 300 rounds of at least 50 ms: cannot finish within the 1 s deadline
-        stream = original(request)
-        try:
-            for chunk in stream:
-                yield chunk
-                threading.Event().wait(0.05)
-        finally:
-            stream.close()
-
-    monkeypatch.setattr(decoder, "generate_stream", paced)
+    # 300 rounds of at least 50 ms: cannot finish within the 1 s deadline
+    monkeypatch.setattr(decoder, "generate_stream", paced(decoder.generate_stream, lambda i: time.sleep(0.05)))
     door = FrontDoor(http_stack["orchestrator"].slot, http_stack["orchestrator"].admission, request_timeout_s=1.0)
     server = HttpServer(door, "127.0.0.1", 0).start()
     body = {"model": http_stack["model"], "prompt": target_engine.tokenizer("The quick brown fox").input_ids,

@@ -82,3 +82,18 @@ def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> Non
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not met within {timeout_s} s"
         time.sleep(0.05)
+
+
+def paced(generate_stream, between):
+    """A decoder's generate_stream with `between(i)` called after chunk i is taken (a pause, or
+    a gate the test opens), so a test can act while a request is surely in flight."""
+    def wrapped(request):
+        stream = generate_stream(request)
+        try:
+            for i, chunk in enumerate(stream):
+                yield chunk
+                between(i)
+        finally:
+            stream.close()
+
+    return wrapped
