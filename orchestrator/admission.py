@@ -116,6 +116,34 @@ class Admission:
         return True
 
 
+NO_DEADLINE_S = 1e9  # a "remaining time" beyond this (about 30 years) means no deadline
+
+
+class CallDeadline:
+    """A call's deadline: the client's, else the server's default (--request-timeout), so a
+    client that sets none cannot hold a slot for ever. Wraps a gRPC context (or the HTTP door's
+    call) and quacks like one for the queue (is_active, time_remaining)."""
+
+    def __init__(self, context, default_s: float):
+        self.context = context
+        client = context.time_remaining()  # gRPC gives ~9.2e18 s, not None, when the client set none
+        self.own = (client is None or client > NO_DEADLINE_S) and default_s > 0  # the server's, not the client's
+        self.expires = time.monotonic() + default_s if self.own else None
+
+    def is_active(self) -> bool:
+        return self.context.is_active()
+
+    def time_remaining(self) -> float | None:
+        if self.own:
+            return self.expires - time.monotonic()
+        return self.context.time_remaining()
+
+    def check(self) -> None:
+        if self.own and time.monotonic() > self.expires:
+            raise DeadlineExceeded("the request ran past the server's deadline (--request-timeout); "
+                                   "set a deadline of your own, or ask for fewer tokens")
+
+
 def client_key(token: bytes | None, peer: str) -> str:
     """Who a request comes from: its bearer token (hashed: keys may be logged), else the host of
     its gRPC peer ("ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7"; HTTP passes "http:HOST")."""

@@ -40,9 +40,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.admission import Admission, client_key
+from orchestrator.admission import Admission, CallDeadline, client_key
 from orchestrator.detokenizer import token_bytes
-from specdec.errors import DeadlineExceeded, ServiceError
+from specdec.errors import ServiceError
 from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, GenerationChunk, GenerationRequest
 from specdec.security import ServerTls, TokenSet
 
@@ -237,22 +237,17 @@ class TokenizeRequest(BaseModel):
 
 
 class _Call:
-    """What the admission queue asks of a call (as of a gRPC context): is its client still
-    there, and how long it may take (the server's --request-timeout: HTTP clients send none)."""
+    """An HTTP request as the admission queue sees a gRPC call: is its client still there. It
+    has no deadline of its own (HTTP clients send none): CallDeadline gives it the server's."""
 
-    def __init__(self, timeout_s: float = 0.0):
+    def __init__(self):
         self.gone = threading.Event()
-        self.expires = time.monotonic() + timeout_s if timeout_s > 0 else None
 
     def is_active(self) -> bool:
         return not self.gone.is_set()
 
     def time_remaining(self) -> float | None:
-        return None if self.expires is None else self.expires - time.monotonic()
-
-    def check(self) -> None:
-        if self.expires is not None and time.monotonic() > self.expires:
-            raise DeadlineExceeded("the request ran past the server's deadline (--request-timeout)")
+        return None
 
 
 _END = object()
@@ -287,9 +282,7 @@ class FrontDoor:
     def _authorize(self, request: Request) -> None:
         if not self._tokens:
             return
-        header = request.headers.get("authorization", "")
-        given = header[len("Bearer "):].strip().encode() if header.startswith("Bearer ") else None
-        if not self._tokens.holds(given):
+        if not self._tokens.holds(_bearer(request)):
             raise OpenAIError(401, "missing or invalid bearer token (send 'Authorization: Bearer <token>')",
                               "authentication_error", code="invalid_api_key")
 
@@ -315,7 +308,8 @@ class FrontDoor:
         def produce() -> None:
             try:
                 decoder = self.slot.get()
-                with self.admission.slot(call, client):
+                deadline = CallDeadline(call, self.request_timeout_s)
+                with self.admission.slot(deadline, client):
                     stream = decoder.generate_stream(generation)
                     try:
                         for chunk in stream:
@@ -323,7 +317,7 @@ class FrontDoor:
                             if call.gone.is_set():
                                 return
                             if chunk.finish_reason is None:
-                                call.check()
+                                deadline.check()
                     finally:
                         stream.close()  # closes the request's sessions when it stopped early
             except BaseException as exc:  # noqa: BLE001 - handed to the event loop
@@ -430,9 +424,8 @@ class FrontDoor:
         self._authorize(request)
         self._check_model(body.model)
         generation = body.to_generation()
-        call = _Call(self.request_timeout_s)
-        header = request.headers.get("authorization", "")
-        token = header[len("Bearer "):].strip().encode() if header.startswith("Bearer ") and self._tokens else None
+        call = _Call()
+        token = _bearer(request) if self._tokens else None
         chunks = self._chunks(generation, call, client_key(token, f"http:{request.client.host if request.client else ''}"))
         first = await self._first(chunks)
         answer = Answer(chat, self.model_name, self.slot.get().tokenizer if generation.logprobs else None)
@@ -541,6 +534,11 @@ class Answer:
         finally:
             await rest.aclose()
         yield "data: [DONE]\n\n"
+
+
+def _bearer(request: Request) -> bytes | None:
+    header = request.headers.get("authorization", "")
+    return header[len("Bearer "):].strip().encode() if header.startswith("Bearer ") else None
 
 
 def _finite(logprob: float) -> float:

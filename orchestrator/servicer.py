@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import re
-import time
 
-from orchestrator.admission import Admission, client_key
+from orchestrator.admission import Admission, CallDeadline, client_key
 from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.pool import parse_entries
 from specdec.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError, Unavailable
@@ -28,34 +27,6 @@ class DecoderSlot:
         if self.error is not None:
             raise self.error
         raise Unavailable(f"orchestrator is starting: waiting for {self.waiting_for}")
-
-
-NO_DEADLINE_S = 1e9  # a "remaining time" beyond this (about 30 years) means no deadline
-
-
-class CallDeadline:
-    """A call's deadline: the client's, else the server's default (--request-timeout), so a
-    client that sets none cannot hold a slot for ever. Quacks like the gRPC context for the
-    admission queue (is_active, time_remaining)."""
-
-    def __init__(self, context, default_s: float):
-        self.context = context
-        client = context.time_remaining()  # gRPC gives ~9.2e18 s, not None, when the client set none
-        self.own = (client is None or client > NO_DEADLINE_S) and default_s > 0  # the server's, not the client's
-        self.expires = time.monotonic() + default_s if self.own else None
-
-    def is_active(self) -> bool:
-        return self.context.is_active()
-
-    def time_remaining(self) -> float | None:
-        if self.own:
-            return self.expires - time.monotonic()
-        return self.context.time_remaining()
-
-    def check(self) -> None:
-        if self.own and time.monotonic() > self.expires:
-            raise DeadlineExceeded("the request ran past the server's deadline (--request-timeout); "
-                                   "set a deadline of your own, or ask for fewer tokens")
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
