@@ -26,7 +26,7 @@ from opentelemetry import metrics
 from specdec.errors import Aborted, InvalidArgument, ServiceError
 from specdec import ngram
 from specdec import telemetry as t
-from specdec.protocol import MAX_GAMMA, CompactProbs, DraftOptions, Proposal, SamplingParams
+from specdec.protocol import MAX_GAMMA, CompactProbs, DraftOptions, Proposal, ProposeCall, SamplingParams
 from specdec.sampling import process_logits
 from specdec.worker.engine import Session, WorkerEngine
 
@@ -167,6 +167,12 @@ class DraftEngine(WorkerEngine):
                                    seconds / made if rows else 0.0)
                     return
                 yield Proposal(made - 1, token, probs, elapsed)
+
+    def propose_batch(self, calls: list[ProposeCall]) -> list[list[Proposal] | ServiceError]:
+        """The proposals of many sessions' calls (one orchestrator step): draft step i of every
+        call runs in the same forward pass. Per call, its proposals or the error it raised."""
+        return self.run_calls(calls, lambda c: list(self.propose(c.session_id, c.start, c.token_ids, c.gamma,
+                                                                 c.params, c.seed, c.options)))
 
     def _draft_pass(self, session: Session, drafted: Drafted, left: int, made: int, kind: str) -> int:
         """One pass, holding session.lock: appends the next proposals (at most `left`) to the

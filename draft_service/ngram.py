@@ -18,8 +18,8 @@ import threading
 from typing import Iterator
 
 from specdec import ngram
-from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from specdec.protocol import ANY_VOCABULARY, MAX_GAMMA, DraftOptions, ModelInfo, Proposal, SamplingParams
+from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError
+from specdec.protocol import ANY_VOCABULARY, MAX_GAMMA, DraftOptions, ModelInfo, Proposal, ProposeCall, SamplingParams
 
 NGRAM_MODEL = "ngram"
 
@@ -81,3 +81,14 @@ class NgramDraft:
         for i, token in enumerate(guess):
             last = i == len(guess) - 1
             yield Proposal(i, token, None, 0.0, 1 if last else 0, 0.0)
+
+    def propose_batch(self, calls: list[ProposeCall]) -> list[list[Proposal] | ServiceError]:
+        """Each call's proposals (no model, nothing to share), or the error it raised."""
+        results: list = []
+        for c in calls:
+            try:
+                results.append(list(self.propose(c.session_id, c.start, c.token_ids, c.gamma, c.params, c.seed,
+                                                 c.options)))
+            except ServiceError as exc:
+                results.append(exc)
+        return results

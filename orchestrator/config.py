@@ -30,9 +30,17 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          "beyond it DEADLINE_EXCEEDED (0: none)", field="request_timeout_s"),
     Flag("--max-per-client", int, 0, "requests one client (its bearer token, else its IP address) may have running "
          "and waiting together; beyond them RESOURCE_EXHAUSTED (0: no limit)"),
-    Flag("--gamma-policy", default="goodput", choices=["goodput", "fixed"],
+    Flag("--gamma-policy", default="goodput", choices=["goodput", "goodput-solo", "fixed"],
          help="goodput: each round drafts the gamma (up to the request's) that maximizes measured goodput, "
-              "fewer as the target's batch grows; fixed: always the request's gamma"),
+              "fewer as the target's batch grows (with the step loop: all drafting requests share the draft "
+              "and target passes); goodput-solo: as if each drafting request's passes were its own; "
+              "fixed: always the request's gamma"),
+    Flag("--step-loop", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
+         help="on: one step loop per target runs the rounds of all its requests together (drafts and verifies "
+              "batched across requests); off: each request runs its own rounds"),
+    Flag("--batched-wire", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
+         help="with the step loop: one ProposeBatch and one VerifyBatch RPC per step and worker (on), or each "
+              "request's own Propose and Verify sent together (off)"),
     Flag("--draft-p-min", float, 0.0, "a draft stops proposing after a token it gave less than this probability "
          "(0: never stops before gamma)"),
     Flag("--draft-min", int, 1, "drafts a round makes before --draft-p-min may stop it", field="draft_min"),
@@ -88,6 +96,8 @@ class OrchestratorConfig(ServedConfig):
     max_per_client: int = FLAGS.default("max_per_client")
     request_timeout_s: float = FLAGS.default("request_timeout_s")
     gamma_policy: str = FLAGS.default("gamma_policy")
+    step_loop: bool = FLAGS.default("step_loop")
+    batched_wire: bool = FLAGS.default("batched_wire")
     draft_p_min: float = FLAGS.default("draft_p_min")
     draft_min: int = FLAGS.default("draft_min")
     draft_lookup: int = FLAGS.default("draft_lookup")

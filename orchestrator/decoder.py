@@ -36,6 +36,7 @@ from orchestrator.metrics import DecodingMetrics
 from orchestrator.placement import Placement
 from orchestrator.pool import WorkerPool, pair_pools
 from orchestrator.rounds import RequestState, run_round
+from orchestrator.steps import StepLoops
 from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
 from specdec.errors import Cancelled, InvalidArgument, ServiceError
@@ -67,7 +68,7 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetWorker | WorkerPool, draft: DraftWorker | WorkerPool | None = None,
                  tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
                  limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None,
-                 draft_options: DraftOptions = DraftOptions()):
+                 draft_options: DraftOptions = DraftOptions(), step_loop: bool = True, batched_wire: bool = True):
         self.limits = limits
         self.targets = target if isinstance(target, WorkerPool) else WorkerPool.fixed("target", [target])
         self.drafts = draft if isinstance(draft, WorkerPool) or draft is None else WorkerPool.fixed("draft", [draft])
@@ -93,6 +94,14 @@ class SpeculativeDecoder:
         # --gamma-policy's (goodput by default)
         self.gamma_policy = gamma_policy or GammaPolicy(adaptive=False)
         self.draft_options = draft_options.validate()  # sent with every Propose (--draft-p-min, --draft-lookup)
+        # one step loop per target runs the rounds of all its requests together (orchestrator/steps.py);
+        # None: each request runs its own rounds (--step-loop off)
+        self.steps = StepLoops(self.gamma_policy, self.tracer, self.metrics, batched_wire) if step_loop else None
+
+    def close(self) -> None:
+        """Stops the step loops (requests still in them fail UNAVAILABLE)."""
+        if self.steps is not None:
+            self.steps.close()
 
     # ---- request handling ----------------------------------------------------------------
 
@@ -257,12 +266,17 @@ class SpeculativeDecoder:
 
     def _rounds(self, placement: Placement, prompt, request, params, generator, stats,
                 ctx) -> Iterator[GenerationChunk]:
-        """Drives the request round by round (orchestrator/rounds.py) and records each round's metrics."""
+        """Drives the request round by round: in its target's step loop with the other requests
+        there (orchestrator/steps.py), or on its own (orchestrator/rounds.py); records each round's
+        metrics."""
         state = RequestState(placement, params, generator, self.tracer, self.eos, request.gamma,
                              request.max_new_tokens, list(prompt), stats, TextAssembler(self.tokenizer, request.stop),
                              started=time.perf_counter() - stats.prefill_s, policy=self.gamma_policy,
                              draft_options=self.draft_options,
                              top_logprobs=request.top_logprobs if request.logprobs else None)
+        if self.steps is not None:
+            yield from self.steps.join(state, ctx)  # leaving it (done, failed, cancelled) waits for the step
+            return
         while state.finish is None:
             rnd = run_round(state, ctx)
             self.metrics.record_round(rnd.gamma, rnd.num_accepted, rnd.draft_s, rnd.verify_s, rnd.sampling_s,

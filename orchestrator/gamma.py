@@ -18,20 +18,24 @@ bound. Times as a request sees them are no good here: under load they are mostly
 other sessions' passes, which does not grow with a pass's own rows, so drafts looked free
 (measured: gamma ~2 chosen at 4 and 8 clients, 0.6x the throughput of gamma 0).
 
-What `best_gamma` evaluates is more cautious than that formula, for g > 0: each session's
-passes are taken to be its own, the cycle B * (g * D(1) + T(g + 1)). Sessions that draft fall
-out of step: each request runs its own round loop, so while one drafts another verifies, and
-their passes no longer meet (measured, 4 clients at gamma ~1.7 with the in-step formula: 0.67x
-the throughput of gamma 0, about what unshared passes predict). Plain decoding (g = 0) stays in
-step through the workers' lockstep window, so its B sessions share each pass: T(B). The result
-on this CPU: drafting when a request is alone on its target, gamma 0 as soon as others share
-it. A scheduler that starts the rounds of all sessions on a target together would make the
-drafting passes shared again (the formula above); that is not built. Drafting must promise
-MARGIN more goodput than gamma 0 to be chosen. On
-this CPU a pass of 40 rows costs ~6 one-row passes, so as B grows the drafts' extra rows weigh
-more and g* falls, down to 0: plain batched decoding. On hardware whose passes cost the same for
-1 and 40 rows (a GPU), g* would stay high if the sessions stayed in step (they do not: see
-above). Before the rows in passes have varied enough to tell the slope, a prior slope (PRIOR_SLOPE, the CPU's) stands in; it fades as the rows observed spread.
+Under the step loop (orchestrator/steps.py, the default) that is how the requests on a target
+run: each step drafts for all of them in the same draft passes and verifies all of them in one
+target pass, so `choose_step` evaluates the formula for the step as it will run
+(`step_goodput`: each request's own cap and acceptance, the draft's pass line at the number of
+requests drafting, the time a draft phase takes beyond its passes, and the step's other time).
+On this CPU a pass of 40 rows costs ~6 one-row passes, so as B grows the drafts' extra rows weigh
+more and g* falls, down to 0: plain batched decoding. On hardware whose passes cost about the
+same for 1 and 40 rows (a GPU), g* stays high.
+
+Without the step loop (--step-loop off), or with --gamma-policy goodput-solo (the ablation),
+each round's gamma comes from `best_gamma`, which is more cautious for g > 0: each session's
+passes are taken to be its own, the cycle B * (g * D(1) + T(g + 1)). Sessions that run their own
+round loops fall out of step: while one drafts another verifies, and their passes no longer meet
+(measured, 4 clients at gamma ~1.7 with the in-step formula but no step loop: 0.67x the
+throughput of gamma 0). Plain decoding (g = 0) stays in step through the workers' lockstep
+window, so its B sessions share each pass: T(B). Either way drafting must promise MARGIN more
+goodput than gamma 0 to be chosen. Before the rows in passes have varied enough to tell the
+slope, a prior slope (PRIOR_SLOPE, the CPU's) stands in; it fades as the rows observed spread.
 
 The choice depends only on the past (earlier rounds' timings and acceptance), never on the draws
 of the round it is made for, so every round's tokens still follow the target's distribution
@@ -158,15 +162,87 @@ def best_gamma(gamma_max: int, sessions: int, target: LinearCost, draft: LinearC
     return best if per_session(best) > (1 + MARGIN) * shared else 0
 
 
+@dataclass(frozen=True)
+class StepRequest:
+    """What the step policy knows of one request on the target: its cap, its draft, its lag."""
+
+    cap: int  # the most drafts its round may make (its gamma, fewer near the end, 0 without a draft)
+    draft: str | None  # its draft worker's address
+    lag: int = 1  # tokens its draft session must take in before drafting (the whole context when opened lazily):
+    # only probes look at it; as for `choose`, a one-off catch-up is not charged to the step that pays it
+
+
+@dataclass
+class StepCosts:
+    """What the in-step formula reads for one target: its pass line and each draft's (seconds of
+    one forward pass against its rows, as the workers report them), the time a draft phase takes
+    beyond its passes (its RPC, the orchestrator's work), acceptance per draft, and the step's
+    other time."""
+
+    target: LinearCost
+    drafts: dict[str, LinearCost]
+    acceptance: dict[str, Acceptance]
+    overhead_s: float  # a step's time beyond the draft phase and the target's pass: RPC, sampling, Python
+    draft_extra_s: dict[str, float] = field(default_factory=dict)  # per draft: its phase beyond its passes
+
+
+def step_goodput(g: int, requests: list[StepRequest], costs: StepCosts) -> float:
+    """Expected tokens per second of one step in which every request drafts min(g, cap) tokens:
+    all drafting requests share the draft passes (draft step i of all of them in one pass) and all
+    requests share the target's pass of sum(g_j + 1) rows:
+
+        sum_j E_j(g_j) / (overhead + max over drafts of [max g_j * D(n) + extra] + T(sum_j (g_j + 1)))
+
+    with D the draft's pass line, n the requests drafting on it, extra its phase's time beyond its
+    passes (Leviathan et al. 2023's E(g), acceptance by position, taken with OPTIMISM)."""
+    tokens, rows = 0.0, 0
+    per_draft: dict[str, list[int]] = {}  # draft -> [requests drafting, most drafts]
+    for r in requests:
+        gj = min(g, r.cap)
+        rows += gj + 1
+        if gj == 0 or r.draft is None:
+            tokens += 1.0
+            continue
+        tokens += costs.acceptance.setdefault(r.draft, Acceptance()).expected_tokens(gj, OPTIMISM)
+        d = per_draft.setdefault(r.draft, [0, 0])
+        d[0], d[1] = d[0] + 1, max(d[1], gj)
+    draft_s = 0.0
+    for address, (n, steps) in per_draft.items():
+        line = costs.drafts.get(address)
+        if line is not None and line.known:
+            draft_s = max(draft_s, steps * line(n) + costs.draft_extra_s.get(address, 0.0))
+    return tokens / (costs.overhead_s + draft_s + costs.target(rows))
+
+
+def best_step_gamma(requests: list[StepRequest], costs: StepCosts) -> int:
+    """The g (each request drafting min(g, cap)) with the best step_goodput; drafting must beat
+    g = 0, plain batched decoding, by MARGIN. Nothing measured yet: the largest cap."""
+    top = max((r.cap for r in requests), default=0)
+    if top <= 0 or not costs.target.known:
+        return max(top, 0)
+    best = max(range(1, top + 1), key=lambda g: step_goodput(g, requests, costs))
+    return best if step_goodput(best, requests, costs) > (1 + MARGIN) * step_goodput(0, requests, costs) else 0
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else DECAY * old + (1 - DECAY) * new
+
+
 class GammaPolicy:
     """Costs per worker address and acceptance per target/draft pair; thread-safe."""
 
-    def __init__(self, adaptive: bool = True):
+    def __init__(self, adaptive: bool = True, in_step: bool = True):
         self.adaptive = adaptive
+        # the step loop's formula (drafting requests share passes); False: each request's gamma
+        # as `choose` picks it, drafting requests taken not to share passes (the ablation)
+        self.in_step = in_step
         self._lock = threading.Lock()
         self._costs: dict[str, LinearCost] = {}
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
         self._rounds_without: dict[tuple[str, str], int] = {}  # rounds since a draft was last asked for
+        self._draft_extra: dict[str, float] = {}  # step loop: draft address -> its phase beyond its passes (EWMA)
+        self._overhead: dict[str, float] = {}  # step loop: target address -> a step's other time (EWMA)
+        self._steps_without: dict[str, int] = {}  # step loop: steps since a request on the target drafted
 
     def _cost(self, address: str) -> LinearCost:
         return self._costs.setdefault(address, LinearCost())
@@ -193,6 +269,47 @@ class GammaPolicy:
                           gamma, gamma_max, sessions, lag, *fits,
                           [round(self._acceptance[pair].expected_tokens(g), 2) for g in range(1, 5)])
             return gamma
+
+    def choose_step(self, target: str, requests: list[StepRequest]) -> list[int]:
+        """Each request's gamma for one step of the step loop on `target` (orchestrator/steps.py),
+        where all drafting requests share the draft passes and all requests the target's pass:
+        min(g, cap) each, g from best_step_gamma. A request's cap stays its upper bound. When
+        drafts do not pay, every PROBE_EVERY-th step still drafts one token for the requests whose
+        draft is nearly in step, so acceptance keeps being measured."""
+        caps = [r.cap for r in requests]
+        if not self.adaptive:
+            return caps
+        if not self.in_step:
+            return [self.choose(r.cap, target, r.draft, len(requests), r.lag) if r.cap > 0 else 0 for r in requests]
+        with self._lock:
+            drafts = {r.draft for r in requests if r.draft is not None}
+            costs = StepCosts(self._cost(target), {d: self._cost(d) for d in drafts},
+                              {d: self._acceptance.setdefault((target, d), Acceptance()) for d in drafts},
+                              self._overhead.get(target, 0.0), dict(self._draft_extra))
+            g = best_step_gamma(requests, costs)
+            idle = self._steps_without.get(target, 0) + 1 if g == 0 else 0
+            gammas = [min(g, cap) for cap in caps]
+            if idle >= PROBE_EVERY and any(cap > 0 and r.lag <= PROBE_MAX_LAG for cap, r in zip(caps, requests)):
+                gammas = [1 if cap > 0 and r.lag <= PROBE_MAX_LAG else 0 for cap, r in zip(caps, requests)]
+                idle = 0
+            self._steps_without[target] = idle
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("step on %s: gamma %d for %d requests (caps %s), target (alpha, beta) %s, overhead %.4f",
+                          target, g, len(requests), caps, costs.target.fit() if costs.target.known else None,
+                          costs.overhead_s)
+            return gammas
+
+    def observe_step(self, target: str, overhead_s: float, drafts: dict[str, tuple[int, float, float]]) -> None:
+        """A step's time beyond its draft phase and its target pass, and per draft that ran (the
+        rows and seconds per pass of its passes, the phase's time beyond them)."""
+        if not self.adaptive:
+            return
+        with self._lock:
+            self._overhead[target] = _ewma(self._overhead.get(target), overhead_s)
+            for address, (rows, pass_s, extra_s) in drafts.items():
+                if rows:
+                    self._cost(address).observe(rows, pass_s)
+                self._draft_extra[address] = _ewma(self._draft_extra.get(address), extra_s)
 
     def observe_pass(self, address: str, rows: int, seconds: float) -> None:
         if not self.adaptive:  # the fixed policy uses none of it: keep the round path free of it

@@ -14,8 +14,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.errors import ServiceError, Unavailable, from_rpc_error
-from specdec.protocol import (WORKER_MAX_MESSAGE_BYTES, CompactProbs, DraftOptions, ModelInfo, Proposal, SamplingParams,
-                              Verification, message_options)
+from specdec.protocol import (WORKER_MAX_MESSAGE_BYTES, CompactProbs, DraftOptions, ModelInfo, Proposal, ProposeCall,
+                              SamplingParams, Verification, VerifyCall, error_from_status, message_options)
 from specdec.security import ClientTls, open_channel
 from specdec.telemetry import Telemetry
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -115,28 +115,61 @@ class RemoteDraft(_RemoteWorker):
         # a Propose must finish within this: a stalled draft costs one round, not the request
         self.round_timeout_s = round_timeout_s or self.timeout_s
 
+    def _request(self, c: ProposeCall) -> draft_pb2.ProposeRequest:
+        return draft_pb2.ProposeRequest(
+            session_id=c.session_id, start=c.start, token_ids=c.token_ids, gamma=c.gamma, sampling=c.params.to_proto(),
+            seed=c.seed, options=c.options.to_proto() if c.options != DraftOptions() else None,
+            session_secret=self.secret(c.session_id))
+
+    def _timeout(self, new_tokens: int) -> float:
+        # a Propose that first catches up many tokens (a lazily opened session, or rounds that did
+        # not draft) is a prefill in disguise: it gets a prefill's deadline
+        return max(self.round_timeout_s, self.timeout_s) if new_tokens > CATCH_UP_TOKENS else self.round_timeout_s
+
+    def _proposal(self, msg: draft_pb2.Proposal, wire_bytes: int) -> Proposal:
+        probs = CompactProbs.from_proto(msg.probs, self.vocab_size) if msg.HasField("probs") else None
+        return Proposal(msg.index, msg.token_id, probs, msg.compute_s, msg.batch_rows, msg.pass_s, wire_bytes)
+
     def propose(
         self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int,
         options: DraftOptions = DraftOptions(),
     ) -> Iterator[Proposal]:
-        request = draft_pb2.ProposeRequest(
-            session_id=session_id, start=start, token_ids=token_ids, gamma=gamma, sampling=params.to_proto(), seed=seed,
-            options=options.to_proto() if options != DraftOptions() else None, session_secret=self.secret(session_id),
-        )
+        request = self._request(ProposeCall(session_id, start, token_ids, gamma, params, seed, options))
         request_bytes = _wire(request)
-        # a Propose that first catches up many tokens (a lazily opened session, or rounds that did
-        # not draft) is a prefill in disguise: it gets a prefill's deadline
-        timeout = self.round_timeout_s
-        if len(token_ids) > CATCH_UP_TOKENS:
-            timeout = max(timeout, self.timeout_s)
         try:
-            for msg in self._stub.Propose(request, timeout=timeout):
-                probs = CompactProbs.from_proto(msg.probs, self.vocab_size) if msg.HasField("probs") else None
-                yield Proposal(msg.index, msg.token_id, probs, msg.compute_s, msg.batch_rows, msg.pass_s,
-                               request_bytes + _wire(msg))
+            for msg in self._stub.Propose(request, timeout=self._timeout(len(token_ids))):
+                yield self._proposal(msg, request_bytes + _wire(msg))
                 request_bytes = 0
         except grpc.RpcError as err:
             raise from_rpc_error(err, self.peer) from None
+
+    def propose_batch(self, calls: list[ProposeCall]) -> list[list[Proposal] | ServiceError]:
+        """One ProposeBatch RPC for all the calls (one step's drafts); per call, its proposals or
+        its error. A failure of the RPC itself is every call's error. Each call's wire_bytes are
+        its own messages' (the framing of the RPC goes to the first)."""
+        request = draft_pb2.ProposeBatchRequest(calls=[self._request(c) for c in calls])
+        try:
+            response = self._call(self._stub.ProposeBatch, request,
+                                  timeout=self._timeout(max((len(c.token_ids) for c in calls), default=0)))
+        except ServiceError as exc:
+            return [exc] * len(calls)
+        if len(response.results) != len(calls):
+            return [ServiceError(f"{self.peer} answered {len(response.results)} of {len(calls)} calls",
+                                 grpc.StatusCode.INTERNAL)] * len(calls)
+        out: list = []
+        framing = 2 * GRPC_PREFIX_BYTES
+        for call_msg, result in zip(request.calls, response.results):
+            error = error_from_status(result.status, self.peer)
+            if error is not None:
+                out.append(error)
+                continue
+            wire = call_msg.ByteSize() + result.ByteSize() + framing
+            framing = 0
+            proposals = [self._proposal(m, 0) for m in result.proposals]
+            if proposals:
+                proposals[0].wire_bytes = wire
+            out.append(proposals)
+        return out
 
 
 class RemoteTarget(_RemoteWorker):
@@ -146,29 +179,62 @@ class RemoteTarget(_RemoteWorker):
         super().__init__(address, **kwargs)
         self._stub = target_pb2_grpc.TargetWorkerStub(self.channel)
 
+    def _request(self, c: VerifyCall) -> target_pb2.VerifyRequest:
+        return target_pb2.VerifyRequest(
+            session_id=c.session_id, start=c.start, token_ids=c.token_ids, draft_token_ids=c.draft_token_ids,
+            sampling=c.params.to_proto(), logprobs=c.top_logprobs is not None, top_logprobs=c.top_logprobs or 0,
+            session_secret=self.secret(c.session_id))
+
+    def _verification(self, r: target_pb2.VerifyResponse, c: VerifyCall, wire_bytes: int) -> Verification:
+        greedy = c.params.greedy
+        probs = [CompactProbs.from_proto(p, self.vocab_size) for p in r.probs] if not greedy else None
+        argmax = list(r.argmax_token_ids) if greedy else None
+        positions = len(c.draft_token_ids) + 1
+        if len(argmax if greedy else probs) != positions:
+            raise ServiceError(f"{self.peer} returned a malformed verification", grpc.StatusCode.INTERNAL)
+        bases = top = None
+        if c.top_logprobs is not None:
+            bases = list(r.logprob_bases)
+            top = [(list(t.token_ids), list(t.logprobs)) for t in r.top_logprobs] if c.top_logprobs else None
+            if len(bases) != positions or (top is not None and len(top) != positions):
+                raise ServiceError(f"{self.peer} returned malformed logprobs", grpc.StatusCode.INTERNAL)
+        return Verification(argmax, probs, r.length, r.compute_s, r.batch_rows, r.pass_s, wire_bytes,
+                            logprob_bases=bases, top_logprobs=top)
+
     def verify(
         self, session_id: str, start: int, token_ids: list[int], draft_token_ids: list[int], params: SamplingParams,
         top_logprobs: int | None = None,
     ) -> Verification:
-        request = target_pb2.VerifyRequest(
-            session_id=session_id, start=start, token_ids=token_ids, draft_token_ids=draft_token_ids,
-            sampling=params.to_proto(), logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0,
-            session_secret=self.secret(session_id),
-        )
+        call = VerifyCall(session_id, start, token_ids, draft_token_ids, params, top_logprobs)
+        request = self._request(call)
         r = self._call(self._stub.Verify, request)
-        probs = [CompactProbs.from_proto(p, self.vocab_size) for p in r.probs] if not params.greedy else None
-        argmax = list(r.argmax_token_ids) if params.greedy else None
-        if (argmax if params.greedy else probs) is None or len(argmax or probs) != len(draft_token_ids) + 1:
-            raise ServiceError(f"{self.peer} returned a malformed verification", grpc.StatusCode.INTERNAL)
-        positions = len(draft_token_ids) + 1
-        bases = top = None
-        if top_logprobs is not None:
-            bases = list(r.logprob_bases)
-            top = [(list(t.token_ids), list(t.logprobs)) for t in r.top_logprobs] if top_logprobs else None
-            if len(bases) != positions or (top is not None and len(top) != positions):
-                raise ServiceError(f"{self.peer} returned malformed logprobs", grpc.StatusCode.INTERNAL)
-        return Verification(argmax, probs, r.length, r.compute_s, r.batch_rows, r.pass_s, _wire(request, r),
-                            logprob_bases=bases, top_logprobs=top)
+        return self._verification(r, call, _wire(request, r))
+
+    def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | ServiceError]:
+        """One VerifyBatch RPC for all the calls (one step's verify pass); per call, its
+        Verification or its error. A failure of the RPC itself is every call's error."""
+        request = target_pb2.VerifyBatchRequest(calls=[self._request(c) for c in calls])
+        try:
+            response = self._call(self._stub.VerifyBatch, request)
+        except ServiceError as exc:
+            return [exc] * len(calls)
+        if len(response.results) != len(calls):
+            return [ServiceError(f"{self.peer} answered {len(response.results)} of {len(calls)} calls",
+                                 grpc.StatusCode.INTERNAL)] * len(calls)
+        out: list = []
+        framing = 2 * GRPC_PREFIX_BYTES
+        for call, call_msg, result in zip(calls, request.calls, response.results):
+            error = error_from_status(result.status, self.peer)
+            if error is None:
+                try:
+                    out.append(self._verification(result.response, call,
+                                                  call_msg.ByteSize() + result.ByteSize() + framing))
+                    framing = 0
+                    continue
+                except ServiceError as exc:
+                    error = exc
+            out.append(error)
+        return out
 
     def tokenizer_files(self) -> dict[str, bytes]:
         files: dict[str, bytearray] = {}

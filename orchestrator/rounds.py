@@ -36,8 +36,8 @@ from orchestrator.placement import Placement, is_worker_fault
 from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample
 from specdec import telemetry as t
 from specdec.errors import ServiceError
-from specdec.protocol import (CompactProbs, DraftOptions, GenerationChunk, GenerationStats, SamplingParams, TokenLogprob,
-                              Verification)
+from specdec.protocol import (CompactProbs, DraftOptions, GenerationChunk, GenerationStats, Proposal, ProposeCall,
+                              SamplingParams, TokenLogprob, Verification, VerifyCall)
 
 
 @dataclass
@@ -97,73 +97,116 @@ class Round:
         return self.result.num_accepted
 
 
-def run_round(req: RequestState, ctx) -> Round:
-    """Runs one round under a `round` span in `ctx`; its chunk is rnd.chunk."""
+def gamma_cap(req: RequestState) -> int:
+    """The most drafts the request's next round may make: its gamma, fewer near the end (the
+    bonus token needs one of the tokens left), none without a draft."""
     remaining = req.max_new_tokens - req.generated
+    return min(req.gamma, remaining - 1) if req.placement.draft is not None else 0
+
+
+def new_round(req: RequestState, gamma: int) -> Round:
+    return Round(gamma, req.max_new_tokens - req.generated, req.stats.wire_bytes)
+
+
+def run_round(req: RequestState, ctx) -> Round:
+    """Runs one round of one request on its own (--step-loop off; the step loop runs the same
+    steps for many requests at once: orchestrator/steps.py) under a `round` span in `ctx`; its
+    chunk is rnd.chunk."""
     placement = req.placement
-    gamma = min(req.gamma, remaining - 1) if placement.draft is not None else 0  # the bonus needs one
+    gamma = gamma_cap(req)
     if gamma > 0:  # fewer drafts when the target's batch makes their rows cost more than they bring
         gamma = req.policy.choose(gamma, placement.target.address, placement.draft.address, placement.target.load,
                                   lag=len(req.tokens) - req.draft_synced)
-    rnd = Round(gamma, remaining, req.stats.wire_bytes)
+    rnd = new_round(req, gamma)
     # the span ends before the chunk is yielded: a generator must not hold a context across a yield
     with req.tracer.start_as_current_span("round", context=ctx) as span:
         draft(req, rnd)
         verify(req, rnd)
-        accept(req, rnd)
-        commit(req, rnd)
-        learn(req, rnd)
-        rnd.chunk = emit(req, rnd)
-        if span.is_recording():  # tracing off: build no attributes per round
-            span.set_attributes({
-                t.ROUND: req.stats.rounds - 1, t.GAMMA: rnd.gamma, t.DRAFTED: rnd.gamma,
-                t.ACCEPTED: rnd.num_accepted, t.EMITTED: len(rnd.emitted), t.WIRE_BYTES: rnd.wire_bytes,
-                t.ACCEPTED_BY_POSITION: [1] * rnd.num_accepted + [0] * (rnd.gamma - rnd.num_accepted),
-            })
+        finish(req, rnd, span)
+        learn_passes(req, rnd)
     return rnd
+
+
+def finish(req: RequestState, rnd: Round, span) -> None:
+    """The round's steps after its verification: accept, commit, learn acceptance, emit."""
+    accept(req, rnd)
+    commit(req, rnd)
+    learn(req, rnd)
+    rnd.chunk = emit(req, rnd)
+    if span.is_recording():  # tracing off: build no attributes per round
+        span.set_attributes({
+            t.ROUND: req.stats.rounds - 1, t.GAMMA: rnd.gamma, t.DRAFTED: rnd.gamma,
+            t.ACCEPTED: rnd.num_accepted, t.EMITTED: len(rnd.emitted), t.WIRE_BYTES: rnd.wire_bytes,
+            t.ACCEPTED_BY_POSITION: [1] * rnd.num_accepted + [0] * (rnd.gamma - rnd.num_accepted),
+        })
+
+
+def draft_call(req: RequestState, rnd: Round) -> ProposeCall:
+    """The round's Propose; draws its seed from the request's generator (before any sampling)."""
+    seed = int(torch.randint(0, 2**63 - 1, (), generator=req.generator))
+    return ProposeCall(req.placement.session_id, req.draft_synced, req.tokens[req.draft_synced:], rnd.gamma,
+                       req.params, seed, req.draft_options)
+
+
+def take_proposals(req: RequestState, rnd: Round, proposals: list[Proposal]) -> None:
+    """x_i and q_i from the draft's answer; gamma becomes the drafts made (a draft may stop early)."""
+    for p in proposals:
+        rnd.drafts.append(p.token_id)
+        rnd.draft_probs.append(p.probs)
+        if p.batch_rows:  # only the last proposal reports them
+            rnd.draft_rows, rnd.draft_pass_s = p.batch_rows, p.pass_s
+        req.stats.wire_bytes += p.wire_bytes
+        req.stats.draft_compute_s += p.compute_s
+    rnd.gamma = len(rnd.drafts)  # fewer when the draft stopped early (or a lookup found nothing)
+
+
+def draft_failed(req: RequestState, rnd: Round, exc: ServiceError) -> None:
+    """A worker fault: this round goes on without drafts; the next uses the new draft, or none."""
+    if not is_worker_fault(exc):
+        raise exc
+    rnd.drafts, rnd.draft_probs, rnd.gamma = [], [], 0
+    req.placement.draft_failed(exc, req.tokens)
+    req.draft_synced = req.placement.draft_synced
 
 
 def draft(req: RequestState, rnd: Round) -> None:
     """x_i ~ q_i for i < gamma, proposed from draft_synced on; a draft fault leaves the round gamma 0."""
     started = time.perf_counter()
     if rnd.gamma > 0:
-        seed = int(torch.randint(0, 2**63 - 1, (), generator=req.generator))  # drawn before any sampling
+        c = draft_call(req, rnd)
         try:
             with req.tracer.start_as_current_span("draft"):
-                for p in req.placement.draft.worker.propose(req.placement.session_id, req.draft_synced,
-                                                            req.tokens[req.draft_synced:], rnd.gamma, req.params,
-                                                            seed, req.draft_options):
-                    rnd.drafts.append(p.token_id)
-                    rnd.draft_probs.append(p.probs)
-                    if p.batch_rows:  # only the last proposal reports them
-                        rnd.draft_rows, rnd.draft_pass_s = p.batch_rows, p.pass_s
-                    req.stats.wire_bytes += p.wire_bytes
-                    req.stats.draft_compute_s += p.compute_s
-            rnd.gamma = len(rnd.drafts)  # fewer when the draft stopped early (or a lookup found nothing)
+                take_proposals(req, rnd, list(req.placement.draft.worker.propose(
+                    c.session_id, c.start, c.token_ids, c.gamma, c.params, c.seed, c.options)))
         except ServiceError as exc:
-            if not is_worker_fault(exc):
-                raise
-            # this round goes on without drafts; the next uses the new draft, or none
-            rnd.drafts, rnd.draft_probs, rnd.gamma = [], [], 0
-            req.placement.draft_failed(exc, req.tokens)
-            req.draft_synced = req.placement.draft_synced
+            draft_failed(req, rnd, exc)
     rnd.draft_s = time.perf_counter() - started
+
+
+def verify_call(req: RequestState, rnd: Round) -> VerifyCall:
+    return VerifyCall(req.placement.session_id, req.target_synced, req.tokens[req.target_synced:], rnd.drafts,
+                      req.params, req.top_logprobs)
+
+
+def target_failed(req: RequestState, exc: ServiceError) -> None:
+    """A worker fault moves the session (the new target holds every validated token); else raise."""
+    if not is_worker_fault(exc):
+        raise exc
+    req.placement.target_failed(exc, req.tokens)
+    req.target_synced = len(req.tokens)
 
 
 def verify(req: RequestState, rnd: Round) -> None:
     """p_0..p_gamma in one target pass; a target fault moves the session and verifies the same drafts."""
     started = time.perf_counter()
     while rnd.verification is None:
+        c = verify_call(req, rnd)
         try:
             with req.tracer.start_as_current_span("verify"):
                 rnd.verification = req.placement.target.worker.verify(
-                    req.placement.session_id, req.target_synced, req.tokens[req.target_synced:], rnd.drafts,
-                    req.params, req.top_logprobs)
+                    c.session_id, c.start, c.token_ids, c.draft_token_ids, c.params, c.top_logprobs)
         except ServiceError as exc:
-            if not is_worker_fault(exc):
-                raise
-            req.placement.target_failed(exc, req.tokens)  # the new target holds every validated token
-            req.target_synced = len(req.tokens)
+            target_failed(req, exc)
     rnd.verify_s = time.perf_counter() - started
 
 
@@ -202,13 +245,20 @@ def commit(req: RequestState, rnd: Round) -> None:
 
 
 def learn(req: RequestState, rnd: Round) -> None:
-    """What the round measured goes to the gamma policy: the seconds of the passes the workers ran
-    it in (the model's time alone) against their rows, and acceptance."""
+    """The round's acceptance goes to the gamma policy (the pass costs: learn_passes, or the step
+    loop once per step)."""
+    if rnd.gamma > 0:
+        placement = req.placement
+        req.policy.observe_round(placement.target.address, placement.draft.address, rnd.gamma, rnd.num_accepted)
+
+
+def learn_passes(req: RequestState, rnd: Round) -> None:
+    """The seconds of the passes the workers ran the round in (the model's time alone) against
+    their rows go to the gamma policy."""
     placement, v = req.placement, rnd.verification
     req.policy.observe_pass(placement.target.address, v.batch_rows, v.pass_s)
-    if rnd.gamma > 0:
+    if rnd.gamma > 0 and placement.draft is not None:
         req.policy.observe_pass(placement.draft.address, rnd.draft_rows, rnd.draft_pass_s)
-        req.policy.observe_round(placement.target.address, placement.draft.address, rnd.gamma, rnd.num_accepted)
 
 
 def emit(req: RequestState, rnd: Round) -> GenerationChunk:

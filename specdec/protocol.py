@@ -17,7 +17,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, ServiceError
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2
 
 MAX_GAMMA = 16  # most drafts per round a request may ask for
@@ -270,6 +270,53 @@ class Verification:
             return self.logprob_bases[position]
         p = self.probs[position].prob_of(token_id)
         return params.temperature * math.log(p) + self.logprob_bases[position] if p > 0 else -math.inf
+
+
+@dataclass(frozen=True)
+class ProposeCall:
+    """One session's Propose inside a batch (DraftWorker.propose_batch, the ProposeBatch RPC)."""
+
+    session_id: str
+    start: int
+    token_ids: list[int]
+    gamma: int
+    params: SamplingParams
+    seed: int
+    options: DraftOptions = DraftOptions()
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """One session's Verify inside a batch (TargetWorker.verify_batch, the VerifyBatch RPC)."""
+
+    session_id: str
+    start: int
+    token_ids: list[int]
+    draft_token_ids: list[int]
+    params: SamplingParams
+    top_logprobs: int | None = None
+
+
+def call_status(exc: BaseException | None) -> common_pb2.CallStatus:
+    """A batched call's outcome on the wire: OK, its ServiceError's status, or INTERNAL."""
+    import grpc
+
+    if exc is None:
+        return common_pb2.CallStatus(code=0)
+    if isinstance(exc, ServiceError):
+        return common_pb2.CallStatus(code=exc.code.value[0], message=exc.message[:1024])
+    return common_pb2.CallStatus(code=grpc.StatusCode.INTERNAL.value[0],
+                                 message=f"internal error: {type(exc).__name__}: {exc}"[:1024])
+
+
+def error_from_status(msg: common_pb2.CallStatus, peer: str) -> ServiceError | None:
+    """The ServiceError a batched call's status stands for (None for OK), as from_rpc_error."""
+    import grpc
+
+    if msg.code == 0:
+        return None
+    code = next((c for c in grpc.StatusCode if c.value[0] == msg.code), grpc.StatusCode.UNKNOWN)
+    return ServiceError(f"{peer}: {msg.message}", code)
 
 
 # ---- requests and results (client <-> orchestrator) ------------------------------------------

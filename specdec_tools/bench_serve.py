@@ -2,6 +2,7 @@
 
   specdec bench-serve [--target M --draft M | --tiny] [--concurrency 1,2,4,8,16] [--requests-per-level N]
                       [--max-new-tokens 48] [--gamma on,off] [--temperature 0] [--prompts 8] [--out DIR]
+                      [--setups default,step-loop-off,batched-wire-off,in-step-gamma-off] [--link-rtt-ms 0,1,10]
 
 Starts target, draft and orchestrator as processes on loopback (`specdec_tools.stack.ProcessStack`,
 as `specdec run` does), once for the whole run. For each mode (--gamma: `on` leaves the request's
@@ -18,6 +19,11 @@ mean gamma, the ratio of aggregate tok/s to the same mode's concurrency 1, and t
 each mode to `off` at the same level. Greedy runs (--temperature 0) also check that every
 output at concurrency > 1 equals the concurrency-1 output of the same prompt and mode: batching
 across sessions must not change what a request gets (the count and the list are printed).
+--setups runs the same levels through more orchestrators on the same two workers, each with one
+part of the step loop turned off (SETUPS: the ablation); --link-rtt-ms puts each worker behind a
+delaying TCP proxy (specdec_tools/link.py: this kernel has no netem) with that round trip between
+the orchestrator and each worker, and reports the RPCs and bytes that crossed the links per
+generated token and per round (0 = the proxy, counting, without delay; left out: no proxy).
 Writes runs.csv (one row per request), summary.csv, summary.json (plus the machine, the models
 and the command line), table.md and serve.png (aggregate tok/s and p95 latency against
 concurrency, one line per mode) to --out; prints the table. Exit 1 if a request failed or a
@@ -45,6 +51,14 @@ from pathlib import Path
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16"
 DEFAULT_PROMPTS = 8  # = the concurrency-1 level's default request count: every prompt gets a reference
+# orchestrator flags of each --setups name: the server as shipped, and each part of issue 20's step
+# loop turned off on its own (the ablation)
+SETUPS = {
+    "default": (),
+    "step-loop-off": ("--step-loop", "off"),  # each request runs its own rounds
+    "batched-wire-off": ("--batched-wire", "off"),  # step loop, but one Propose/Verify RPC per request
+    "in-step-gamma-off": ("--gamma-policy", "goodput-solo"),  # step loop, gamma as if passes were not shared
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,6 +88,24 @@ def parse_modes(text: str) -> list[Mode]:
     if not modes:
         raise argparse.ArgumentTypeError("--gamma: no mode given")
     return modes
+
+
+def parse_setups(text: str) -> list[str]:
+    names = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    unknown = [n for n in names if n not in SETUPS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--setups: pick from {', '.join(SETUPS)}")
+    return names
+
+
+def parse_rtts(text: str) -> list[float]:
+    try:
+        rtts = list(dict.fromkeys(float(s) for s in text.split(",") if s.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--link-rtt-ms: '{text}' is not a list of numbers") from None
+    if any(r < 0 for r in rtts):
+        raise argparse.ArgumentTypeError("--link-rtt-ms: round trips are >= 0")
+    return rtts
 
 
 def parse_levels(text: str) -> list[int]:
@@ -126,6 +158,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the first N of specdec_tools.bench.PROMPTS, or comma-separated indices "
                         f"(default {DEFAULT_PROMPTS})")
     p.add_argument("--out", default="bench_results/serve", help="output directory (default bench_results/serve)")
+    p.add_argument("--setups", type=parse_setups, default=["default"],
+                   help=f"orchestrator setups to compare on the same workers: {', '.join(SETUPS)} (default default)")
+    p.add_argument("--link-rtt-ms", type=parse_rtts, default=[], metavar="MS,...",
+                   help="put each worker behind a delaying proxy with this round trip (ms; 0 = proxy, no delay), "
+                        "and count the RPCs and bytes on the links (default: no proxy)")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
     p.add_argument("--request-timeout", type=float, default=3600.0, help="each request's deadline in seconds")
 
@@ -154,6 +191,8 @@ class RequestRecord:
     server_total_s: float = 0.0
     error: str = ""
     same_as_c1: bool | None = None  # greedy, concurrency > 1: equal to the concurrency-1 output
+    setup: str = "default"  # --setups
+    link_rtt_ms: float | None = None  # --link-rtt-ms; None: no proxy
     token_ids: list[int] = field(default_factory=list, repr=False)
 
 
@@ -199,7 +238,10 @@ def add_ratios(rows: list[dict], off_mode: str = "off") -> list[dict]:
     """Sets, on each row (keys mode, concurrency, aggregate_tok_s), vs_c1: aggregate tok/s over the
     same mode's concurrency-1 aggregate, and vs_off: over the `off_mode` row at the same level
     (None where that row is missing, or for the off mode itself). Returns rows."""
-    by_key = {(r["mode"], r["concurrency"]): r for r in rows}
+    def group(r):  # ratios stay within one setup and link
+        return r.get("setup", "default"), r.get("link_rtt_ms")
+
+    by_key = {(group(r), r["mode"], r["concurrency"]): r for r in rows}
 
     def ratio(row, other):
         if other is None or not other["aggregate_tok_s"]:
@@ -207,14 +249,14 @@ def add_ratios(rows: list[dict], off_mode: str = "off") -> list[dict]:
         return round(row["aggregate_tok_s"] / other["aggregate_tok_s"], 3)
 
     for r in rows:
-        r["vs_c1"] = ratio(r, by_key.get((r["mode"], 1)))
-        r["vs_off"] = None if r["mode"] == off_mode else ratio(r, by_key.get((off_mode, r["concurrency"])))
+        r["vs_c1"] = ratio(r, by_key.get((group(r), r["mode"], 1)))
+        r["vs_off"] = None if r["mode"] == off_mode else ratio(r, by_key.get((group(r), off_mode, r["concurrency"])))
     return rows
 
 
 def compare_outputs(records: list[RequestRecord]) -> dict:
     """Greedy outputs at concurrency > 1 against the concurrency-1 output of the same mode and
-    prompt (its first, if it ran more than once). Sets each record's same_as_c1 (None: no
+    prompt (its first, if it ran more than once; from any setup and link: they must all agree). Sets each record's same_as_c1 (None: no
     reference) and returns {"checked", "differ": [{mode, concurrency, request, prompt}], "unchecked"}."""
     reference: dict[tuple[str, int], list[int]] = {}
     for r in records:
@@ -243,20 +285,27 @@ def level_differences(records: list[RequestRecord], mode: str, level: int) -> st
 
 
 TABLE_COLUMNS = [
-    ("mode", "mode", "{}"), ("concurrency", "clients", "{}"), ("requests", "requests", "{}"),
+    ("setup", "setup", "{}"), ("link_rtt_ms", "link RTT ms", "{:g}"), ("mode", "mode", "{}"), ("concurrency", "clients", "{}"), ("requests", "requests", "{}"),
     ("aggregate_tok_s", "aggregate tok/s", "{:.2f}"), ("vs_c1", "vs c=1", "{:.2f}x"), ("vs_off", "vs off", "{:.2f}x"),
     ("mean_request_tok_s", "tok/s per request", "{:.2f}"), ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
     ("ttft_p95_s", "TTFT p95 s", "{:.3f}"), ("latency_p50_s", "latency p50 s", "{:.3f}"),
     ("latency_p95_s", "latency p95 s", "{:.3f}"), ("acceptance_rate", "acceptance", "{:.3f}"),
-    ("mean_gamma", "gamma", "{:g}"), ("outputs_differ", "differ from c=1", "{}"), ("errors", "errors", "{}"),
+    ("mean_gamma", "gamma", "{:g}"), ("rpcs_per_token", "RPCs/token", "{:.2f}"),
+    ("rpcs_per_round", "RPCs/round", "{:.2f}"), ("bytes_per_token", "bytes/token", "{:,.0f}"),
+    ("outputs_differ", "differ from c=1", "{}"), ("errors", "errors", "{}"),
 ]
 
 
 def format_table(rows: list[dict]) -> str:
-    head = "| " + " | ".join(title for _, title, _ in TABLE_COLUMNS) + " |"
-    lines = [head, "|" + "---|" * len(TABLE_COLUMNS)]
+    """The markdown table; columns no row fills (setup and link when not compared, link counts
+    without --link-rtt-ms) are left out."""
+    optional = {"setup", "link_rtt_ms", "rpcs_per_token", "rpcs_per_round", "bytes_per_token"}
+    columns = [(key, title, fmt) for key, title, fmt in TABLE_COLUMNS
+               if key not in optional or any(r.get(key) is not None and r.get(key) != "default" for r in rows)]
+    head = "| " + " | ".join(title for _, title, _ in columns) + " |"
+    lines = [head, "|" + "---|" * len(columns)]
     for r in rows:
-        cells = [("" if r.get(key) is None else fmt.format(r[key])) for key, _, fmt in TABLE_COLUMNS]
+        cells = [("" if r.get(key) is None else fmt.format(r[key])) for key, _, fmt in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -340,6 +389,49 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
     return records, wall
 
 
+def _servers(stack, a: argparse.Namespace, links: dict) -> list[tuple[str, float | None, str]]:
+    """(setup, link RTT or None, orchestrator address) to run, in order: the stack's own
+    orchestrator for the default setup without links, one more orchestrator on the same workers
+    for each other setup and link. links gets {rtt: (target link, draft link)}."""
+    from specdec_tools.link import DelayLink
+
+    servers = []
+    for rtt in a.link_rtt_ms or [None]:
+        route: tuple[str, ...] = ()
+        if rtt is not None:
+            links[rtt] = (DelayLink(f"127.0.0.1:{stack.ports['target']}", rtt),
+                          DelayLink(f"127.0.0.1:{stack.ports['draft']}", rtt))
+            route = ("--target", links[rtt][0].address, "--draft", links[rtt][1].address)
+        for setup in a.setups:
+            if setup == "default" and rtt is None:
+                servers.append((setup, rtt, stack.address))
+            else:
+                servers.append((setup, rtt, stack.add_orchestrator(*SETUPS[setup], *route)))
+    return servers
+
+
+def _link_counts(pair):
+    from specdec_tools.link import LinkCounts
+
+    total = LinkCounts()
+    for link in pair or ():
+        c = link.snapshot()
+        total = LinkCounts(total.rpcs + c.rpcs, total.bytes_up + c.bytes_up, total.bytes_down + c.bytes_down)
+    return total
+
+
+def link_rates(counts, records: list[RequestRecord]) -> dict:
+    """RPCs and bytes that crossed the links (both workers, both ways) per generated token and
+    per round of the level's requests."""
+    tokens = sum(r.generated_tokens for r in records if not r.error)
+    rounds = sum(r.rounds for r in records if not r.error)
+    moved = counts.bytes_up + counts.bytes_down
+    return {"link_rpcs": counts.rpcs, "link_bytes": moved,
+            "rpcs_per_token": _round(counts.rpcs / tokens if tokens else None, 3),
+            "rpcs_per_round": _round(counts.rpcs / rounds if rounds else None, 3),
+            "bytes_per_token": _round(moved / tokens if tokens else None, 1)}
+
+
 def _model_dirs(a: argparse.Namespace, tmp: str) -> tuple[str, str, int, dict]:
     """(target dir, draft dir, draft vocabulary, description for summary.json)."""
     if a.tiny:
@@ -390,11 +482,16 @@ def plot(rows: list[dict], path: Path, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    def line(r):
+        return r.get("setup", "default"), r.get("link_rtt_ms"), r["mode"]
+
+    lines = list(dict.fromkeys(map(line, rows)))
     levels = sorted({r["concurrency"] for r in rows})
-    for mode in modes:
-        rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
+    for setup, rtt, mode in lines:
+        rs = sorted((r for r in rows if line(r) == (setup, rtt, mode)), key=lambda r: r["concurrency"])
         label = "speculation on (server gamma)" if mode == "on" else "off (gamma 0)" if mode == "off" else mode
+        if setup != "default" or rtt is not None:
+            label += f" [{setup}{'' if rtt is None else f', {rtt:g} ms RTT'}]"
         left.plot([r["concurrency"] for r in rs], [r["aggregate_tok_s"] for r in rs], "o-", label=label)
         pts = [(r["concurrency"], r["latency_p95_s"]) for r in rs if r["latency_p95_s"] is not None]
         right.plot([c for c, _ in pts], [v for _, v in pts], "o-", label=label)
@@ -429,33 +526,48 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="specdec-bench-serve-") as tmp:
         target_dir, draft_dir, draft_vocab, models = _model_dirs(a, tmp)
         stack = ProcessStack(target_dir, draft_dir, draft_vocab=draft_vocab, pass_lock=a.pass_lock == "on")
+        links: dict[float, tuple] = {}
         try:
+            servers = _servers(stack, a, links)
             t0 = time.monotonic()
-            log(f"starting target, draft and orchestrator ({models['target']} + {models['draft']}) ...")
+            log(f"starting target, draft and {len(servers)} orchestrator(s) ({models['target']} + {models['draft']}) ...")
             stack.start(stdout=subprocess.DEVNULL)
             stack.wait_until_ready(a.startup_timeout)
-            log(f"all three SERVING after {time.monotonic() - t0:.1f} s")
+            log(f"all SERVING after {time.monotonic() - t0:.1f} s")
             from orchestrator.client import Client
 
-            for mode in modes:
-                with Client(stack.address, timeout_s=a.request_timeout) as client:  # warm-up
-                    client.generate(messages=[{"role": "user", "content": "warm up"}], max_new_tokens=4,
-                                    temperature=0.0, gamma=mode.gamma)
-                for level in levels:
-                    recs, wall = run_level(stack.address, mode, level, prompt_ids, a, log)
-                    records += recs
-                    row = {"mode": mode.name, "request_gamma": "server default" if mode.gamma is None else mode.gamma,
-                           "concurrency": level, **summarize_level(recs, wall)}
-                    rows.append(row)
-                    log(f"{mode.name:>4} c={level:<3} {row['requests']} requests in {wall:.1f} s: "
-                        f"{row['aggregate_tok_s']:.2f} tok/s aggregate, latency p95 {row['latency_p95_s'] or 0:.3f} s, "
-                        f"TTFT p95 {row['ttft_p95_s'] or 0:.3f} s"
-                        + (f", {row['errors']} errors" if row["errors"] else ""))
+            for setup, rtt, address in servers:
+                for mode in modes:
+                    with Client(address, timeout_s=a.request_timeout) as client:  # warm-up
+                        client.generate(messages=[{"role": "user", "content": "warm up"}], max_new_tokens=4,
+                                        temperature=0.0, gamma=mode.gamma)
+                    for level in levels:
+                        before = _link_counts(links.get(rtt))
+                        recs, wall = run_level(address, mode, level, prompt_ids, a, log)
+                        for r in recs:
+                            r.setup, r.link_rtt_ms = setup, rtt
+                        records += recs
+                        row = {"setup": setup, "link_rtt_ms": rtt, "mode": mode.name,
+                               "request_gamma": "server default" if mode.gamma is None else mode.gamma,
+                               "concurrency": level, **summarize_level(recs, wall)}
+                        if rtt is not None:
+                            row.update(link_rates(_link_counts(links[rtt]) - before, recs))
+                        rows.append(row)
+                        where = "" if setup == "default" and rtt is None else \
+                            f"[{setup}{'' if rtt is None else f', link {rtt:g} ms'}] "
+                        log(f"{where}{mode.name:>4} c={level:<3} {row['requests']} requests in {wall:.1f} s: "
+                            f"{row['aggregate_tok_s']:.2f} tok/s aggregate, latency p95 "
+                            f"{row['latency_p95_s'] or 0:.3f} s, TTFT p95 {row['ttft_p95_s'] or 0:.3f} s"
+                            + (f", {row['rpcs_per_token']:.2f} RPCs/token" if "rpcs_per_token" in row else "")
+                            + (f", {row['errors']} errors" if row["errors"] else ""))
         except KeyboardInterrupt:
             log("interrupted; stopping the services")
             return 130
         finally:
             stack.stop()
+            for pair in links.values():
+                for link in pair:
+                    link.stop()
             if main_thread:
                 signal.signal(signal.SIGTERM, saved_term)
 
@@ -470,7 +582,10 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         "models": models,
         "command": shlex.join(["specdec", *sys.argv[1:]]) if Path(sys.argv[0]).name == "specdec"
         else shlex.join([sys.executable, *sys.argv]),
-        "settings": {"concurrency": levels, "requests_per_level": {str(c): requests_for_level(c, a.requests_per_level)
+        "settings": {"setups": {name: list(SETUPS[name]) for name in a.setups}, "link_rtt_ms": a.link_rtt_ms,
+                     "links": "delaying TCP proxies (specdec_tools/link.py), no netem on this kernel"
+                     if a.link_rtt_ms else None,
+                     "concurrency": levels, "requests_per_level": {str(c): requests_for_level(c, a.requests_per_level)
                                                                    for c in levels},
                      "max_new_tokens": a.max_new_tokens, "modes": [asdict(m) for m in modes],
                      "temperature": a.temperature, "prompts": prompt_ids},

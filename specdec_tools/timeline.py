@@ -14,6 +14,8 @@ The spans it expects (orchestrator `specdec-orchestrator`, workers `specdec-draf
         round    (specdec.round, .gamma, .drafted_tokens, .accepted_tokens, ...)
           draft  -> /specdec.v1.DraftWorker/Propose CLIENT -> SERVER -> [truncate] forward x gamma
           verify -> /specdec.v1.TargetWorker/Verify CLIENT -> SERVER -> [truncate] forward
+        (under the step loop the calls are ProposeBatch / VerifyBatch, under the draft / verify span
+        of the step's first request; the others' draft / verify spans link to them)
           rejection_sampling, rollback
         close    -> .../CloseSession CLIENT -> SERVER
 
@@ -38,6 +40,8 @@ from pathlib import Path
 ORCHESTRATOR_SERVICE = "specdec-orchestrator"
 REQUEST_ATTR = "gen_ai.operation.name"  # marks the request span, whatever its name
 GENERATE_METHODS = ("/specdec.v1.Orchestrator/Generate", "/specdec.v1.Orchestrator/GenerateStream")
+# a round's calls: per request, or one batched call per step for all the requests on a target
+RPC_NAMES = ("Worker/Propose", "Worker/Verify", "Worker/ProposeBatch", "Worker/VerifyBatch")
 
 
 class TimelineError(Exception):
@@ -309,7 +313,7 @@ class _Tree:
             if s.service != self.home:
                 continue
             named = s.name in ("draft", "verify")
-            rpc = s.name.endswith(("Worker/Propose", "Worker/Verify")) and not any(
+            rpc = s.name.endswith(RPC_NAMES) and not any(
                 a.name in ("draft", "verify") for a in self.chain(s))
             if named or rpc:
                 out.append((self.worker_of(s), s))
@@ -510,7 +514,7 @@ def layout(spans: list[Span], trace_id: str | None = None) -> Layout:
     for worker, stage in tree.stages():
         inside = list(tree.subtree(stage))
         if not any(s.service != tree.home or s.name == "forward" for s in inside):
-            rpc = next((s for s in inside if s is not stage and s.name.endswith(("/Propose", "/Verify"))), stage)
+            rpc = next((s for s in inside if s is not stage and s.name.endswith(RPC_NAMES)), stage)
             bar(lane_of[worker], rpc, f"unsplit-{worker or 'target'}", "draft" if worker == "draft" else "verify")
 
     rounds = [Round(ms(s.start_ns + off[s.span_id] - t0), ms(s.end_ns + off[s.span_id] - t0),

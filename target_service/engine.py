@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from specdec.errors import InvalidArgument
-from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, SamplingParams, Verification
+from specdec.errors import InvalidArgument, ServiceError
+from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, SamplingParams, Verification, VerifyCall
 from specdec.sampling import process_logits
 from specdec.worker.engine import WorkerEngine
 
@@ -49,6 +49,12 @@ class TargetEngine(WorkerEngine):
                                                  lambda logits: self._score(logits, params, top_logprobs))
             return Verification(argmax, probs, len(session.tokens), time.perf_counter() - t0,
                                 session.last_pass_rows, session.last_pass_s, logprob_bases=bases, top_logprobs=top)
+
+    def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | ServiceError]:
+        """The verifications of many sessions' calls (one orchestrator step), scored in one forward
+        pass. Per call, its Verification or the error it raised."""
+        return self.run_calls(calls, lambda c: self.verify(c.session_id, c.start, c.token_ids, c.draft_token_ids,
+                                                           c.params, c.top_logprobs))
 
     def _score(self, logits, params: SamplingParams, top_logprobs: int | None):
         """logits: [gamma + 1, vocab] -> (argmax, None) greedy, else (None, p per position);

@@ -131,3 +131,11 @@ class FileChunk(_message.Message):
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CallStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

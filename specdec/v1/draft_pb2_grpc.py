@@ -50,6 +50,11 @@ class DraftWorkerStub:
                 request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_draft__pb2.Proposal.FromString,
                 _registered_method=True)
+        self.ProposeBatch = channel.unary_unary(
+                '/specdec.v1.DraftWorker/ProposeBatch',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
+                _registered_method=True)
         self.Truncate = channel.unary_unary(
                 '/specdec.v1.DraftWorker/Truncate',
                 request_serializer=specdec_dot_v1_dot_common__pb2.TruncateRequest.SerializeToString,
@@ -84,6 +89,14 @@ class DraftWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeBatch(self, request, context):
+        """The Propose calls of many sessions in one RPC (an orchestrator's step): draft step i of
+        every call runs in the same forward pass. Each call succeeds or fails on its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Truncate(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -113,6 +126,11 @@ def add_DraftWorkerServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_draft__pb2.Proposal.SerializeToString,
+            ),
+            'ProposeBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProposeBatch,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.SerializeToString,
             ),
             'Truncate': grpc.unary_unary_rpc_method_handler(
                     servicer.Truncate,
@@ -206,6 +224,33 @@ class DraftWorker:
             '/specdec.v1.DraftWorker/Propose',
             specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specdec_dot_v1_dot_draft__pb2.Proposal.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.DraftWorker/ProposeBatch',
+            specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,11 @@ class TargetWorkerStub:
                 request_serializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyBatch = channel.unary_unary(
+                '/specdec.v1.TargetWorker/VerifyBatch',
+                request_serializer=specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
         self.Truncate = channel.unary_unary(
                 '/specdec.v1.TargetWorker/Truncate',
                 request_serializer=specdec_dot_v1_dot_common__pb2.TruncateRequest.SerializeToString,
@@ -84,6 +89,14 @@ class TargetWorkerServicer:
 
     def Verify(self, request, context):
         """One forward pass over the tokens the target has not seen plus the drafts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyBatch(self, request, context):
+        """The Verify calls of many sessions in one RPC (an orchestrator's step), scored in one
+        forward pass. Each call succeeds or fails on its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,6 +137,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyBatch,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.SerializeToString,
             ),
             'Truncate': grpc.unary_unary_rpc_method_handler(
                     servicer.Truncate,
@@ -222,6 +240,33 @@ class TargetWorker:
             '/specdec.v1.TargetWorker/Verify',
             specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.TargetWorker/VerifyBatch',
+            specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,11 @@ DEFAULT_MAX_BATCH_TOKENS = FLAGS.default("max_batch_tokens")
 # pass's time and never more than 25 ms; it starts at once when they are all there.
 LOCKSTEP_FRACTION = 0.1
 LOCKSTEP_MAX_S = 0.025
+# A batched call (ProposeBatch, VerifyBatch: an orchestrator's step) submits its sessions' work
+# from threads of its own, a moment apart: while the call runs, every pass waits until each of its
+# sessions has its next work queued (or its call is over), at most this long (they are normally
+# all there within a millisecond). So draft step i of every call runs in one pass.
+GATHER_MAX_S = 0.05
 
 
 @dataclass
@@ -150,7 +155,15 @@ def plan_pass(pending: deque, max_tokens: int) -> Pass:
 
     A work item whose tokens do not fit is cut (a prefill chunk), as long as the logits it needs
     come from its last part; the rest stays at the front of the queue for the next pass. The
-    first item always runs, even alone past the limit, so nothing waits forever."""
+    first item always runs, even alone past the limit, so nothing waits forever.
+
+    Decoding work (draft steps, verify passes) goes first and prefills take the rows left over, as
+    vLLM's scheduler does: a long prompt arriving is cut into chunks that ride along with the
+    decoding sessions' passes instead of stalling them for a whole prefill."""
+    if any(w.kind == "prefill" for w in pending):
+        ordered = sorted(pending, key=lambda w: w.kind == "prefill")  # stable: arrival order within each
+        pending.clear()
+        pending.extend(ordered)
     items, budget, deferred = [], max_tokens, []
     while pending:
         work = pending.popleft()
@@ -185,6 +198,8 @@ class Batcher:
         self.passes = 0  # passes run, and how many held more than one session
         self.shared_passes = 0
         self._expected: set[int] = set()  # sessions (by id) whose result the last pass delivered
+        self._awaited: set[int] = set()  # sessions whose batched call is running (expect .. release)
+        self._released: set[int] = set()  # sessions whose batched call ended during the running pass
         self._last_pass_s = 0.0
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
         self._thread.start()
@@ -197,6 +212,20 @@ class Batcher:
             self._pending.append(work)
             self._wake.notify()
         return work.future.result()
+
+    def expect(self, sessions) -> None:
+        """The calls of one batched RPC are about to submit work for these sessions: until each is
+        released, a pass waits for all of them (at most GATHER_MAX_S), so that they share it."""
+        with self._wake:
+            self._awaited |= {id(s) for s in sessions}
+
+    def release(self, session) -> None:
+        """The session's call is over: no pass waits for it any more."""
+        with self._wake:
+            self._awaited.discard(id(session))
+            self._expected.discard(id(session))
+            self._released.add(id(session))  # a pass running now must not expect it next
+            self._wake.notify()
 
     def close(self) -> None:
         with self._wake:
@@ -216,6 +245,7 @@ class Batcher:
                     return
                 self._wait_for_lockstep()
                 batch = plan_pass(self._pending, self.max_batch_tokens)
+                self._released.clear()
             self.passes += 1
             self.shared_passes += len(batch.items) > 1
             t0 = time.perf_counter()
@@ -230,14 +260,21 @@ class Batcher:
                     if not work.future.done():
                         work.future.set_exception(exc)
             self._last_pass_s = time.perf_counter() - t0
-            self._expected = {id(work.session) for work, _ in batch.items if work.future.done()}
+            with self._wake:
+                self._expected = {id(work.session) for work, _ in batch.items if work.future.done()} - self._released
             log.debug("pass: %d sessions, %d rows, %.1f ms", len(batch.items), batch.rows, self._last_pass_s * 1e3)
 
     def _wait_for_lockstep(self) -> None:
-        """With the lock held: waits (briefly, see LOCKSTEP_*) for the last pass's sessions."""
-        deadline = time.monotonic() + min(LOCKSTEP_MAX_S, LOCKSTEP_FRACTION * self._last_pass_s)
-        while not self._closed and self._expected - {id(w.session) for w in self._pending}:
-            left = deadline - time.monotonic()
+        """With the lock held: waits (briefly, see LOCKSTEP_* and GATHER_MAX_S) for the last
+        pass's sessions and those of a batched call."""
+        now = time.monotonic()
+        lockstep = now + min(LOCKSTEP_MAX_S, LOCKSTEP_FRACTION * self._last_pass_s)
+        gather = now + GATHER_MAX_S
+        while not self._closed:
+            queued = {id(w.session) for w in self._pending}
+            now = time.monotonic()
+            deadline = max(gather if self._awaited - queued else now, lockstep if self._expected - queued else now)
+            left = deadline - now
             if left <= 0:
                 return
             self._wake.wait(left)

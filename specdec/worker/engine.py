@@ -29,7 +29,7 @@ from opentelemetry import metrics, trace
 from transformers import DynamicCache
 
 from specdec.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange,
-                            ResourceExhausted, Unavailable)
+                            ResourceExhausted, ServiceError, Unavailable)
 from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
 from specdec import telemetry as t
 from specdec.protocol import ModelInfo
@@ -142,6 +142,8 @@ class WorkerEngine:
         self._model_thread = model_thread or new_model_thread()
         use_ragged_attention(self.model)
         self._batcher = Batcher(self._run_pass, max_batch_tokens)
+        # the calls of a batched RPC run on threads of their own, their passes shared (run_calls)
+        self._call_pool = ThreadPoolExecutor(max_workers=max(1, max_sessions), thread_name_prefix="call")
         self._pass_lock = PassLock(pass_lock)  # specdec/threads.py: passes of co-located workers take turns
         tok = self.tokenizer
         self.info = ModelInfo(
@@ -170,6 +172,7 @@ class WorkerEngine:
         self._closed.set()
         self._reaper.join()
         self._batcher.close()
+        self._call_pool.shutdown(wait=True)
         if self._owns_model_thread:
             self._model_thread.shutdown(wait=True)
         self._pass_lock.close()
@@ -328,6 +331,44 @@ class WorkerEngine:
             raise NotFound(f"no open session {session_id!r} on this worker (never opened, closed or expired)")
         session.last_used = time.monotonic()
         return session
+
+    # ---- batched calls -----------------------------------------------------------------
+
+    def run_calls(self, calls: list, one: Callable[[Any], Any]) -> list:
+        """The calls of one batched RPC (an orchestrator's step): one(call) for each, on threads of
+        their own, their forward work in shared passes (draft step i of every Propose in one pass,
+        every Verify in one pass). Returns, per call in order, its result or the ServiceError it
+        raised: each call succeeds or fails on its own. A second call on the same session is
+        refused (INVALID_ARGUMENT): a session takes one call at a time."""
+        seen: set[str] = set()
+        sessions: dict[int, Session] = {}
+        results: list = [None] * len(calls)
+        for i, call in enumerate(calls):
+            if call.session_id in seen:
+                results[i] = InvalidArgument(f"session {call.session_id} appears twice in one batch")
+                continue
+            seen.add(call.session_id)
+            try:
+                sessions[i] = self.session(call.session_id)
+            except ServiceError as exc:
+                results[i] = exc
+        self._batcher.expect(sessions.values())
+        ctx = t.current_context()
+        futures = {i: self._call_pool.submit(self._one_call, ctx, one, calls[i], sessions[i]) for i in sessions}
+        for i, future in futures.items():
+            results[i] = future.result()
+        return results
+
+    def _one_call(self, ctx, one: Callable[[Any], Any], call, session: Session):
+        try:
+            return t.run_in_context(ctx, one, call)
+        except ServiceError as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - this call's failure, not the batch's
+            log.exception("a batched call on session %s failed", call.session_id)
+            return ServiceError(f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            self._batcher.release(session)
 
     # ---- shared model work -------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from specdec.errors import Unavailable
+from specdec.errors import ServiceError, Unavailable
 from specdec.grpc_server import ServerParts, build_server, serve_until_signalled
 from specdec.telemetry import Telemetry
 from specdec.v1 import common_pb2
@@ -96,6 +96,24 @@ class SessionRpcs:
         engine = self.slot.get()
         engine.authorize(request.session_id, request.session_secret, peer_identity(context))
         return engine
+
+    def run_batch(self, requests, context, convert: Callable, run: Callable) -> list:
+        """A batched RPC's calls: each authorized and converted (convert(request) -> call) on its
+        own, then run(engine, calls) for those that passed. Per request in order: its result or
+        the ServiceError it met."""
+        engine = self.slot.get()
+        owner = peer_identity(context)
+        results: list = [None] * len(requests)
+        todo: list[tuple[int, object]] = []
+        for i, r in enumerate(requests):
+            try:
+                engine.authorize(r.session_id, r.session_secret, owner)
+                todo.append((i, convert(r)))
+            except ServiceError as exc:
+                results[i] = exc
+        for (i, _), outcome in zip(todo, run(engine, [c for _, c in todo])):
+            results[i] = outcome
+        return results
 
     def Describe(self, request, context):
         return self.slot.get().describe().to_proto()

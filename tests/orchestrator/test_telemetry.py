@@ -129,7 +129,7 @@ def test_one_request_is_one_trace_across_three_services(traced):
         assert [s.name for s in steps] == ["draft", "verify", "rejection_sampling", "rollback"][(gamma == 0):]
         rollback = steps[-1]
         assert rollback.attributes[t.DISCARDED] == gamma - rnd.attributes[t.ACCEPTED]
-        verify_client = _one(kids[steps[-3].context.span_id], name="/specdec.v1.TargetWorker/Verify")
+        verify_client = _one(kids[steps[-3].context.span_id], name="/specdec.v1.TargetWorker/VerifyBatch")
         assert verify_client.kind == SpanKind.CLIENT
         verify_server = _one(kids[verify_client.context.span_id], kind=SpanKind.SERVER)
         assert verify_server.resource.attributes["service.name"] == "specdec-target"
@@ -137,7 +137,7 @@ def test_one_request_is_one_trace_across_three_services(traced):
         assert len(forwards) == 1 and forwards[0].attributes[t.FORWARD_KIND] == "verify"
         assert forwards[0].attributes[t.FORWARD_TOKENS] >= gamma + 1
         if gamma:
-            propose_client = _one(kids[steps[0].context.span_id], name="/specdec.v1.DraftWorker/Propose")
+            propose_client = _one(kids[steps[0].context.span_id], name="/specdec.v1.DraftWorker/ProposeBatch")
             propose_server = _one(kids[propose_client.context.span_id], kind=SpanKind.SERVER)
             assert propose_server.resource.attributes["service.name"] == "specdec-draft"
             draft_forwards = [s for s in kids[propose_server.context.span_id] if s.name == "forward"]

@@ -142,3 +142,23 @@ def test_smoke_tiny_stack(tmp_path, capsys):
     # batching across sessions must not change a greedy output
     assert summary["outputs"]["identical"], summary["outputs"]["differ"]
     assert rc == 0
+
+
+def test_smoke_setups_and_links(tmp_path, capsys):
+    """--setups runs more orchestrators on the same workers and --link-rtt-ms routes them through
+    the delaying proxy, whose RPC and byte counts reach the table; every output stays exact."""
+    from specdec_tools.cli import main
+
+    out = tmp_path / "serve"
+    rc = main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
+               "--gamma", "on", "--setups", "default,step-loop-off", "--link-rtt-ms", "0", "--out", str(out),
+               "--startup-timeout", "240"])
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert {(r["setup"], r["link_rtt_ms"], r["concurrency"]) for r in summary["levels"]} == {
+        ("default", 0.0, 1), ("default", 0.0, 2), ("step-loop-off", 0.0, 1), ("step-loop-off", 0.0, 2)}
+    for row in summary["levels"]:
+        assert row["errors"] == 0 and row["link_rpcs"] > 0 and row["rpcs_per_token"] > 0 and row["bytes_per_token"] > 0
+    assert "RPCs/token" in printed and "| step-loop-off | 0 | on | 2 |" in printed
+    assert summary["outputs"]["identical"], summary["outputs"]["differ"]
+    assert rc == 0

@@ -1,0 +1,278 @@
+"""The step loop (orchestrator/steps.py) and the batched calls it makes (ProposeBatch, VerifyBatch):
+requests that run together give what each gives alone, whatever joins and leaves between steps;
+one call per worker per step carries them all; a bad call fails alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from orchestrator.decoder import SpeculativeDecoder
+from orchestrator.gamma import GammaPolicy, StepRequest
+from orchestrator.remote import RemoteDraft, RemoteTarget
+from specdec.errors import ServiceError
+from specdec.protocol import GenerationRequest, ProposeCall, SamplingParams, VerifyCall
+from specdec.worker.config import WorkerConfig
+from tests.orchestrator.test_gamma import CPU_DRAFT, CPU_TARGET, FLAT_DRAFT, FLAT_TARGET, accepting
+from tests.support.servers import (HOST, client_of, create_draft, create_target, start_orchestrator, start_stack,
+                                   stop_stack, wait_for)
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def _requests() -> list[GenerationRequest]:
+    """Eight greedy requests of different prompt lengths, gammas and lengths: they leave the loop
+    at different steps."""
+    return [GenerationRequest(token_ids=[30 + i] * (2 + 4 * i) + [7, 9], max_new_tokens=6 + 3 * i, temperature=0,
+                              gamma=i % 5) for i in range(8)]
+
+
+def _staggered(generate, requests, gap_s: float = 0.02) -> list[list[int]]:
+    """Runs the requests at once, each starting a little after the one before (joins between steps)."""
+    def run(i):
+        time.sleep(i * gap_s)
+        return generate(requests[i])
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(run, range(len(requests))))
+
+
+@pytest.mark.parametrize("batched_wire", [True, False])
+def test_requests_joining_and_leaving_the_step_loop_give_what_each_gives_alone(target_engine, draft_engine,
+                                                                              batched_wire):
+    alone = SpeculativeDecoder(target_engine, draft_engine, step_loop=False)
+    looped = SpeculativeDecoder(target_engine, draft_engine, batched_wire=batched_wire)
+    try:
+        requests = _requests()
+        expected = [alone.generate(r).token_ids for r in requests]
+        together = _staggered(lambda r: looped.generate(r).token_ids, requests)
+        assert together == expected
+        assert sum(loop.steps for loop in looped.steps._loops.values()) > 0
+    finally:
+        looped.close()
+
+
+def test_one_verify_call_per_step_carries_every_request(target_engine, draft_engine):
+    """Four requests that start together: once all have joined, each step sends one VerifyBatch
+    holding all four, and one ProposeBatch whose draft steps share passes."""
+    sizes: list[int] = []
+    original = target_engine.verify_batch
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(target_engine, name)
+
+        def verify_batch(self, calls):
+            sizes.append(len(calls))
+            return original(calls)
+
+    decoder = SpeculativeDecoder(Counting(), draft_engine)
+    requests = [GenerationRequest(token_ids=[50 + i, 3, 4], max_new_tokens=12, temperature=0, gamma=3)
+                for i in range(4)]
+    try:
+        shared_before = draft_engine._batcher.shared_passes
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(decoder.generate, requests))
+        rounds = sum(r.stats["rounds"] for r in results)
+    finally:
+        decoder.close()
+    assert max(sizes) == 4, sizes
+    assert len(sizes) < rounds, (sizes, rounds)  # fewer calls than rounds: steps carried several
+    assert draft_engine._batcher.shared_passes > shared_before
+
+
+def test_a_batched_propose_runs_draft_step_i_of_every_session_in_one_pass(draft_engine):
+    ids = [f"pb-{i}" for i in range(4)]
+    for i, sid in enumerate(ids):
+        draft_engine.open_session(sid, [60 + i, 1, 2, 3])
+    try:
+        passes = draft_engine._batcher.passes
+        results = draft_engine.propose_batch([ProposeCall(sid, 4, [], 3, GREEDY, 7) for sid in ids])
+        assert [len(r) for r in results] == [3, 3, 3, 3]
+        assert draft_engine._batcher.passes - passes == 3  # not 12
+        # each session's proposals are what it proposes alone
+        for sid, got in zip(ids, results):
+            alone = list(draft_engine.propose(sid, 4, [], 3, GREEDY, 7))
+            assert [p.token_id for p in alone] == [p.token_id for p in got]
+    finally:
+        for sid in ids:
+            draft_engine.close_session(sid)
+
+
+@pytest.fixture(scope="module")
+def workers(target_engine, draft_engine):
+    target, tport = create_target(WorkerConfig("target", "tiny", host=HOST), target_engine)
+    draft, dport = create_draft(WorkerConfig("draft", "tiny", host=HOST), draft_engine)
+    yield f"{HOST}:{tport}", f"{HOST}:{dport}"
+    target.stop(None)
+    draft.stop(None)
+
+
+def test_a_bad_call_in_a_batch_fails_alone_with_its_own_status(workers):
+    target_address, draft_address = workers
+    target, draft = RemoteTarget(target_address), RemoteDraft(draft_address)
+    target.describe(), draft.describe()
+    other = RemoteTarget(target_address)  # another orchestrator: it does not hold the sessions' secrets
+    try:
+        for sid in ("bad-a", "bad-b"):
+            target.open_session(sid, [5, 6, 7])
+            draft.open_session(sid, [5, 6, 7])
+        results = target.verify_batch([
+            VerifyCall("bad-a", 3, [], [8], GREEDY), VerifyCall("nobody", 0, [1], [], GREEDY),
+            VerifyCall("bad-a", 3, [], [8], GREEDY), VerifyCall("bad-b", 3, [], [9, 9], GREEDY),
+            VerifyCall("bad-b", 3, [], [1] * 100, GREEDY)])
+        assert len(results[0].argmax) == 2
+        assert isinstance(results[1], ServiceError) and results[1].code == grpc.StatusCode.NOT_FOUND
+        assert isinstance(results[2], ServiceError) and results[2].code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "twice" in str(results[2])
+        assert len(results[3].argmax) == 3
+        assert isinstance(results[4], ServiceError)  # the same session again: refused, not run
+        stolen = other.verify_batch([VerifyCall("bad-a", 4, [], [], GREEDY)])
+        assert isinstance(stolen[0], ServiceError) and stolen[0].code in (grpc.StatusCode.NOT_FOUND,
+                                                                          grpc.StatusCode.PERMISSION_DENIED)
+        proposals = draft.propose_batch([ProposeCall("bad-a", 3, [], 2, GREEDY, 1),
+                                         ProposeCall("bad-b", 3, [], 99, GREEDY, 1)])
+        assert len(proposals[0]) == 2
+        assert isinstance(proposals[1], ServiceError) and proposals[1].code == grpc.StatusCode.INVALID_ARGUMENT
+        # the worker stays healthy: the sessions go on
+        assert len(target.verify_batch([VerifyCall("bad-a", 4, [], [], GREEDY)])[0].argmax) == 1
+    finally:
+        for sid in ("bad-a", "bad-b"):
+            target.close_session(sid)
+            draft.close_session(sid)
+        target.close(), draft.close(), other.close()
+
+
+@pytest.mark.parametrize("config", [dict(step_loop=True), dict(step_loop=True, batched_wire=False),
+                                    dict(step_loop=False)], ids=["step-loop", "per-call-wire", "no-step-loop"])
+def test_through_grpc_concurrent_requests_equal_one_at_a_time(target_engine, draft_engine, config):
+    stack = start_stack(target_engine, draft_engine, **config)
+    prompts = ["def fib(n):", "import os\n", "The quick brown fox", "x = [", "class A:", "for i in"]
+    try:
+        with client_of(stack["address"]) as client:
+            def run(i):
+                return client.generate(prompt=prompts[i], max_new_tokens=5 + 2 * i, temperature=0, gamma=1 + i % 4)
+
+            alone = [run(i).token_ids for i in range(len(prompts))]
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                together = [r.token_ids for r in pool.map(run, range(len(prompts)))]
+        assert together == alone
+    finally:
+        stop_stack(stack)
+
+
+def test_two_orchestrators_share_the_workers_and_their_steps_merge(workers, target_engine):
+    target_address, draft_address = workers
+    first, a = start_orchestrator([target_address], [draft_address])
+    second, b = start_orchestrator([target_address], [draft_address])
+    prompts = ["def fib(n):", "import os\n", "The quick", "x = ["]
+    try:
+        with client_of(a) as ca, client_of(b) as cb:
+            alone = [ca.generate(prompt=p, max_new_tokens=10, temperature=0, gamma=3).token_ids for p in prompts]
+            shared = target_engine._batcher.shared_passes
+            with ThreadPoolExecutor(4) as pool:
+                together = list(pool.map(
+                    lambda i: (ca if i % 2 else cb).generate(prompt=prompts[i], max_new_tokens=10, temperature=0,
+                                                             gamma=3).token_ids, range(4)))
+        assert together == alone
+        assert target_engine._batcher.shared_passes > shared
+    finally:
+        first.stop(None)
+        second.stop(None)
+
+
+def test_a_request_cancelled_mid_step_leaves_the_others_exact(target_engine, draft_engine):
+    decoder = SpeculativeDecoder(target_engine, draft_engine)
+    requests = _requests()[:4]
+    try:
+        expected = [decoder.generate(r).token_ids for r in requests]
+        stop = threading.Event()
+
+        def abandoned():
+            chunks = decoder.generate_stream(GenerationRequest(token_ids=[77, 78], max_new_tokens=500, temperature=0,
+                                                               gamma=2))
+            for _ in chunks:
+                if stop.is_set():
+                    break
+            chunks.close()  # the consumer goes away: the ticket leaves the loop between steps
+
+        with ThreadPoolExecutor(5) as pool:
+            gone = pool.submit(abandoned)
+            together = list(pool.map(lambda r: decoder.generate(r).token_ids, requests))
+            stop.set()
+            gone.result(timeout=60)
+        assert together == expected
+        wait_for(lambda: target_engine.describe().open_sessions == 0, what="the abandoned session closed")
+    finally:
+        decoder.close()
+
+
+# ---- the in-step gamma --------------------------------------------------------------------
+
+
+def _policy(target, draft, rate=0.8) -> GammaPolicy:
+    policy = GammaPolicy(adaptive=True)
+    policy._costs["t"] = target
+    policy._costs["d"] = draft
+    policy._acceptance[("t", "d")] = accepting(rate)
+    return policy
+
+
+def test_where_rows_are_nearly_free_a_batch_of_eight_keeps_drafting():
+    policy = _policy(FLAT_TARGET, FLAT_DRAFT)
+    gammas = policy.choose_step("t", [StepRequest(6, "d")] * 8)
+    assert min(gammas) >= 3, gammas
+
+
+def test_on_this_cpu_a_large_batch_stops_drafting_and_a_small_one_need_not():
+    policy = _policy(CPU_TARGET, CPU_DRAFT)
+    assert policy.choose_step("t", [StepRequest(6, "d")] * 16) == [0] * 16
+    alone = policy.choose_step("t", [StepRequest(6, "d")])
+    assert alone[0] >= 1, alone
+
+
+def test_each_requests_cap_bounds_its_gamma_and_requests_without_a_draft_get_none():
+    policy = _policy(FLAT_TARGET, FLAT_DRAFT, rate=0.95)
+    gammas = policy.choose_step("t", [StepRequest(2, "d"), StepRequest(0, None), StepRequest(7, "d")])
+    assert gammas[0] <= 2 and gammas[1] == 0 and gammas[2] > 2, gammas
+
+
+def test_the_fixed_policy_drafts_each_cap_and_the_solo_formula_is_the_ablation():
+    assert GammaPolicy(adaptive=False).choose_step("t", [StepRequest(3, "d"), StepRequest(1, "d")]) == [3, 1]
+    solo = _policy(FLAT_TARGET, FLAT_DRAFT)
+    solo.in_step = False
+    for r in (1, 5, 10, 20, 40):
+        solo.observe_pass("d", r, FLAT_DRAFT(r))
+    # taken not to share passes, 32 sessions on a target stop drafting (but for a probe of one
+    # token now and then); in-step they do not
+    gammas = solo.choose_step("t", [StepRequest(6, "d")] * 32)
+    assert max(gammas) <= 1 and sum(gammas) <= 1, gammas
+    assert min(_policy(FLAT_TARGET, FLAT_DRAFT).choose_step("t", [StepRequest(6, "d")] * 32)) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_on_cuda_the_step_loop_and_ragged_batches_give_what_each_request_gives_alone(model_dirs):
+    """The same check on a GPU, in float32 with TF32 off (float64 is slow there, and exact ties
+    are as unlikely): concurrent requests through the step loop equal each alone."""
+    from draft_service.engine import DraftEngine
+    from specdec.modeling import load_model
+    from target_service.engine import TargetEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    target = TargetEngine(load_model(str(model_dirs["target"]), device="cuda", dtype="float32"))
+    draft = DraftEngine(load_model(str(model_dirs["draft"]), device="cuda", dtype="float32"))
+    alone = SpeculativeDecoder(target, draft, step_loop=False)
+    looped = SpeculativeDecoder(target, draft)
+    try:
+        requests = _requests()
+        expected = [alone.generate(r).token_ids for r in requests]
+        assert _staggered(lambda r: looped.generate(r).token_ids, requests) == expected
+    finally:
+        looped.close()
+        target.close()
+        draft.close()
