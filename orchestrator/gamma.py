@@ -294,9 +294,12 @@ class GammaPolicy:
                 idle = 0
             self._steps_without[target] = idle
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("step on %s: gamma %d for %d requests (caps %s), target (alpha, beta) %s, overhead %.4f",
-                          target, g, len(requests), caps, costs.target.fit() if costs.target.known else None,
-                          costs.overhead_s)
+                log.debug("step on %s: gamma %d for %d requests (caps %s), target (alpha, beta) %s, overhead %.4f, "
+                          "drafts (alpha, beta, extra, E(1..4)) %s", target, g, len(requests), caps,
+                          costs.target.fit() if costs.target.known else None, costs.overhead_s,
+                          {d: (line.fit() if line.known else None, round(costs.draft_extra_s.get(d, 0.0), 4),
+                               [round(costs.acceptance[d].expected_tokens(k), 2) for k in range(1, 5)])
+                           for d, line in costs.drafts.items()})
             return gammas
 
     def observe_step(self, target: str, overhead_s: float, drafts: dict[str, tuple[int, float, float]]) -> None:

@@ -58,6 +58,32 @@ class _RemoteWorker:
         except grpc.RpcError as err:
             raise from_rpc_error(err, self.peer) from None
 
+    def _batch(self, method, request, calls: list, convert, timeout: float | None = None) -> list:
+        """A batched RPC (request.calls answered by response.results, each with a CallStatus):
+        per call, convert(call, result, wire bytes) or the error its status carries. A failure
+        of the RPC itself is every call's error. A call's wire bytes are its own messages' (the
+        RPC's framing goes to the first)."""
+        try:
+            response = self._call(method, request, timeout)
+        except ServiceError as exc:
+            return [exc] * len(calls)
+        if len(response.results) != len(calls):
+            return [ServiceError(f"{self.peer} answered {len(response.results)} of {len(calls)} calls",
+                                 grpc.StatusCode.INTERNAL)] * len(calls)
+        out: list = []
+        framing = 2 * GRPC_PREFIX_BYTES
+        for call, call_msg, result in zip(calls, request.calls, response.results):
+            error = error_from_status(result.status, self.peer)
+            if error is None:
+                try:
+                    out.append(convert(call, result, call_msg.ByteSize() + result.ByteSize() + framing))
+                    framing = 0
+                    continue
+                except ServiceError as exc:  # a malformed answer
+                    error = exc
+            out.append(error)
+        return out
+
     def wait_until_serving(self, timeout_s: float) -> None:
         """Polls the standard health service until SERVING (the model has loaded)."""
         deadline = time.monotonic() + timeout_s
@@ -145,31 +171,17 @@ class RemoteDraft(_RemoteWorker):
 
     def propose_batch(self, calls: list[ProposeCall]) -> list[list[Proposal] | ServiceError]:
         """One ProposeBatch RPC for all the calls (one step's drafts); per call, its proposals or
-        its error. A failure of the RPC itself is every call's error. Each call's wire_bytes are
-        its own messages' (the framing of the RPC goes to the first)."""
+        its error (see _RemoteWorker._batch)."""
         request = draft_pb2.ProposeBatchRequest(calls=[self._request(c) for c in calls])
-        try:
-            response = self._call(self._stub.ProposeBatch, request,
-                                  timeout=self._timeout(max((len(c.token_ids) for c in calls), default=0)))
-        except ServiceError as exc:
-            return [exc] * len(calls)
-        if len(response.results) != len(calls):
-            return [ServiceError(f"{self.peer} answered {len(response.results)} of {len(calls)} calls",
-                                 grpc.StatusCode.INTERNAL)] * len(calls)
-        out: list = []
-        framing = 2 * GRPC_PREFIX_BYTES
-        for call_msg, result in zip(request.calls, response.results):
-            error = error_from_status(result.status, self.peer)
-            if error is not None:
-                out.append(error)
-                continue
-            wire = call_msg.ByteSize() + result.ByteSize() + framing
-            framing = 0
-            proposals = [self._proposal(m, 0) for m in result.proposals]
-            if proposals:
-                proposals[0].wire_bytes = wire
-            out.append(proposals)
-        return out
+
+        def proposals(call, result, wire: int) -> list[Proposal]:
+            out = [self._proposal(m, 0) for m in result.proposals]
+            if out:
+                out[0].wire_bytes = wire
+            return out
+
+        return self._batch(self._stub.ProposeBatch, request, calls, proposals,
+                           timeout=self._timeout(max((len(c.token_ids) for c in calls), default=0)))
 
 
 class RemoteTarget(_RemoteWorker):
@@ -212,29 +224,10 @@ class RemoteTarget(_RemoteWorker):
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | ServiceError]:
         """One VerifyBatch RPC for all the calls (one step's verify pass); per call, its
-        Verification or its error. A failure of the RPC itself is every call's error."""
+        Verification or its error (see _RemoteWorker._batch)."""
         request = target_pb2.VerifyBatchRequest(calls=[self._request(c) for c in calls])
-        try:
-            response = self._call(self._stub.VerifyBatch, request)
-        except ServiceError as exc:
-            return [exc] * len(calls)
-        if len(response.results) != len(calls):
-            return [ServiceError(f"{self.peer} answered {len(response.results)} of {len(calls)} calls",
-                                 grpc.StatusCode.INTERNAL)] * len(calls)
-        out: list = []
-        framing = 2 * GRPC_PREFIX_BYTES
-        for call, call_msg, result in zip(calls, request.calls, response.results):
-            error = error_from_status(result.status, self.peer)
-            if error is None:
-                try:
-                    out.append(self._verification(result.response, call,
-                                                  call_msg.ByteSize() + result.ByteSize() + framing))
-                    framing = 0
-                    continue
-                except ServiceError as exc:
-                    error = exc
-            out.append(error)
-        return out
+        return self._batch(self._stub.VerifyBatch, request, calls,
+                           lambda call, result, wire: self._verification(result.response, call, wire))
 
     def tokenizer_files(self) -> dict[str, bytes]:
         files: dict[str, bytearray] = {}

@@ -23,7 +23,10 @@ across sessions must not change what a request gets (the count and the list are 
 part of the step loop turned off (SETUPS: the ablation); --link-rtt-ms puts each worker behind a
 delaying TCP proxy (specdec_tools/link.py: this kernel has no netem) with that round trip between
 the orchestrator and each worker, and reports the RPCs and bytes that crossed the links per
-generated token and per round (0 = the proxy, counting, without delay; left out: no proxy).
+generated token and per round (0 = the proxy, counting, without delay; left out: no proxy); the
+orchestrators behind links poll their workers' load every 30 s instead of every second
+(--poll-interval 30), so the counts are the requests' own RPCs (sessions opened and closed,
+Propose/Verify or their batched forms) but for a poll or two per level.
 Writes runs.csv (one row per request), summary.csv, summary.json (plus the machine, the models
 and the command line), table.md and serve.png (aggregate tok/s and p95 latency against
 concurrency, one line per mode) to --out; prints the table. Exit 1 if a request failed or a
@@ -39,6 +42,7 @@ import math
 import os
 import platform
 import queue
+import re
 import shlex
 import signal
 import subprocess
@@ -90,11 +94,27 @@ def parse_modes(text: str) -> list[Mode]:
     return modes
 
 
+def setup_flags(name: str) -> tuple[str, ...]:
+    """A --setups item: a name of SETUPS, or orchestrator flags as FLAG=VALUE joined by '+'
+    (gamma-policy=fixed+step-loop=off -> --gamma-policy fixed --step-loop off)."""
+    if name in SETUPS:
+        return SETUPS[name]
+    flags: list[str] = []
+    for part in name.split("+"):
+        flag, eq, value = part.partition("=")
+        if not eq or not re.fullmatch(r"[a-z][a-z0-9-]*", flag) or not value:
+            raise argparse.ArgumentTypeError(f"--setups: '{name}' is neither one of {', '.join(SETUPS)} nor "
+                                             "FLAG=VALUE[+FLAG=VALUE...] (orchestrator flags without --)")
+        flags += [f"--{flag}", value]
+    return tuple(flags)
+
+
 def parse_setups(text: str) -> list[str]:
     names = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    unknown = [n for n in names if n not in SETUPS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"--setups: pick from {', '.join(SETUPS)}")
+    if not names:
+        raise argparse.ArgumentTypeError("--setups: give one or more setups")
+    for name in names:
+        setup_flags(name)
     return names
 
 
@@ -159,7 +179,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_PROMPTS})")
     p.add_argument("--out", default="bench_results/serve", help="output directory (default bench_results/serve)")
     p.add_argument("--setups", type=parse_setups, default=["default"],
-                   help=f"orchestrator setups to compare on the same workers: {', '.join(SETUPS)} (default default)")
+                   help=f"orchestrator setups to compare on the same workers: {', '.join(SETUPS)}, or orchestrator "
+                        "flags as FLAG=VALUE joined by + (e.g. gamma-policy=fixed+step-loop=off) (default default)")
     p.add_argument("--link-rtt-ms", type=parse_rtts, default=[], metavar="MS,...",
                    help="put each worker behind a delaying proxy with this round trip (ms; 0 = proxy, no delay), "
                         "and count the RPCs and bytes on the links (default: no proxy)")
@@ -278,9 +299,11 @@ def compare_outputs(records: list[RequestRecord]) -> dict:
     return {"checked": checked, "differ": differ, "unchecked": unchecked}
 
 
-def level_differences(records: list[RequestRecord], mode: str, level: int) -> str:
-    """'differing/checked' for one mode x level ('' where nothing was compared)."""
-    rs = [r for r in records if r.mode == mode and r.concurrency == level and r.same_as_c1 is not None]
+def level_differences(records: list[RequestRecord], mode: str, level: int, setup: str = "default",
+                      link_rtt_ms: float | None = None) -> str:
+    """'differing/checked' for one setup x link x mode x level ('' where nothing was compared)."""
+    rs = [r for r in records if (r.mode, r.concurrency, r.setup, r.link_rtt_ms) == (mode, level, setup, link_rtt_ms)
+          and r.same_as_c1 is not None]
     return f"{sum(not r.same_as_c1 for r in rs)}/{len(rs)}" if rs else ""
 
 
@@ -401,12 +424,13 @@ def _servers(stack, a: argparse.Namespace, links: dict) -> list[tuple[str, float
         if rtt is not None:
             links[rtt] = (DelayLink(f"127.0.0.1:{stack.ports['target']}", rtt),
                           DelayLink(f"127.0.0.1:{stack.ports['draft']}", rtt))
-            route = ("--target", links[rtt][0].address, "--draft", links[rtt][1].address)
+            # a load poll every 30 s, not every 1 s (one worker per pool needs none): the links carry the requests RPCs
+            route = ("--target", links[rtt][0].address, "--draft", links[rtt][1].address, "--poll-interval", "30")
         for setup in a.setups:
             if setup == "default" and rtt is None:
                 servers.append((setup, rtt, stack.address))
             else:
-                servers.append((setup, rtt, stack.add_orchestrator(*SETUPS[setup], *route)))
+                servers.append((setup, rtt, stack.add_orchestrator(*setup_flags(setup), *route)))
     return servers
 
 
@@ -528,12 +552,15 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         stack = ProcessStack(target_dir, draft_dir, draft_vocab=draft_vocab, pass_lock=a.pass_lock == "on")
         links: dict[float, tuple] = {}
         try:
-            servers = _servers(stack, a, links)
             t0 = time.monotonic()
-            log(f"starting target, draft and {len(servers)} orchestrator(s) ({models['target']} + {models['draft']}) ...")
+            log(f"starting target, draft and orchestrator ({models['target']} + {models['draft']}) ...")
             stack.start(stdout=subprocess.DEVNULL)
             stack.wait_until_ready(a.startup_timeout)
-            log(f"all SERVING after {time.monotonic() - t0:.1f} s")
+            # the other setups' orchestrators start once the workers serve (those behind links poll no load)
+            servers = _servers(stack, a, links)
+            stack.start(stdout=subprocess.DEVNULL)
+            stack.wait_until_ready(a.startup_timeout)
+            log(f"all SERVING after {time.monotonic() - t0:.1f} s ({len(servers)} setups)")
             from orchestrator.client import Client
 
             for setup, rtt, address in servers:
@@ -575,14 +602,15 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     greedy = a.temperature == 0
     comparison = compare_outputs(records) if greedy else None
     for row in rows:
-        row["outputs_differ"] = level_differences(records, row["mode"], row["concurrency"]) if greedy else ""
+        row["outputs_differ"] = level_differences(records, row["mode"], row["concurrency"], row["setup"],
+                                                  row["link_rtt_ms"]) if greedy else ""
     meta = {
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
                     "python": platform.python_version()},
         "models": models,
         "command": shlex.join(["specdec", *sys.argv[1:]]) if Path(sys.argv[0]).name == "specdec"
         else shlex.join([sys.executable, *sys.argv]),
-        "settings": {"setups": {name: list(SETUPS[name]) for name in a.setups}, "link_rtt_ms": a.link_rtt_ms,
+        "settings": {"setups": {name: list(setup_flags(name)) for name in a.setups}, "link_rtt_ms": a.link_rtt_ms,
                      "links": "delaying TCP proxies (specdec_tools/link.py), no netem on this kernel"
                      if a.link_rtt_ms else None,
                      "concurrency": levels, "requests_per_level": {str(c): requests_for_level(c, a.requests_per_level)

@@ -75,8 +75,8 @@ class ProcessStack:
         self.extra_addresses: list[str] = []  # more orchestrators (add_orchestrator)
 
     def add_orchestrator(self, *args: str) -> str:
-        """One more orchestrator on the same two workers, with its own flags (started by start());
-        returns its address. Benchmarks use it to compare orchestrator settings side by side."""
+        """One more orchestrator on the same two workers, with its own flags (started by the next
+        start(), which may come after the first); returns its address. Benchmarks use it to compare orchestrator settings side by side."""
         port = free_port()
         self.commands.append(["orchestrator", "--host", "127.0.0.1", "--port", str(port),
                               *self.commands[2][5:], *args])
@@ -99,9 +99,10 @@ class ProcessStack:
         return f"127.0.0.1:{self.ports['orchestrator']}"
 
     def start(self, stdout=None) -> "ProcessStack":
+        """Starts every process not started yet (orchestrators added after a start included)."""
         # own sessions: Ctrl-C reaches only us, and we stop the children in order
-        self.procs = [subprocess.Popen(argv, start_new_session=True, env=env, stdout=stdout)
-                      for argv, env in map(self._argv, self.commands)]
+        self.procs += [subprocess.Popen(argv, start_new_session=True, env=env, stdout=stdout)
+                       for argv, env in map(self._argv, self.commands[len(self.procs):])]
         return self
 
     def wait_until_ready(self, timeout_s: float) -> None:

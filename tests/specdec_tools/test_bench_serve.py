@@ -162,3 +162,15 @@ def test_smoke_setups_and_links(tmp_path, capsys):
     assert "RPCs/token" in printed and "| step-loop-off | 0 | on | 2 |" in printed
     assert summary["outputs"]["identical"], summary["outputs"]["differ"]
     assert rc == 0
+
+
+def test_setups_are_names_or_orchestrator_flags():
+    assert bs.setup_flags("step-loop-off") == ("--step-loop", "off")
+    assert bs.setup_flags("gamma-policy=fixed+step-loop=off") == ("--gamma-policy", "fixed", "--step-loop", "off")
+    assert bs.parse_setups("default, batched-wire-off,default") == ["default", "batched-wire-off"]
+    for bad in ("nonsense", "step-loop", "--step-loop=off", "gamma-policy=", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bs.parse_setups(bad)
+    assert bs.parse_rtts("0,1,10") == [0.0, 1.0, 10.0]
+    with pytest.raises(argparse.ArgumentTypeError):
+        bs.parse_rtts("-1")
