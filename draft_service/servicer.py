@@ -21,9 +21,9 @@ def proposal_to_proto(p: Proposal) -> draft_pb2.Proposal:
 
 class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftWorkerServicer):
     def Propose(self, request, context):
+        engine = self.authorized(request, context)  # first: an unknown session is NOT_FOUND, whatever else is wrong
         c = propose_call(request)
-        for p in self.authorized(request, context).propose(c.session_id, c.start, c.token_ids, c.gamma, c.params,
-                                                            c.seed, c.options):
+        for p in engine.propose(c.session_id, c.start, c.token_ids, c.gamma, c.params, c.seed, c.options):
             yield proposal_to_proto(p)
 
     def ProposeBatch(self, request, context):

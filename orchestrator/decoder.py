@@ -178,6 +178,8 @@ class SpeculativeDecoder:
         if self.limits.max_prompt_tokens and prompt_len > self.limits.max_prompt_tokens:
             raise InvalidArgument(f"the prompt has {prompt_len} tokens; this server accepts at most "
                                   f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)")
+        if request.seed is not None and not -(2**63) <= request.seed < 2**64:
+            raise InvalidArgument(f"seed must lie in [-2**63, 2**64 - 1], got {request.seed}")
         if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
         if request.top_logprobs and not request.logprobs:
@@ -216,7 +218,9 @@ class SpeculativeDecoder:
             span.set_attribute(t.GEN_AI_MAX_TOKENS, request.max_new_tokens)
             seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             generator = torch.Generator().manual_seed(seed)
-            span.set_attributes({t.SESSION_ID: session_id, t.GEN_AI_SEED: seed, t.GEN_AI_INPUT_TOKENS: len(prompt)})
+            # an attribute is a signed 64-bit integer: a seed past 2**63 - 1 shows as the same 64 bits, signed
+            span.set_attributes({t.SESSION_ID: session_id, t.GEN_AI_SEED: seed if seed < 2**63 else seed - 2**64,
+                                 t.GEN_AI_INPUT_TOKENS: len(prompt)})
             stats = GenerationStats(prompt_tokens=len(prompt), gamma=request.gamma)
             with self.tracer.start_as_current_span("prefill", context=ctx):
                 t0 = time.perf_counter()

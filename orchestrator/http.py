@@ -38,7 +38,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.admission import Admission, CallDeadline, client_key
 from orchestrator.detokenizer import token_bytes
@@ -93,8 +93,53 @@ def from_service_error(exc: ServiceError) -> OpenAIError:
     return OpenAIError(status, exc.message, type_, param, exc.code.name.lower())
 
 
+class _AsciiJSON(JSONResponse):
+    """JSON with non-ASCII characters escaped: an error message quoting the client's text
+    encodes whatever that text holds."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return _AsciiJSON(err.body(), status_code=err.status)
+
+
+def _unencodable(value, path: str = "") -> str | None:
+    """The path of the first string in a parsed JSON body that is not valid Unicode (a lone
+    surrogate such as "\\ud800", which JSON's escapes allow and UTF-8 cannot encode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _unencodable(key, path) or _unencodable(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _unencodable(item, f"{path}.{i}" if path else str(i))
+            if found:
+                return found
+    return None
+
+
+class _Body(BaseModel):
+    """A request body: unknown fields ignored (as OpenAI's server does); text that UTF-8 cannot
+    encode refused up front, naming where it is."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        where = _unencodable(data)
+        if where is not None:
+            raise OpenAIError(400, f"{where}: not valid Unicode text (a lone surrogate such as \\ud800)",
+                              param=where)
+        return data
 
 
 # ---- request bodies -----------------------------------------------------------------------------
@@ -104,10 +149,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    """Fields both endpoints take. Unknown fields are ignored, as OpenAI's server does."""
-
-    model_config = ConfigDict(extra="ignore")
+class _Common(_Body):
+    """Fields both endpoints take."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -226,8 +269,7 @@ class ChatCompletionRequest(_Common):
                                  logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0)
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

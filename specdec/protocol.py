@@ -55,8 +55,8 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:  # the wire's int32; any value >= the vocabulary is the same as 0
+            raise InvalidArgument(f"top_k must lie in [0, 2**31 - 1] (0 turns it off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
             raise InvalidArgument(f"top_p must lie in (0, 1], got {self.top_p}")
         return self

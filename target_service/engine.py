@@ -71,6 +71,7 @@ class TargetEngine(WorkerEngine):
                 bases = [lp - params.temperature * math.log(p.prob_of(a))
                          for lp, p, a in zip(at_argmax, probs, argmax.tolist())]
             if top_logprobs:
-                values, indices = logprobs.topk(top_logprobs, dim=-1)  # [gamma + 1, top_logprobs]
+                # [gamma + 1, top_logprobs]; a vocabulary smaller than asked gives all it has
+                values, indices = logprobs.topk(min(top_logprobs, logprobs.shape[-1]), dim=-1)
                 top = list(zip(indices.tolist(), values.tolist()))
         return (argmax.tolist() if params.greedy else None), probs, bases, top

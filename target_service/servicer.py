@@ -27,9 +27,10 @@ def verification_to_proto(v: Verification) -> target_pb2.VerifyResponse:
 
 class TargetServicer(SessionRpcs, target_pb2_grpc.TargetWorkerServicer):
     def Verify(self, request, context):
+        engine = self.authorized(request, context)  # first: an unknown session is NOT_FOUND, whatever else is wrong
         c = verify_call(request)
-        return verification_to_proto(self.authorized(request, context).verify(
-            c.session_id, c.start, c.token_ids, c.draft_token_ids, c.params, c.top_logprobs))
+        return verification_to_proto(engine.verify(c.session_id, c.start, c.token_ids, c.draft_token_ids, c.params,
+                                                   c.top_logprobs))
 
     def VerifyBatch(self, request, context):
         results = self.run_batch(request.calls, context, verify_call, lambda engine, calls: engine.verify_batch(calls))

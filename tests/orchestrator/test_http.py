@@ -148,6 +148,16 @@ BAD = {  # body changes -> (status, param, words in the message)
     "empty prompt": ({"prompt": ""}, 400, "prompt", "prompt"),
     "penalty": ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     "token id": ({"prompt": [10**7]}, 400, "prompt", "vocabulary"),
+    # values beyond what the decoder or the wire can hold (they were 500s)
+    "seed beyond uint64": ({"seed": 2**64}, 400, "seed", "seed"),
+    "seed below int64": ({"seed": -2**63 - 1}, 400, "seed", "seed"),
+    "huge seed": ({"seed": 2**100}, 400, "seed", "seed"),
+    "top_k beyond int32": ({"top_k": 2**31}, 400, "top_k", "top_k"),
+    # text UTF-8 cannot encode: a lone surrogate, which JSON's \u escapes allow
+    "surrogate prompt": ({"prompt": "a\ud800b"}, 400, "prompt", "Unicode"),
+    "surrogate in a prompt list": ({"prompt": ["ok", "\ud800"]}, 400, "prompt.1", "Unicode"),
+    "surrogate model": ({"model": "\ud800"}, 400, "model", "Unicode"),
+    "surrogate stop": ({"stop": ["\udfff"]}, 400, "stop.0", "Unicode"),
 }
 
 
@@ -156,13 +166,34 @@ def test_bad_requests_get_openai_errors_and_the_service_stays_healthy(http_stack
     change, status, param, words = BAD[case]
     body = {"model": http_stack["model"], "prompt": PROMPT, "max_tokens": 4, **change}
     body = {k: v for k, v in body.items() if v is not None}
-    r = httpx.post(http_stack["http"] + "/v1/completions", json=body, timeout=60)
+    r = _post_json(http_stack["http"] + "/v1/completions", body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"] and error["type"]
     ok = httpx.post(http_stack["http"] + "/v1/completions", timeout=60,
                     json={"model": http_stack["model"], "prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_the_edges_of_seed_and_top_k_are_served(http_stack):
+    for change in ({"seed": 2**64 - 1}, {"seed": -2**63}, {"top_k": 2**31 - 1}):
+        r = httpx.post(http_stack["http"] + "/v1/completions", timeout=60,
+                       json={"model": http_stack["model"], "prompt": PROMPT, "max_tokens": 2, **change})
+        assert r.status_code == 200, (change, r.text)
+
+
+def _post_json(url: str, body: dict) -> httpx.Response:
+    """POSTs body as JSON with non-ASCII escaped, as most clients send it (so a lone surrogate
+    travels as its \\u escape, which httpx's own json= cannot encode)."""
+    return httpx.post(url, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
+
+
+def test_tokenize_and_chat_refuse_lone_surrogates_with_openai_errors(http_stack):
+    r = _post_json(http_stack["http"] + "/tokenize", {"prompt": "\ud800"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = _post_json(http_stack["http"] + "/v1/chat/completions", {
+        "model": http_stack["model"], "messages": [{"role": "user", "content": "hi \udbff"}], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content", r.text
 
 
 def test_sdk_raises_its_own_error_classes(oai, http_stack):
