@@ -23,6 +23,10 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--http-port", int, None, "also serve the OpenAI-compatible HTTP API (/v1/completions, "
          "/v1/chat/completions, /v1/models, /tokenize, /health) on this port, same host, TLS and tokens; "
          "0: any free port (default: off)"),
+    Flag("--http-max-body", int, 4 * 1024 * 1024, "the largest HTTP request body in bytes; a larger one gets 413 "
+         "before it is parsed (a declared Content-Length at once, else as it arrives)", field="http_max_body_bytes"),
+    Flag("--http-body-timeout", float, 30.0, "seconds an HTTP client has to send each piece of its request body; "
+         "beyond it 408 and the connection is let go", field="http_body_timeout_s"),
     Flag("--served-model-name", help="the model id the HTTP API lists and accepts (default: the target's name)"),
     Flag("--max-workers", int, 32, "client requests decoding at once; more wait in the queue"),
     Flag("--max-queued", int, 128, "requests that may wait for a turn; beyond them RESOURCE_EXHAUSTED"),
@@ -91,6 +95,8 @@ class OrchestratorConfig(ServedConfig):
     port: int = 0  # 0: any free port (the command line's default is 50050)
     http_port: int | None = None  # the OpenAI-compatible HTTP API (orchestrator/http.py); None: off
     served_model_name: str | None = None  # its model id (None: the target's model name)
+    http_max_body_bytes: int = FLAGS.default("http_max_body_bytes")
+    http_body_timeout_s: float = FLAGS.default("http_body_timeout_s")
     max_workers: int = FLAGS.default("max_workers")
     max_queued: int = FLAGS.default("max_queued")
     max_per_client: int = FLAGS.default("max_per_client")

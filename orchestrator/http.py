@@ -38,6 +38,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.admission import Admission, CallDeadline, client_key
@@ -300,7 +301,7 @@ class FrontDoor:
 
     def __init__(self, slot, admission: Admission, *, tokens: "TokenSet | frozenset[str]" = frozenset(),
                  served_model_name: str | None = None, serving: Callable[[], bool] = lambda: True,
-                 request_timeout_s: float = 0.0):
+                 request_timeout_s: float = 0.0, max_body_bytes: int = 4 * 1024 * 1024, body_timeout_s: float = 30.0):
         self.slot, self.admission = slot, admission
         self._tokens = tokens if isinstance(tokens, TokenSet) else TokenSet(tokens)
         self._served_name = served_model_name
@@ -309,7 +310,8 @@ class FrontDoor:
         # every running and every queued request holds a thread; the admission queue refuses the rest
         self._pool = ThreadPoolExecutor(max_workers=admission.max_running + admission.max_queued + 4,
                                         thread_name_prefix="http")
-        self.app = self._build()
+        # the token and the body's size are checked before the app parses a byte of it (_Guard)
+        self.app = _Guard(self._build(), self._tokens, max_body_bytes, body_timeout_s)
 
     @property
     def model_name(self) -> str:
@@ -321,12 +323,6 @@ class FrontDoor:
 
     # -- plumbing --
 
-    def _authorize(self, request: Request) -> None:
-        if not self._tokens:
-            return
-        if not self._tokens.holds(_bearer(request)):
-            raise OpenAIError(401, "missing or invalid bearer token (send 'Authorization: Bearer <token>')",
-                              "authentication_error", code="invalid_api_key")
 
     def _check_model(self, model: str | None) -> None:
         name = self.model_name
@@ -411,7 +407,9 @@ class FrontDoor:
     # -- endpoints --
 
     def _build(self) -> FastAPI:
-        app = FastAPI(title="specdec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+        # no redirect from /path/ to /path: a client gets a 404 in OpenAI's shape instead of a 307
+        app = FastAPI(title="specdec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                      redirect_slashes=False)
 
         @app.exception_handler(OpenAIError)
         async def openai_error(request: Request, exc: OpenAIError):
@@ -421,9 +419,27 @@ class FrontDoor:
         async def service_error(request: Request, exc: ServiceError):
             return error_response(from_service_error(exc))
 
+        @app.exception_handler(StarletteHTTPException)
+        async def framework_error(request: Request, exc: StarletteHTTPException):
+            """The framework's own refusals (no such path, a wrong method, a body it cannot
+            parse), in OpenAI's shape as the rest."""
+            if exc.status_code == 404:
+                message = f"Invalid URL ({request.method} {request.url.path})"
+            elif exc.status_code == 405:
+                message = f"{request.method} is not allowed on {request.url.path}"
+            elif exc.status_code == 400:
+                message = "body: could not be parsed as JSON (invalid UTF-8, or nested too deeply)"
+            else:
+                message = str(exc.detail)
+            return error_response(OpenAIError(exc.status_code, message, code=None))
+
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError):
             first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+            if first.get("type") == "json_invalid":  # the position is not a field
+                where = first.get("loc", ("body", "?"))[-1]
+                reason = (first.get("ctx") or {}).get("error", "invalid")
+                return error_response(OpenAIError(400, f"body: not valid JSON ({reason} at character {where})"))
             loc = [str(x) for x in first.get("loc", ()) if x != "body"]
             param = ".".join(loc) or None
             return error_response(OpenAIError(400, f"{param or 'body'}: {first.get('msg')}", param=param))
@@ -435,14 +451,12 @@ class FrontDoor:
 
         @app.get("/v1/models")
         async def models(request: Request):
-            self._authorize(request)
             decoder = self.slot.get()
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                 "owned_by": "specdec", "max_model_len": decoder.max_context}]}
 
         @app.post("/tokenize")
         async def tokenize(body: TokenizeRequest, request: Request):
-            self._authorize(request)
             self._check_model(body.model)
             if (body.prompt is None) == (body.messages is None):
                 raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -463,11 +477,10 @@ class FrontDoor:
         return app
 
     async def _answer(self, body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool):
-        self._authorize(request)
         self._check_model(body.model)
         generation = body.to_generation()
         call = _Call()
-        token = _bearer(request) if self._tokens else None
+        token = _bearer(dict(request.scope["headers"])) if self._tokens else None
         chunks = self._chunks(generation, call, client_key(token, f"http:{request.client.host if request.client else ''}"))
         first = await self._first(chunks)
         answer = Answer(chat, self.model_name, self.slot.get().tokenizer if generation.logprobs else None)
@@ -578,9 +591,70 @@ class Answer:
         yield "data: [DONE]\n\n"
 
 
-def _bearer(request: Request) -> bytes | None:
-    header = request.headers.get("authorization", "")
-    return header[len("Bearer "):].strip().encode() if header.startswith("Bearer ") else None
+class _Guard:
+    """ASGI middleware in front of the door: before the app reads a byte of a request's body, the
+    bearer token (every path but /health) and the declared Content-Length; while the body arrives,
+    its size (at most max_body_bytes, else 413) and its pace (each piece within body_timeout_s,
+    else 408). A body that passes is handed to the app whole, so nothing unbounded is parsed."""
+
+    def __init__(self, app, tokens: TokenSet, max_body_bytes: int, body_timeout_s: float):
+        self.app, self.tokens = app, tokens
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.tokens and scope["path"] != "/health" and not self.tokens.holds(_bearer(headers)):
+            return await _refuse(send, OpenAIError(
+                401, "missing or invalid bearer token (send 'Authorization: Bearer <token>')",
+                "authentication_error", code="invalid_api_key"))
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            return await _refuse(send, self._too_large())
+        body = bytearray()
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s or None)
+            except asyncio.TimeoutError:
+                return await _refuse(send, OpenAIError(
+                    408, f"the request body did not arrive within {self.body_timeout_s:g} s", code="timeout"))
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                return await _refuse(send, self._too_large())
+            if not message.get("more_body", False):
+                break
+        handed = False
+
+        async def replay():
+            nonlocal handed
+            if not handed:
+                handed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # a streamed answer still learns of its client leaving
+
+        return await self.app(scope, replay, send)
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(413, f"the request body is larger than this server's limit of {self.max_body_bytes} "
+                                "bytes (--http-max-body)", code="request_too_large")
+
+
+async def _refuse(send, err: OpenAIError) -> None:
+    """An error answer sent straight from the ASGI layer; the connection closes after it (the
+    rest of a refused body is not read)."""
+    payload = json.dumps(err.body(), ensure_ascii=True).encode("ascii")
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _bearer(headers: dict) -> bytes | None:
+    header = headers.get(b"authorization", b"").decode("latin-1")
+    return header[len("Bearer "):].strip().encode("latin-1") if header.startswith("Bearer ") else None
 
 
 def _finite(logprob: float) -> float:

@@ -150,7 +150,9 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
             else TokenSet()
         parts.http = HttpServer(FrontDoor(slot, admission, tokens=tokens,
                                           served_model_name=config.served_model_name,
-                                          serving=lambda: parts.serving, request_timeout_s=config.request_timeout_s),
+                                          serving=lambda: parts.serving, request_timeout_s=config.request_timeout_s,
+                                          max_body_bytes=config.http_max_body_bytes,
+                                          body_timeout_s=config.http_body_timeout_s),
                                 config.host, config.http_port, config.tls, config.log_level).start()
         parts.on_stop.insert(0, lambda: parts.http.stop(config.drain_timeout_s))
     _queue_gauges(parts.telemetry.meter, admission)

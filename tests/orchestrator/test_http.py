@@ -334,3 +334,85 @@ def test_the_servers_deadline_applies_to_http_requests(http_stack, target_engine
         wait_for(lambda: http_stack["orchestrator"].admission.running == 0, 30, "the slots freed")
     finally:
         server.stop()
+
+
+FRAMEWORK_CASES = {  # (method, path, raw body) -> status; every answer in OpenAI's error shape
+    "unknown path": ("POST", "/v1/nothing", b"{}", 404),
+    "wrong method": ("GET", "/v1/completions", None, 405),
+    "trailing slash": ("POST", "/v1/completions/", b"{}", 404),
+    "malformed JSON": ("POST", "/v1/completions", b'{"model": "m", "prompt": "a"', 400),
+    "invalid UTF-8": ("POST", "/v1/completions", b'{"model": "\xff\xfe"}', 400),
+    "nested too deeply": ("POST", "/v1/completions", b"[" * 1000 + b"]" * 1000, 400),
+}
+
+
+@pytest.mark.parametrize("case", FRAMEWORK_CASES)
+def test_the_frameworks_own_refusals_come_in_openais_shape(http_stack, case):
+    method, path, body, status = FRAMEWORK_CASES[case]
+    r = httpx.request(method, http_stack["http"] + path, content=body, timeout=60,
+                      headers={"content-type": "application/json"}, follow_redirects=False)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"], error
+    assert error["param"] is None  # a character position or a path is not a request field
+
+
+def _raw_exchange(port: int, head: bytes, body_parts=(), pause_s: float = 0.0) -> tuple[int, dict, float]:
+    """Sends a request head and body pieces over a plain socket; returns (status, error body,
+    seconds from the end of the head to the answer)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        t0 = time.monotonic()
+        for part in body_parts:
+            time.sleep(pause_s)
+            try:
+                sock.sendall(part)
+            except OSError:  # the server answered and closed first
+                break
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+                dict(line.split(b": ", 1) for line in data.split(b"\r\n\r\n")[0].split(b"\r\n")[1:])
+                .get(b"content-length", b"0")):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        elapsed = time.monotonic() - t0
+    head_part, _, payload = data.partition(b"\r\n\r\n")
+    return int(head_part.split()[1]), json.loads(payload)["error"], elapsed
+
+
+def test_the_token_and_the_size_are_checked_before_the_body_is_read(target_engine, draft_engine, tmp_path):
+    """A caller without the token, announcing a 50 MB body it never sends, gets 401 at once; one
+    with the token gets 413 for the size, and 413 too when a body without a length grows past
+    the limit; a body that stalls gets 408 after --http-body-timeout. The door stays healthy."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    stack = start_stack(target_engine, draft_engine, http_port=0, auth_token_file=str(tokens),
+                        http_max_body_bytes=10_000, http_body_timeout_s=0.5)
+    port = stack["orchestrator"].http.port
+    model = stack["orchestrator"].slot.decoder.target_info.model_name
+
+    def head(auth: bool, length: int | None) -> bytes:
+        lines = [b"POST /v1/completions HTTP/1.1", b"Host: x", b"Content-Type: application/json"]
+        lines += [b"Authorization: Bearer s3cret"] if auth else []
+        lines += [b"Content-Length: %d" % length] if length is not None else [b"Transfer-Encoding: chunked"]
+        return b"\r\n".join(lines) + b"\r\n\r\n"
+
+    try:
+        status, error, _ = _raw_exchange(port, head(False, 50_000_000))
+        assert status == 401 and error["type"] == "authentication_error"
+        status, error, _ = _raw_exchange(port, head(True, 50_000_000))
+        assert status == 413 and "10000" in error["message"]
+        piece = b"2000\r\n" + b" " * 0x2000 + b"\r\n"  # chunked, 8 KiB each: past 10,000 bytes at the second
+        status, error, _ = _raw_exchange(port, head(True, None), [piece] * 4)
+        assert status == 413
+        status, error, elapsed = _raw_exchange(port, head(True, 100), [b'{"model": '], pause_s=0.0)
+        assert status == 408 and error["code"] == "timeout"
+        ok = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, headers={"Authorization": "Bearer s3cret"},
+                        json={"model": model, "prompt": PROMPT, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+    finally:
+        stop_stack(stack)
