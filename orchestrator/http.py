@@ -675,6 +675,9 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # accepted connections inherit it: a response's head and body go out as written, not after
+        # the client's delayed ACK (the 40 ms keep-alive stall of Nagle's algorithm)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
         self.door = door

