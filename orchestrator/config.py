@@ -27,6 +27,10 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          "before it is parsed (a declared Content-Length at once, else as it arrives)", field="http_max_body_bytes"),
     Flag("--http-body-timeout", float, 30.0, "seconds an HTTP client has to send each piece of its request body; "
          "beyond it 408 and the connection is let go", field="http_body_timeout_s"),
+    Flag("--http-head-timeout", float, 10.0, "seconds an HTTP client has to send a request's line and headers, "
+         "from connecting or from its last answer; beyond it the connection is closed (0: no limit)",
+         field="http_head_timeout_s"),
+    Flag("--http-max-connections", int, 1024, "open HTTP connections beyond which a request gets 503 (0: no limit)"),
     Flag("--served-model-name", help="the model id the HTTP API lists and accepts (default: the target's name)"),
     Flag("--max-workers", int, 32, "client requests decoding at once; more wait in the queue"),
     Flag("--max-queued", int, 128, "requests that may wait for a turn; beyond them RESOURCE_EXHAUSTED"),
@@ -97,6 +101,8 @@ class OrchestratorConfig(ServedConfig):
     served_model_name: str | None = None  # its model id (None: the target's model name)
     http_max_body_bytes: int = FLAGS.default("http_max_body_bytes")
     http_body_timeout_s: float = FLAGS.default("http_body_timeout_s")
+    http_head_timeout_s: float = FLAGS.default("http_head_timeout_s")
+    http_max_connections: int = FLAGS.default("http_max_connections")
     max_workers: int = FLAGS.default("max_workers")
     max_queued: int = FLAGS.default("max_queued")
     max_per_client: int = FLAGS.default("max_per_client")

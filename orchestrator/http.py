@@ -665,11 +665,58 @@ def _finite(logprob: float) -> float:
 # ---- the server ---------------------------------------------------------------------------------
 
 
+def _head_timed_protocol(head_timeout_s: float):
+    """uvicorn's h11 protocol, letting go of a connection whose request head (request line and
+    headers) is not complete head_timeout_s after it opened or after its last answer: a client
+    that sends nothing, or half its headers, no longer holds a connection for ever."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimedH11(H11Protocol):
+        _head_timer = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_late(self) -> None:
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # a whole head arrived
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm()  # the next request's head, on a kept-alive connection
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeadTimedH11
+
+
 class HttpServer:
-    """uvicorn serving a FrontDoor on a thread of its own; bind first, so port 0 works."""
+    """uvicorn serving a FrontDoor on a thread of its own; bind first, so port 0 works. Slow
+    clients are let go: a request head must arrive within head_timeout_s (and each piece of a
+    body within the door's body timeout); beyond max_connections open connections a request gets
+    503."""
 
     def __init__(self, door: FrontDoor, host: str, port: int, tls: ServerTls | None = None,
-                 log_level: str = "info"):
+                 log_level: str = "info", head_timeout_s: float = 10.0, max_connections: int = 1024):
         import uvicorn
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -686,8 +733,11 @@ class HttpServer:
             kwargs = dict(ssl_certfile=tls.cert, ssl_keyfile=tls.key)
             if tls.client_ca:
                 kwargs.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        if head_timeout_s > 0:
+            kwargs["http"] = _head_timed_protocol(head_timeout_s)
         self.server = uvicorn.Server(uvicorn.Config(door.app, log_level=log_level, lifespan="off",
-                                                    access_log=False, timeout_graceful_shutdown=5, **kwargs))
+                                                    access_log=False, timeout_graceful_shutdown=5,
+                                                    limit_concurrency=max_connections or None, **kwargs))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="http",
                                        daemon=True)
 

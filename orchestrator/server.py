@@ -153,7 +153,9 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
                                           serving=lambda: parts.serving, request_timeout_s=config.request_timeout_s,
                                           max_body_bytes=config.http_max_body_bytes,
                                           body_timeout_s=config.http_body_timeout_s),
-                                config.host, config.http_port, config.tls, config.log_level).start()
+                                config.host, config.http_port, config.tls, config.log_level,
+                                head_timeout_s=config.http_head_timeout_s,
+                                max_connections=config.http_max_connections).start()
         parts.on_stop.insert(0, lambda: parts.http.stop(config.drain_timeout_s))
     _queue_gauges(parts.telemetry.meter, admission)
     if decoder is not None:

@@ -387,11 +387,12 @@ def _raw_exchange(port: int, head: bytes, body_parts=(), pause_s: float = 0.0) -
 def test_the_token_and_the_size_are_checked_before_the_body_is_read(target_engine, draft_engine, tmp_path):
     """A caller without the token, announcing a 50 MB body it never sends, gets 401 at once; one
     with the token gets 413 for the size, and 413 too when a body without a length grows past
-    the limit; a body that stalls gets 408 after --http-body-timeout. The door stays healthy."""
+    the limit; a body that stalls gets 408 after --http-body-timeout, a head that stalls is let go
+    after --http-head-timeout. The door stays healthy."""
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret\n")
     stack = start_stack(target_engine, draft_engine, http_port=0, auth_token_file=str(tokens),
-                        http_max_body_bytes=10_000, http_body_timeout_s=0.5)
+                        http_max_body_bytes=10_000, http_body_timeout_s=0.5, http_head_timeout_s=0.5)
     port = stack["orchestrator"].http.port
     model = stack["orchestrator"].slot.decoder.target_info.model_name
 
@@ -414,6 +415,20 @@ def test_the_token_and_the_size_are_checked_before_the_body_is_read(target_engin
         ok = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, headers={"Authorization": "Bearer s3cret"},
                         json={"model": model, "prompt": PROMPT, "max_tokens": 2})
         assert ok.status_code == 200, ok.text
+        # slow heads: nothing sent, half the headers, half the headers of a kept-alive connection's
+        # second request: each connection is closed (--http-head-timeout), with no answer
+        import socket
+
+        for first, then in ((b"", b""), (b"GET /health HTTP/1.1\r\nHost: x\r\n", b""),
+                            (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /health HTTP/1.1\r\n")):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(first)
+                answered = b""
+                if first.endswith(b"\r\n\r\n"):
+                    while b"serving" not in answered:
+                        answered += sock.recv(4096)
+                    sock.sendall(then)
+                assert sock.recv(4096) == b"", (first, then)  # closed, not held open
     finally:
         stop_stack(stack)
 
