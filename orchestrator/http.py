@@ -604,6 +604,11 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope.get("http_version") not in ("1.0", "1.1"):  # h11 reads any HTTP/x.y request line
+            return await _refuse(send, OpenAIError(505, f"HTTP/{scope.get('http_version')} is not supported; "
+                                                        "send HTTP/1.1", code="http_version_not_supported"))
+        if scope["http_version"] == "1.0":  # no keep-alive for HTTP/1.0: say so, or its client reuses a closed socket
+            send = _closing(send)
         headers = dict(scope["headers"])
         if self.tokens and scope["path"] != "/health" and not self.tokens.holds(_bearer(headers)):
             return await _refuse(send, OpenAIError(
@@ -640,6 +645,16 @@ class _Guard:
     def _too_large(self) -> OpenAIError:
         return OpenAIError(413, f"the request body is larger than this server's limit of {self.max_body_bytes} "
                                 "bytes (--http-max-body)", code="request_too_large")
+
+
+def _closing(send):
+    """send, with `Connection: close` on the answer's head."""
+    async def closing_send(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        await send(message)
+
+    return closing_send
 
 
 async def _refuse(send, err: OpenAIError) -> None:

@@ -443,3 +443,20 @@ def test_answers_are_not_held_back_by_nagles_algorithm(http_stack):
     assert server.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     with httpx.Client() as client:  # one kept-alive connection, several answers
         assert all(client.get(http_stack["http"] + "/health").status_code == 200 for _ in range(5))
+
+
+@pytest.mark.parametrize("version, status", [(b"HTTP/1.0", 200), (b"HTTP/2.0", 505), (b"HTTP/9.9", 505)])
+def test_http_versions_are_answered_as_they_can_be_served(http_stack, version, status):
+    """HTTP/1.0 is served and told the connection closes (its clients would otherwise reuse a
+    closed socket); request lines claiming other versions get 505, not a 1.1 answer."""
+    import socket
+
+    port = int(http_stack["http"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"GET /health " + version + b"\r\nHost: x\r\nConnection: keep-alive\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+    head = data.split(b"\r\n\r\n", 1)[0].lower()
+    assert int(head.split()[1]) == status, data
+    assert b"connection: close" in head
