@@ -19,7 +19,9 @@ mean gamma, the ratio of aggregate tok/s to the same mode's concurrency 1, and t
 each mode to `off` at the same level. Greedy runs (--temperature 0) also check that every
 output at concurrency > 1 equals the concurrency-1 output of the same prompt and mode: batching
 across sessions must not change what a request gets (the count and the list are printed).
---setups runs the same levels through more orchestrators on the same two workers, each with one
+--api grpc,http runs the stack's own orchestrator's levels through its OpenAI-compatible door too
+(chat completions streamed over one kept-alive connection per client), beside the gRPC run, with
+the gap between tokens after the first (ms/token) for both. --setups runs the same levels through more orchestrators on the same two workers, each with one
 part of the step loop turned off (SETUPS: the ablation); --link-rtt-ms puts each worker behind a
 delaying TCP proxy (specdec_tools/link.py: this kernel has no netem) with that round trip between
 the orchestrator and each worker, and reports the RPCs and bytes that crossed the links per
@@ -128,6 +130,13 @@ def parse_rtts(text: str) -> list[float]:
     return rtts
 
 
+def parse_apis(text: str) -> list[str]:
+    apis = list(dict.fromkeys(s.strip().lower() for s in text.split(",") if s.strip()))
+    if not apis or set(apis) - {"grpc", "http"}:
+        raise argparse.ArgumentTypeError("--api: grpc, http or both")
+    return apis
+
+
 def parse_levels(text: str) -> list[int]:
     try:
         levels = sorted({int(s) for s in text.split(",") if s.strip()})
@@ -184,6 +193,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-rtt-ms", type=parse_rtts, default=[], metavar="MS,...",
                    help="put each worker behind a delaying proxy with this round trip (ms; 0 = proxy, no delay), "
                         "and count the RPCs and bytes on the links (default: no proxy)")
+    p.add_argument("--api", type=parse_apis, default=["grpc"],
+                   help="client APIs to compare: grpc (the Python client), http (the OpenAI-compatible door, "
+                        "streamed server-sent events over one kept-alive connection per client) (default grpc)")
     p.add_argument("--startup-timeout", type=float, default=1800.0)
     p.add_argument("--request-timeout", type=float, default=3600.0, help="each request's deadline in seconds")
 
@@ -214,6 +226,8 @@ class RequestRecord:
     same_as_c1: bool | None = None  # greedy, concurrency > 1: equal to the concurrency-1 output
     setup: str = "default"  # --setups
     link_rtt_ms: float | None = None  # --link-rtt-ms; None: no proxy
+    api: str = "grpc"  # --api
+    ms_per_token: float | None = None  # (latency - TTFT) / (tokens after the first): the gap between tokens
     token_ids: list[int] = field(default_factory=list, repr=False)
 
 
@@ -252,6 +266,7 @@ def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
         "latency_p95_s": _round(percentile(lat, 95)),
         "acceptance_rate": _round(accepted / drafted if drafted else None),
         "mean_gamma": _round(sum(gammas) / len(gammas) if gammas else None, 3),
+        "ms_per_token_p50": _round(percentile([r.ms_per_token for r in ok if r.ms_per_token is not None], 50), 2),
     }
 
 
@@ -259,8 +274,8 @@ def add_ratios(rows: list[dict], off_mode: str = "off") -> list[dict]:
     """Sets, on each row (keys mode, concurrency, aggregate_tok_s), vs_c1: aggregate tok/s over the
     same mode's concurrency-1 aggregate, and vs_off: over the `off_mode` row at the same level
     (None where that row is missing, or for the off mode itself). Returns rows."""
-    def group(r):  # ratios stay within one setup and link
-        return r.get("setup", "default"), r.get("link_rtt_ms")
+    def group(r):  # ratios stay within one setup, link and API
+        return r.get("setup", "default"), r.get("link_rtt_ms"), r.get("api", "grpc")
 
     by_key = {(group(r), r["mode"], r["concurrency"]): r for r in rows}
 
@@ -280,6 +295,7 @@ def compare_outputs(records: list[RequestRecord]) -> dict:
     prompt (its first, if it ran more than once; from any setup and link: they must all agree). Sets each record's same_as_c1 (None: no
     reference) and returns {"checked", "differ": [{mode, concurrency, request, prompt}], "unchecked"}."""
     reference: dict[tuple[str, int], list[int]] = {}
+    records = [r for r in records if r.api == "grpc"]  # HTTP answers carry text, not token ids
     for r in records:
         if r.concurrency == 1 and not r.error:
             reference.setdefault((r.mode, r.prompt), r.token_ids)
@@ -303,16 +319,17 @@ def level_differences(records: list[RequestRecord], mode: str, level: int, setup
                       link_rtt_ms: float | None = None) -> str:
     """'differing/checked' for one setup x link x mode x level ('' where nothing was compared)."""
     rs = [r for r in records if (r.mode, r.concurrency, r.setup, r.link_rtt_ms) == (mode, level, setup, link_rtt_ms)
-          and r.same_as_c1 is not None]
+          and r.api == "grpc" and r.same_as_c1 is not None]
     return f"{sum(not r.same_as_c1 for r in rs)}/{len(rs)}" if rs else ""
 
 
 TABLE_COLUMNS = [
-    ("setup", "setup", "{}"), ("link_rtt_ms", "link RTT ms", "{:g}"), ("mode", "mode", "{}"), ("concurrency", "clients", "{}"), ("requests", "requests", "{}"),
+    ("api", "API", "{}"), ("setup", "setup", "{}"), ("link_rtt_ms", "link RTT ms", "{:g}"), ("mode", "mode", "{}"), ("concurrency", "clients", "{}"), ("requests", "requests", "{}"),
     ("aggregate_tok_s", "aggregate tok/s", "{:.2f}"), ("vs_c1", "vs c=1", "{:.2f}x"), ("vs_off", "vs off", "{:.2f}x"),
     ("mean_request_tok_s", "tok/s per request", "{:.2f}"), ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
     ("ttft_p95_s", "TTFT p95 s", "{:.3f}"), ("latency_p50_s", "latency p50 s", "{:.3f}"),
-    ("latency_p95_s", "latency p95 s", "{:.3f}"), ("acceptance_rate", "acceptance", "{:.3f}"),
+    ("latency_p95_s", "latency p95 s", "{:.3f}"), ("ms_per_token_p50", "ms/token after the first p50", "{:.1f}"),
+    ("acceptance_rate", "acceptance", "{:.3f}"),
     ("mean_gamma", "gamma", "{:g}"), ("rpcs_per_token", "RPCs/token", "{:.2f}"),
     ("rpcs_per_round", "RPCs/round", "{:.2f}"), ("bytes_per_token", "bytes/token", "{:,.0f}"),
     ("outputs_differ", "differ from c=1", "{}"), ("errors", "errors", "{}"),
@@ -322,9 +339,9 @@ TABLE_COLUMNS = [
 def format_table(rows: list[dict]) -> str:
     """The markdown table; columns no row fills (setup and link when not compared, link counts
     without --link-rtt-ms) are left out."""
-    optional = {"setup", "link_rtt_ms", "rpcs_per_token", "rpcs_per_round", "bytes_per_token"}
+    optional = {"api", "setup", "link_rtt_ms", "rpcs_per_token", "rpcs_per_round", "bytes_per_token"}
     columns = [(key, title, fmt) for key, title, fmt in TABLE_COLUMNS
-               if key not in optional or any(r.get(key) is not None and r.get(key) != "default" for r in rows)]
+               if key not in optional or any(r.get(key) not in (None, "default", "grpc") for r in rows)]
     head = "| " + " | ".join(title for _, title, _ in columns) + " |"
     lines = [head, "|" + "---|" * len(columns)]
     for r in rows:
@@ -355,9 +372,55 @@ def _one_request(client, mode: Mode, prompt: str, a: argparse.Namespace, seed: i
     return time.perf_counter() - t0, ttft, token_ids, finish, stats
 
 
+class HttpClient:
+    """The OpenAI-compatible door as a bench client: chat completions streamed as server-sent
+    events over one kept-alive connection (as the openai SDK does)."""
+
+    def __init__(self, base: str, timeout_s: float):
+        import httpx
+
+        self.base, self.http = base, httpx.Client(timeout=timeout_s)
+        self.model = self.http.get(base + "/v1/models").json()["data"][0]["id"]
+
+    def stream(self, messages, max_new_tokens: int, temperature: float, gamma=None, seed=None):
+        """Yields (text, finish_reason, usage) per event."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_new_tokens, "temperature": temperature,
+                "stream": True, "stream_options": {"include_usage": True}}
+        body.update({k: v for k, v in (("gamma", gamma), ("seed", seed)) if v is not None})
+        with self.http.stream("POST", self.base + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                choice = (event.get("choices") or [{}])[0]
+                yield (choice.get("delta") or {}).get("content") or "", choice.get("finish_reason"), event.get("usage")
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _one_http_request(client: HttpClient, mode: Mode, prompt: str, a: argparse.Namespace, seed: int):
+    """As _one_request, over HTTP: (latency_s, ttft_s, [], finish_reason, stats with the token count)."""
+    ttft, finish, stats = None, "", {}
+    t0 = time.perf_counter()
+    for text, finish_reason, usage in client.stream([{"role": "user", "content": prompt}], a.max_new_tokens,
+                                                    a.temperature, mode.gamma, seed if a.temperature > 0 else None):
+        if text and ttft is None:
+            ttft = time.perf_counter() - t0
+        if finish_reason:
+            finish = finish_reason
+        if usage:
+            stats = {"generated_tokens": usage["completion_tokens"]}
+    return time.perf_counter() - t0, ttft, [], finish, stats
+
+
 def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: argparse.Namespace,
-              log) -> tuple[list[RequestRecord], float]:
-    """`level` threads, one Client each, drain the level's request list; returns (records, wall_s)."""
+              log, api: str = "grpc") -> tuple[list[RequestRecord], float]:
+    """`level` threads, one client each (gRPC, or HTTP at `address` = its base URL), drain the
+    level's request list; returns (records, wall_s)."""
     from orchestrator.client import Client
     from specdec_tools.bench import PROMPTS
 
@@ -367,7 +430,9 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
         work.put((i, prompt_ids[i % len(prompt_ids)]))
     records: list[RequestRecord] = []
     lock = threading.Lock()
-    clients = [Client(address, timeout_s=a.request_timeout) for _ in range(level)]
+    clients = [HttpClient(address, a.request_timeout) if api == "http" else Client(address, timeout_s=a.request_timeout)
+               for _ in range(level)]
+    one = _one_http_request if api == "http" else _one_request
     start = threading.Barrier(level + 1)
     t_level = [0.0]
 
@@ -381,10 +446,12 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
             t_start = time.perf_counter() - t_level[0]
             rec = RequestRecord(mode.name, level, i, p, thread, round(t_start, 4), 0.0, None, 0, 0.0)
             try:
-                latency, ttft, ids, finish, stats = _one_request(clients[thread], mode, PROMPTS[p], a, seed=p + 1)
+                latency, ttft, ids, finish, stats = one(clients[thread], mode, PROMPTS[p], a, seed=p + 1)
                 rec.latency_s, rec.ttft_s, rec.token_ids, rec.finish_reason = latency, ttft, ids, finish
                 rec.generated_tokens = stats.get("generated_tokens", len(ids))
                 rec.tokens_per_s = rec.generated_tokens / latency if latency > 0 else 0.0
+                if ttft is not None and rec.generated_tokens > 1:
+                    rec.ms_per_token = 1e3 * (latency - ttft) / (rec.generated_tokens - 1)
                 rec.drafted_tokens = stats.get("drafted_tokens", 0)
                 rec.accepted_tokens = stats.get("accepted_tokens", 0)
                 rec.rounds = stats.get("rounds", 0)
@@ -507,15 +574,15 @@ def plot(rows: list[dict], path: Path, title: str = "") -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     def line(r):
-        return r.get("setup", "default"), r.get("link_rtt_ms"), r["mode"]
+        return r.get("api", "grpc"), r.get("setup", "default"), r.get("link_rtt_ms"), r["mode"]
 
     lines = list(dict.fromkeys(map(line, rows)))
     levels = sorted({r["concurrency"] for r in rows})
-    for setup, rtt, mode in lines:
-        rs = sorted((r for r in rows if line(r) == (setup, rtt, mode)), key=lambda r: r["concurrency"])
+    for api, setup, rtt, mode in lines:
+        rs = sorted((r for r in rows if line(r) == (api, setup, rtt, mode)), key=lambda r: r["concurrency"])
         label = "speculation on (server gamma)" if mode == "on" else "off (gamma 0)" if mode == "off" else mode
-        if setup != "default" or rtt is not None:
-            label += f" [{setup}{'' if rtt is None else f', {rtt:g} ms RTT'}]"
+        if setup != "default" or rtt is not None or api != "grpc":
+            label += f" [{api} {setup}{'' if rtt is None else f', {rtt:g} ms RTT'}]"
         left.plot([r["concurrency"] for r in rs], [r["aggregate_tok_s"] for r in rs], "o-", label=label)
         pts = [(r["concurrency"], r["latency_p95_s"]) for r in rs if r["latency_p95_s"] is not None]
         right.plot([c for c, _ in pts], [v for _, v in pts], "o-", label=label)
@@ -549,7 +616,11 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="specdec-bench-serve-") as tmp:
         target_dir, draft_dir, draft_vocab, models = _model_dirs(a, tmp)
-        stack = ProcessStack(target_dir, draft_dir, draft_vocab=draft_vocab, pass_lock=a.pass_lock == "on")
+        from specdec_tools.stack import free_port
+
+        http_port = free_port() if "http" in a.api else None  # the door of the stack's own orchestrator
+        stack = ProcessStack(target_dir, draft_dir, draft_vocab=draft_vocab, pass_lock=a.pass_lock == "on",
+                             orchestrator_args=("--http-port", str(http_port)) if http_port else ())
         links: dict[float, tuple] = {}
         try:
             t0 = time.monotonic()
@@ -557,31 +628,34 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
             stack.start(stdout=subprocess.DEVNULL)
             stack.wait_until_ready(a.startup_timeout)
             # the other setups' orchestrators start once the workers serve (those behind links poll no load)
-            servers = _servers(stack, a, links)
+            servers = [(setup, rtt, address, "grpc") for setup, rtt, address in _servers(stack, a, links)
+                       if "grpc" in a.api]
+            if http_port:  # beside the gRPC run of the same orchestrator
+                servers.insert(1 if servers else 0, ("default", None, f"http://127.0.0.1:{http_port}", "http"))
             stack.start(stdout=subprocess.DEVNULL)
             stack.wait_until_ready(a.startup_timeout)
             log(f"all SERVING after {time.monotonic() - t0:.1f} s ({len(servers)} setups)")
             from orchestrator.client import Client
 
-            for setup, rtt, address in servers:
+            for setup, rtt, address, api in servers:
                 for mode in modes:
-                    with Client(address, timeout_s=a.request_timeout) as client:  # warm-up
+                    with Client(stack.address if api == "http" else address, timeout_s=a.request_timeout) as client:
                         client.generate(messages=[{"role": "user", "content": "warm up"}], max_new_tokens=4,
-                                        temperature=0.0, gamma=mode.gamma)
+                                        temperature=0.0, gamma=mode.gamma)  # warm-up
                     for level in levels:
                         before = _link_counts(links.get(rtt))
-                        recs, wall = run_level(address, mode, level, prompt_ids, a, log)
+                        recs, wall = run_level(address, mode, level, prompt_ids, a, log, api)
                         for r in recs:
-                            r.setup, r.link_rtt_ms = setup, rtt
+                            r.setup, r.link_rtt_ms, r.api = setup, rtt, api
                         records += recs
-                        row = {"setup": setup, "link_rtt_ms": rtt, "mode": mode.name,
+                        row = {"api": api, "setup": setup, "link_rtt_ms": rtt, "mode": mode.name,
                                "request_gamma": "server default" if mode.gamma is None else mode.gamma,
                                "concurrency": level, **summarize_level(recs, wall)}
                         if rtt is not None:
                             row.update(link_rates(_link_counts(links[rtt]) - before, recs))
                         rows.append(row)
-                        where = "" if setup == "default" and rtt is None else \
-                            f"[{setup}{'' if rtt is None else f', link {rtt:g} ms'}] "
+                        where = "" if setup == "default" and rtt is None and api == "grpc" else \
+                            f"[{api} {setup}{'' if rtt is None else f', link {rtt:g} ms'}] "
                         log(f"{where}{mode.name:>4} c={level:<3} {row['requests']} requests in {wall:.1f} s: "
                             f"{row['aggregate_tok_s']:.2f} tok/s aggregate, latency p95 "
                             f"{row['latency_p95_s'] or 0:.3f} s, TTFT p95 {row['ttft_p95_s'] or 0:.3f} s"
@@ -613,7 +687,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         "settings": {"setups": {name: list(setup_flags(name)) for name in a.setups}, "link_rtt_ms": a.link_rtt_ms,
                      "links": "delaying TCP proxies (specdec_tools/link.py), no netem on this kernel"
                      if a.link_rtt_ms else None,
-                     "concurrency": levels, "requests_per_level": {str(c): requests_for_level(c, a.requests_per_level)
+                     "apis": a.api, "concurrency": levels, "requests_per_level": {str(c): requests_for_level(c, a.requests_per_level)
                                                                    for c in levels},
                      "max_new_tokens": a.max_new_tokens, "modes": [asdict(m) for m in modes],
                      "temperature": a.temperature, "prompts": prompt_ids},

@@ -174,3 +174,20 @@ def test_setups_are_names_or_orchestrator_flags():
     assert bs.parse_rtts("0,1,10") == [0.0, 1.0, 10.0]
     with pytest.raises(argparse.ArgumentTypeError):
         bs.parse_rtts("-1")
+
+
+def test_smoke_grpc_and_http_side_by_side(tmp_path, capsys):
+    """--api grpc,http: the same orchestrator through both doors, with the gap between tokens."""
+    from specdec_tools.cli import main
+
+    out = tmp_path / "serve"
+    rc = main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
+               "--gamma", "off", "--api", "grpc,http", "--out", str(out), "--startup-timeout", "240"])
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert {(r["api"], r["concurrency"]) for r in summary["levels"]} == {("grpc", 1), ("grpc", 2), ("http", 1),
+                                                                          ("http", 2)}
+    for row in summary["levels"]:
+        assert row["errors"] == 0 and row["generated_tokens"] > 0 and row["ms_per_token_p50"] > 0, row
+    assert "| http | off | 2 |" in printed
+    assert summary["outputs"]["identical"] and rc == 0
