@@ -680,19 +680,26 @@ def _finite(logprob: float) -> float:
 # ---- the server ---------------------------------------------------------------------------------
 
 
-def _head_timed_protocol(head_timeout_s: float):
+LINGER_S = 2.0  # how long a connection refused as unparseable goes on being read (and dropped) before it closes
+
+
+def _door_protocol(head_timeout_s: float):
     """uvicorn's h11 protocol, letting go of a connection whose request head (request line and
-    headers) is not complete head_timeout_s after it opened or after its last answer: a client
-    that sends nothing, or half its headers, no longer holds a connection for ever."""
+    headers) is not complete head_timeout_s after it opened or after its last answer (0: never),
+    so a client that sends nothing, or half its headers, no longer holds a connection for ever;
+    and answering a request h11 cannot parse (a bad request line, headers past 16 KiB) in
+    OpenAI's error shape instead of plain text."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeadTimedH11(H11Protocol):
         _head_timer = None
+        _lingering = False  # answered a request it could not parse: reading the rest only to drop it
 
         def _arm(self) -> None:
             self._disarm()
-            self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
+            if head_timeout_s > 0:
+                self._head_timer = self.loop.call_later(head_timeout_s, self._head_late)
 
         def _disarm(self) -> None:
             if self._head_timer is not None:
@@ -708,6 +715,8 @@ def _head_timed_protocol(head_timeout_s: float):
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:  # a whole head arrived
                 self._disarm()
@@ -720,6 +729,21 @@ def _head_timed_protocol(head_timeout_s: float):
         def connection_lost(self, exc) -> None:
             self._disarm()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            payload = json.dumps(OpenAIError(400, f"{msg} The request line or headers are malformed, or past "
+                                                  "16 KiB.").body()).encode("ascii")
+            for event in (h11.Response(status_code=400, reason=b"Bad Request", headers=[
+                    (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close")]), h11.Data(data=payload), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            # a lingering close (as nginx's): closing now, with the client's bytes still unread, would
+            # reset the connection and lose the answer; half-close, drop what comes, close soon after
+            self._disarm()
+            self._lingering = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
 
     return HeadTimedH11
 
@@ -748,8 +772,7 @@ class HttpServer:
             kwargs = dict(ssl_certfile=tls.cert, ssl_keyfile=tls.key)
             if tls.client_ca:
                 kwargs.update(ssl_ca_certs=tls.client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        if head_timeout_s > 0:
-            kwargs["http"] = _head_timed_protocol(head_timeout_s)
+        kwargs["http"] = _door_protocol(head_timeout_s)
         self.server = uvicorn.Server(uvicorn.Config(door.app, log_level=log_level, lifespan="off",
                                                     access_log=False, timeout_graceful_shutdown=5,
                                                     limit_concurrency=max_connections or None, **kwargs))

@@ -460,3 +460,22 @@ def test_http_versions_are_answered_as_they_can_be_served(http_stack, version, s
     head = data.split(b"\r\n\r\n", 1)[0].lower()
     assert int(head.split()[1]) == status, data
     assert b"connection: close" in head
+
+
+@pytest.mark.parametrize("head", [b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"a" * 1_000_000
+                                  + b"\r\n\r\n",
+                                  b"NOT A REQUEST LINE\r\n\r\n"], ids=["headers past 16 KiB", "garbage"])
+def test_requests_h11_cannot_parse_get_openai_shaped_400s(http_stack, head):
+    import socket
+
+    port = int(http_stack["http"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    assert int(status_line.split()[1]) == 400, data[:200]
+    error = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert httpx.get(http_stack["http"] + "/health").status_code == 200
