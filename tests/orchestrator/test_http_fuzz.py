@@ -15,12 +15,11 @@ import json
 import threading
 
 import httpx
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.orchestrator.test_fuzz import SETTINGS
-from tests.support.servers import start_stack, stop_stack
+from tests.orchestrator.test_http import http_stack  # noqa: F401 - the door on the tiny models
 
 PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/models", "/health", "/v1/nothing",
          "/v1/completions/", "/"]
@@ -44,15 +43,6 @@ FIELDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def door(target_engine, draft_engine):
-    stack = start_stack(target_engine, draft_engine, http_port=0)
-    stack["http"] = f"http://127.0.0.1:{stack['orchestrator'].http.port}"
-    stack["model"] = stack["orchestrator"].slot.decoder.target_info.model_name
-    yield stack
-    stop_stack(stack)
-
-
 def check(r: httpx.Response, what) -> None:
     assert r.status_code < 500, (what, r.status_code, r.text[:300])
     if r.status_code >= 400:
@@ -60,8 +50,8 @@ def check(r: httpx.Response, what) -> None:
         assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"], (what, error)
 
 
-def test_fuzzed_http_requests_never_get_a_5xx_or_a_shapeless_error(door):
-    base, model = door["http"], door["model"]
+def test_fuzzed_http_requests_never_get_a_5xx_or_a_shapeless_error(http_stack):
+    base, model = http_stack["http"], http_stack["model"]
     reference = {"model": model, "prompt": "def fib(n):", "max_tokens": 6, "temperature": 0}
     expected = httpx.post(base + "/v1/completions", json=reference, timeout=60).json()["choices"][0]["text"]
     stop, drift = threading.Event(), []
