@@ -49,8 +49,6 @@ from specdec.protocol import GenerationChunk
 
 log = logging.getLogger(__name__)
 
-_DONE = object()
-
 
 class Ticket:
     """A request's place in a step loop: the loop puts its chunks (or its error) here and the

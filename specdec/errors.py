@@ -88,11 +88,25 @@ def _clip(message: str) -> str:
     return message if len(message) <= MAX_MESSAGE_CHARS else message[: MAX_MESSAGE_CHARS - 1] + "…"
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException):
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and message an exception travels as: a ServiceError's own, INTERNAL for anything else."""
     if isinstance(exc, ServiceError):
-        context.abort(exc.code, _clip(exc.message))
-    log.exception("unexpected error in %s", type(exc).__name__)
-    context.abort(grpc.StatusCode.INTERNAL, _clip(f"internal error: {type(exc).__name__}: {exc}"))
+        return exc.code, _clip(exc.message)
+    return grpc.StatusCode.INTERNAL, _clip(f"internal error: {type(exc).__name__}: {exc}")
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_status(code: int, message: str, peer: str) -> ServiceError:
+    """A status received as its number (a batched call's CallStatus), as from_rpc_error gives it."""
+    return ServiceError(f"{peer}: {message}", _CODES.get(code, grpc.StatusCode.UNKNOWN))
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException):
+    if not isinstance(exc, ServiceError):
+        log.exception("unexpected error in %s", type(exc).__name__)
+    context.abort(*status_of(exc))
 
 
 def _wrap_unary(behavior):

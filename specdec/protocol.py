@@ -17,7 +17,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from specdec.errors import InvalidArgument, ServiceError
+from specdec.errors import InvalidArgument, ServiceError, from_status, status_of
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2
 
 MAX_GAMMA = 16  # most drafts per round a request may ask for
@@ -298,25 +298,16 @@ class VerifyCall:
 
 
 def call_status(exc: BaseException | None) -> common_pb2.CallStatus:
-    """A batched call's outcome on the wire: OK, its ServiceError's status, or INTERNAL."""
-    import grpc
-
+    """A batched call's outcome on the wire: OK, or the status its exception travels as."""
     if exc is None:
         return common_pb2.CallStatus(code=0)
-    if isinstance(exc, ServiceError):
-        return common_pb2.CallStatus(code=exc.code.value[0], message=exc.message[:1024])
-    return common_pb2.CallStatus(code=grpc.StatusCode.INTERNAL.value[0],
-                                 message=f"internal error: {type(exc).__name__}: {exc}"[:1024])
+    code, message = status_of(exc)
+    return common_pb2.CallStatus(code=code.value[0], message=message)
 
 
 def error_from_status(msg: common_pb2.CallStatus, peer: str) -> ServiceError | None:
     """The ServiceError a batched call's status stands for (None for OK), as from_rpc_error."""
-    import grpc
-
-    if msg.code == 0:
-        return None
-    code = next((c for c in grpc.StatusCode if c.value[0] == msg.code), grpc.StatusCode.UNKNOWN)
-    return ServiceError(f"{peer}: {msg.message}", code)
+    return None if msg.code == 0 else from_status(msg.code, msg.message, peer)
 
 
 # ---- requests and results (client <-> orchestrator) ------------------------------------------

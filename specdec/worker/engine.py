@@ -352,8 +352,12 @@ class WorkerEngine:
                 sessions[i] = self.session(call.session_id)
             except ServiceError as exc:
                 results[i] = exc
-        self._batcher.expect(sessions.values())
         ctx = t.current_context()
+        if len(sessions) == 1:  # nothing to gather: this thread runs it (a lone request's step)
+            (i, session), = sessions.items()
+            results[i] = self._one_call(ctx, one, calls[i], session)
+            return results
+        self._batcher.expect(sessions.values())
         futures = {i: self._call_pool.submit(self._one_call, ctx, one, calls[i], sessions[i]) for i in sessions}
         for i, future in futures.items():
             results[i] = future.result()
