@@ -142,6 +142,10 @@ class SpeculativeDecoder:
                 raise InvalidArgument(f"the chat template refused these messages: {exc}") from None
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
         else:
+            limit = min(self.max_context, self.limits.max_prompt_tokens or self.max_context)
+            if len(request.token_ids) > limit:  # before touching each id: a list may hold millions
+                raise InvalidArgument(f"the prompt has {len(request.token_ids)} token ids; at most {limit} fit "
+                                      f"(context {self.max_context})")
             ids = [int(t) for t in request.token_ids]
             if not ids:
                 raise InvalidArgument("token_ids is empty")

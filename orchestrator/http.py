@@ -26,22 +26,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import socket
 import ssl
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, Literal
+from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
 from orchestrator.admission import Admission, CallDeadline, client_key
+from orchestrator.decoder import MAX_MESSAGES, MAX_STOP_STRINGS
 from orchestrator.detokenizer import token_bytes
 from specdec.errors import ServiceError
 from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, GenerationChunk, GenerationRequest
@@ -50,6 +52,12 @@ from specdec.security import ServerTls, TokenSet
 log = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Lengths a body's lists may have, checked before any item is validated: a 4 MiB body holds two
+# million one-digit token ids or a quarter of a million messages, and validating each (worse: an
+# error object for each) would hold the event loop for seconds. The served context is checked after;
+# a chat's message count and its stop strings have the decoder's own limits.
+MAX_PROMPT_IDS = 1 << 20
+MAX_CONTENT_PARTS = 1 << 12
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length"}
 
 
@@ -121,10 +129,40 @@ def _unencodable(value, path: str = "") -> str | None:
                 return found
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            found = _unencodable(item, f"{path}.{i}" if path else str(i))
-            if found:
-                return found
+            if isinstance(item, (str, dict, list)):  # a list of numbers costs one test per item
+                found = _unencodable(item, f"{path}.{i}" if path else str(i))
+                if found:
+                    return found
     return None
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\])$")  # pydantic's name of a union's member in a loc
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """The error to report of those a body's validation raised: for a field that is a union
+    (`stop`: a string or a list of them) each member reports one, and the member that got furthest
+    (the list, too long) says more than the one whose type did not match (not a string)."""
+    if not errors:
+        return {"loc": (), "msg": "invalid request"}
+    return max(reversed(errors), key=lambda e: (not e.get("type", "").endswith("_type"), len(e.get("loc", ()))))
+
+
+def _prompt(value):
+    """A completion's prompt: a string, a list of strings, or a list of token ids, told apart by
+    their items in one pass (a union of list types would validate a list of two million ids as
+    strings first, and build two million errors)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("must be a string, a list of strings or a list of token ids")
+    if len(value) > MAX_PROMPT_IDS:
+        raise ValueError(f"at most {MAX_PROMPT_IDS} token ids, got {len(value)}")
+    if all(isinstance(x, str) for x in value):
+        return value
+    if all(type(x) is int for x in value):  # not bool, not float: a token id is an integer
+        return value
+    raise ValueError("a list must hold only strings or only token ids (integers)")
 
 
 class _Body(BaseModel):
@@ -159,7 +197,7 @@ class _Common(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # extension (vLLM's): 0 or -1 = off
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -197,7 +235,7 @@ class _Common(_Body):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: Annotated[str | list[str] | list[int], PlainValidator(_prompt)]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -231,7 +269,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -246,7 +284,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -273,7 +311,7 @@ class ChatCompletionRequest(_Common):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
 
 
 # ---- the front door -----------------------------------------------------------------------------
@@ -435,12 +473,12 @@ class FrontDoor:
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError):
-            first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+            first = _most_telling(exc.errors())
             if first.get("type") == "json_invalid":  # the position is not a field
                 where = first.get("loc", ("body", "?"))[-1]
                 reason = (first.get("ctx") or {}).get("error", "invalid")
                 return error_response(OpenAIError(400, f"body: not valid JSON ({reason} at character {where})"))
-            loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+            loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
             param = ".".join(loc) or None
             return error_response(OpenAIError(400, f"{param or 'body'}: {first.get('msg')}", param=param))
 

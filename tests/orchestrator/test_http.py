@@ -4,6 +4,7 @@ client and raw HTTP for the server-sent-event framing; real servers on free port
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -479,3 +480,57 @@ def test_requests_h11_cannot_parse_get_openai_shaped_400s(http_stack, head):
     error = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
     assert httpx.get(http_stack["http"] + "/health").status_code == 200
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+LONG_LISTS = [  # (path, the field holding a list as long as a 4 MiB body allows, the item, param)
+    ("/v1/completions", "prompt", "1", "prompt"),  # 2 million one-digit token ids: past MAX_PROMPT_IDS
+    ("/v1/completions", "prompt", "123456", "prompt"),  # 600,000 ids: within it, past the context
+    ("/v1/completions", "prompt", '"a"', "prompt"),  # a million prompts
+    ("/v1/chat/completions", "messages", "1", "messages"),  # 2 million messages that are not messages
+    ("/v1/chat/completions", "messages", '{"role":"user"}', "messages"),  # 260,000 empty user messages
+    ("/v1/completions", "stop", '"x"', "stop"),
+    ("/tokenize", "messages", "[]", "messages"),
+]
+
+
+def test_lists_as_long_as_the_body_limit_allows_are_refused_in_bounded_memory(http_stack):
+    """The token-id count and every list's length are checked before its items are: bodies at the
+    4 MiB limit holding millions of items get a 400 naming the field, and the orchestrator (this
+    process) grows by a small multiple of the body, not by the gigabyte that validating (and
+    building an error for) each item cost."""
+    base, model = http_stack["http"], http_stack["model"]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    bodies = []
+    for path, field, item, param in LONG_LISTS:
+        head = json.dumps({"model": model, "max_tokens": 1, **({} if field == "messages" else chat)})[:-1]
+        count = (4 * 1024 * 1024 - len(head) - 64) // (len(item) + 1)
+        bodies.append((path, f'{head}, "{field}": [{",".join([item] * count)}]}}'.encode(), param))
+    assert httpx.post(base + "/v1/completions", timeout=60, json={"model": model, "prompt": PROMPT,
+                                                                    "max_tokens": 1}).status_code == 200
+    peak, stop = [_rss_mib()], threading.Event()
+    before = peak[0]
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_mib())
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with httpx.Client(timeout=120) as client:
+            for _ in range(2):
+                for path, body, param in bodies:
+                    r = client.post(base + path, content=body, headers={"content-type": "application/json"})
+                    assert r.status_code == 400, (path, param, r.text[:300])
+                    assert r.json()["error"]["param"] == param, (path, r.text[:300])
+    finally:
+        stop.set()
+        watcher.join()
+    assert peak[0] - before < 192, f"grew by {peak[0] - before:.0f} MiB for 4 MiB bodies"
+    assert httpx.get(base + "/health").status_code == 200

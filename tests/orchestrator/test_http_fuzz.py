@@ -4,8 +4,10 @@ Random bodies for every endpoint, built from the fields the door knows with valu
 type at their edges (integers past 64 bits, NaN and infinities, strings holding lone surrogates,
 lists where strings belong, nested objects), random methods and paths, and raw bytes that are not
 JSON. Invariants: no answer is a 5xx; every refusal is in OpenAI's error shape
-({"error": {"message", "type", "param", "code"}}, a non-empty message); the door stays up, and a
-reference request running beside the fuzzing keeps its exact output. The examples are
+({"error": {"message", "type", "param", "code"}}, a non-empty message); the door stays up, the
+orchestrator's memory stays bounded (this process: the stack runs in it), and a reference request
+running beside the fuzzing keeps its exact output. Bodies at the size limit are
+test_http.py's test_lists_as_long_as_the_body_limit_allows_are_refused_in_bounded_memory. The examples are
 derandomized, so CI runs the same inputs every time.
 """
 
@@ -19,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.orchestrator.test_fuzz import SETTINGS
-from tests.orchestrator.test_http import http_stack  # noqa: F401 - the door on the tiny models
+from tests.orchestrator.test_http import _rss_mib, http_stack  # noqa: F401 - the door on the tiny models
 
 PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/models", "/health", "/v1/nothing",
          "/v1/completions/", "/"]
@@ -64,6 +66,7 @@ def test_fuzzed_http_requests_never_get_a_5xx_or_a_shapeless_error(http_stack):
 
     checker = threading.Thread(target=keep_checking, daemon=True)
     checker.start()
+    rss_before = _rss_mib()
     try:
         with httpx.Client(timeout=60) as client:
             @settings(max_examples=300, **SETTINGS)
@@ -95,5 +98,6 @@ def test_fuzzed_http_requests_never_get_a_5xx_or_a_shapeless_error(http_stack):
         stop.set()
         checker.join(timeout=120)
     assert not drift, drift[:3]
+    assert _rss_mib() - rss_before < 128, f"the orchestrator grew by {_rss_mib() - rss_before:.0f} MiB"
     assert httpx.get(base + "/health").status_code == 200
     assert httpx.post(base + "/v1/completions", json=reference, timeout=60).json()["choices"][0]["text"] == expected
