@@ -27,7 +27,7 @@ from specdec.errors import Aborted, InvalidArgument, ServiceError
 from specdec import ngram
 from specdec import telemetry as t
 from specdec.protocol import MAX_GAMMA, CompactProbs, DraftOptions, Proposal, ProposeCall, SamplingParams
-from specdec.sampling import process_logits
+from specdec.sampling import coupled_choice, process_logits
 from specdec.worker.engine import Session, WorkerEngine
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class DraftEngine(WorkerEngine):
         session.tokens.extend(guess)
         picks = self.run(session, len(guess) + 1, kind,
                          lambda logits: self._picks(logits, guess, drafted.params, drafted.generator, drafted.options,
-                                                    made))
+                                                    made, base))
         # the tokens are the prefix, the guesses the draft took, and its last proposal, which stays
         # uncached until the next pass; the cache holds no guess it refused
         if guess:
@@ -215,16 +215,21 @@ class DraftEngine(WorkerEngine):
             log.exception("drafting ahead for session %s failed", session.session_id)
 
     def _picks(self, logits: torch.Tensor, guess: list[int], params: SamplingParams, generator: torch.Generator,
-               options: DraftOptions, made: int) -> list[tuple[int, CompactProbs | None, float, bool]]:
-        """logits: [len(guess) + 1, vocab] -> [(proposal, q, the draft's probability of it, stop)],
-        one per row while the proposals equal the guesses, ending at the first that does not, or
-        at a stop."""
+               options: DraftOptions, made: int, first: int) -> list[tuple[int, CompactProbs | None, float, bool]]:
+        """logits: [len(guess) + 1, vocab], row j predicting position first + j -> [(proposal, q,
+        the draft's probability of it, stop)], one per row while the proposals equal the guesses,
+        ending at the first that does not, or at a stop. Coupled sampling proposes the seeded
+        Gumbel-max choice of q, which it does not send (the target decides by its own choice)."""
         picks = []
         for j in range(logits.shape[0]):
             row = logits[j]
             if params.greedy:
                 token, probs = int(row.argmax()), None
                 confidence = float(torch.softmax(row, -1)[token]) if options.p_min > 0 else 1.0
+            elif params.coupled:
+                q = process_logits(row, params, self.vocab_size)
+                token, probs = coupled_choice(q, params.coupling_seed, first + j), None
+                confidence = q.prob_of(token)
             else:
                 probs = process_logits(row, params, self.vocab_size)
                 token = probs.sample(generator)

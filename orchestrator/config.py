@@ -49,6 +49,10 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--batched-wire", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
          help="with the step loop: one ProposeBatch and one VerifyBatch RPC per step and worker (on), or each "
               "request's own Propose and Verify sent together (off)"),
+    Flag("--seeded-sampling", default="coupled", choices=["coupled", "rejection"],
+         help="how a sampled request with a seed and no sampling_mode draws its tokens: coupled (Gumbel-max noise "
+              "keyed by the seed and the position: the same output for any gamma, batch, draft or failover) or "
+              "rejection (rejection sampling: higher acceptance, output that depends on every round's gamma)"),
     Flag("--draft-p-min", float, 0.0, "a draft stops proposing after a token it gave less than this probability "
          "(0: never stops before gamma)"),
     Flag("--draft-min", int, 1, "drafts a round makes before --draft-p-min may stop it", field="draft_min"),
@@ -109,6 +113,7 @@ class OrchestratorConfig(ServedConfig):
     request_timeout_s: float = FLAGS.default("request_timeout_s")
     gamma_policy: str = FLAGS.default("gamma_policy")
     step_loop: bool = FLAGS.default("step_loop")
+    seeded_sampling: str = FLAGS.default("seeded_sampling")
     batched_wire: bool = FLAGS.default("batched_wire")
     draft_p_min: float = FLAGS.default("draft_p_min")
     draft_min: int = FLAGS.default("draft_min")

@@ -68,8 +68,11 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetWorker | WorkerPool, draft: DraftWorker | WorkerPool | None = None,
                  tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
                  limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None,
-                 draft_options: DraftOptions = DraftOptions(), step_loop: bool = True, batched_wire: bool = True):
+                 draft_options: DraftOptions = DraftOptions(), step_loop: bool = True, batched_wire: bool = True,
+                 seeded_sampling: str = "coupled"):
         self.limits = limits
+        # how a sampled request with a seed and no sampling_mode draws its tokens (--seeded-sampling)
+        self.seeded_sampling = seeded_sampling
         self.targets = target if isinstance(target, WorkerPool) else WorkerPool.fixed("target", [target])
         self.drafts = draft if isinstance(draft, WorkerPool) or draft is None else WorkerPool.fixed("draft", [draft])
         if self.targets.accept is None:  # fixed pools: pair them and describe their members now
@@ -144,8 +147,8 @@ class SpeculativeDecoder:
         else:
             limit = min(self.max_context, self.limits.max_prompt_tokens or self.max_context)
             if len(request.token_ids) > limit:  # before touching each id: a list may hold millions
-                raise InvalidArgument(f"the prompt has {len(request.token_ids)} token ids; at most {limit} fit "
-                                      f"(context {self.max_context})")
+                why = ("--max-prompt-tokens" if limit < self.max_context else f"context {self.max_context}")
+                raise InvalidArgument(f"the prompt has {len(request.token_ids)} token ids; at most {limit} fit ({why})")
             ids = [int(t) for t in request.token_ids]
             if not ids:
                 raise InvalidArgument("token_ids is empty")
@@ -186,11 +189,23 @@ class SpeculativeDecoder:
             raise InvalidArgument(f"seed must lie in [-2**63, 2**64 - 1], got {request.seed}")
         if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+        if request.sampling_mode not in (None, "coupled", "rejection"):
+            raise InvalidArgument(f"sampling_mode must be 'coupled' or 'rejection', got {request.sampling_mode!r}")
         if request.top_logprobs and not request.logprobs:
             raise InvalidArgument("top_logprobs needs logprobs")
         if request.gamma > 0 and self.drafts is None:
             raise InvalidArgument("this orchestrator has no draft worker; use gamma 0")
         return params
+
+    def sampling_mode(self, request: GenerationRequest) -> str:
+        """"greedy", or how a sampled request draws: coupled (Gumbel-max keyed by its seed: the
+        same tokens for any gamma, batch or draft) or rejection (Leviathan et al.: the best
+        acceptance; the draws depend on every round). Unasked, coupled when it has a seed."""
+        if request.sampling.greedy:
+            return "greedy"
+        if request.sampling_mode is not None:
+            return request.sampling_mode
+        return self.seeded_sampling if request.seed is not None else "rejection"
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         text, ids, logprobs = [], [], []
@@ -222,10 +237,13 @@ class SpeculativeDecoder:
             span.set_attribute(t.GEN_AI_MAX_TOKENS, request.max_new_tokens)
             seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             generator = torch.Generator().manual_seed(seed)
+            mode = self.sampling_mode(request)
+            if mode == "coupled":  # the workers draw each token from (seed, position): specdec/sampling.py
+                params = replace(params, coupling_seed=seed % 2**64)
             # an attribute is a signed 64-bit integer: a seed past 2**63 - 1 shows as the same 64 bits, signed
             span.set_attributes({t.SESSION_ID: session_id, t.GEN_AI_SEED: seed if seed < 2**63 else seed - 2**64,
                                  t.GEN_AI_INPUT_TOKENS: len(prompt)})
-            stats = GenerationStats(prompt_tokens=len(prompt), gamma=request.gamma)
+            stats = GenerationStats(prompt_tokens=len(prompt), gamma=request.gamma, sampling=mode, seed=seed % 2**64)
             with self.tracer.start_as_current_span("prefill", context=ctx):
                 t0 = time.perf_counter()
                 placement.open(prompt)

@@ -16,7 +16,9 @@ request's sessions on both workers.
 Mapping to the decoder (orchestrator/decoder.py): max_tokens / max_completion_tokens ->
 max_new_tokens (completions default to 16 as OpenAI's do; chat to as many as fit the context and
 --max-new-tokens); temperature, top_p, seed, stop as they are; extensions, e.g. the openai SDK's
-`extra_body`: `top_k` (0 or -1: off) and `gamma` (drafts per round; 0 = the target alone).
+`extra_body`: `top_k` (0 or -1: off), `gamma` (drafts per round; 0 = the target alone) and
+`sampling_mode` ("coupled", the default with a `seed`: the same answer for a seed whatever the
+load or gamma; "rejection").
 Every answer carries the speculative statistics in the extension field `specdec` (the last
 chunk of a stream). Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 """
@@ -202,6 +204,7 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     gamma: int | None = Field(None, ge=0, le=MAX_GAMMA)  # extension: drafts per round (0 = the target alone)
+    sampling_mode: Literal["coupled", "rejection"] | None = None  # extension: how a seed's tokens are drawn
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -229,6 +232,8 @@ class _Common(_Body):
             kwargs["seed"] = self.seed
         if self.gamma is not None:
             kwargs["gamma"] = self.gamma
+        if self.sampling_mode is not None:
+            kwargs["sampling_mode"] = self.sampling_mode
         if self.stop is not None:
             kwargs["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         return kwargs

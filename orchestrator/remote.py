@@ -198,11 +198,11 @@ class RemoteTarget(_RemoteWorker):
             session_secret=self.secret(c.session_id))
 
     def _verification(self, r: target_pb2.VerifyResponse, c: VerifyCall, wire_bytes: int) -> Verification:
-        greedy = c.params.greedy
-        probs = [CompactProbs.from_proto(p, self.vocab_size) for p in r.probs] if not greedy else None
-        argmax = list(r.argmax_token_ids) if greedy else None
+        decided = c.params.deterministic  # the target's own tokens (greedy or coupled), else p per position
+        probs = [CompactProbs.from_proto(p, self.vocab_size) for p in r.probs] if not decided else None
+        argmax = list(r.argmax_token_ids) if decided else None
         positions = len(c.draft_token_ids) + 1
-        if len(argmax if greedy else probs) != positions:
+        if len(argmax if decided else probs) != positions:
             raise ServiceError(f"{self.peer} returned a malformed verification", grpc.StatusCode.INTERNAL)
         bases = top = None
         if c.top_logprobs is not None:

@@ -215,8 +215,9 @@ def accept(req: RequestState, rnd: Round) -> None:
     started = time.perf_counter()
     v = rnd.verification
     with req.tracer.start_as_current_span("rejection_sampling"):
-        if req.params.greedy:
-            # keep x_i while x_i == argmax p_i; then argmax p_i at the first mismatch (or p_gamma)
+        if req.params.deterministic:
+            # keep x_i while it equals the target's token y_i (greedy: argmax p_i; coupled: the
+            # seeded Gumbel-max draw from p_i); then y_i at the first mismatch (or y_gamma)
             rnd.result = greedy_verify(rnd.drafts, v.argmax)
         else:
             # keep x_i w.p. min(1, p_i(x_i)/q_i(x_i)); rejected: ~ norm(max(0, p_i - q_i)); all kept: ~ p_gamma

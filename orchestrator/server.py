@@ -72,7 +72,7 @@ def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry)
                                                        in_step=config.gamma_policy == "goodput"),
                               limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens),
                               draft_options=config.draft_options, step_loop=config.step_loop,
-                              batched_wire=config.batched_wire)
+                              batched_wire=config.batched_wire, seeded_sampling=config.seeded_sampling)
 
 
 def _pair_in_background(config: OrchestratorConfig, slot: DecoderSlot, parts: ServerParts) -> threading.Thread:

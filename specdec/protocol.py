@@ -46,11 +46,25 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    # set: coupled sampling (specdec/sampling.py, coupled_choice): each position's token is a fixed
+    # function of this seed, the position and the distribution there; None: each side draws its own
+    coupling_seed: int | None = None
 
     @property
     def greedy(self) -> bool:
         # as vLLM does: below 1e-5, logits / T overflows float32 and the answer is the argmax anyway
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def coupled(self) -> bool:
+        return self.coupling_seed is not None and not self.greedy
+
+    @property
+    def deterministic(self) -> bool:
+        """Each worker decides a position's token itself (greedy: the argmax; coupled: the seeded
+        Gumbel-max): proposals carry no q, verifications no p, the round keeps drafts while they
+        equal the target's tokens."""
+        return self.greedy or self.coupling_seed is not None
 
     def validate(self) -> "SamplingParams":
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -59,10 +73,13 @@ class SamplingParams:
             raise InvalidArgument(f"top_k must lie in [0, 2**31 - 1] (0 turns it off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
             raise InvalidArgument(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.coupling_seed is not None and not 0 <= self.coupling_seed < 2**64:
+            raise InvalidArgument(f"coupling_seed must lie in [0, 2**64 - 1], got {self.coupling_seed}")
         return self
 
     def to_proto(self) -> common_pb2.SamplingParams:
-        return common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                         coupling_seed=self.coupling_seed)
 
     @classmethod
     def from_proto(cls, msg: common_pb2.SamplingParams) -> "SamplingParams":
@@ -70,7 +87,8 @@ class SamplingParams:
         # requests need neither top_k nor top_p.
         if 0 <= msg.temperature < GREEDY_BELOW:
             return cls(temperature=0.0)
-        return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p).validate()
+        return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
+                   coupling_seed=msg.coupling_seed if msg.HasField("coupling_seed") else None).validate()
 
 
 @dataclass
@@ -252,8 +270,8 @@ class Proposal:
 class Verification:
     """The target's verdict on a round: gamma + 1 positions (the last is the bonus position)."""
 
-    argmax: list[int] | None  # [gamma + 1], greedy only
-    probs: list[CompactProbs] | None  # [gamma + 1], sampling only
+    argmax: list[int] | None  # [gamma + 1], the target's own token (greedy: argmax; coupled: its draw)
+    probs: list[CompactProbs] | None  # [gamma + 1], rejection sampling only
     length: int  # tokens the session holds after the call
     compute_s: float
     batch_rows: int = 0  # tokens of all sessions in the forward pass the verify ran in
@@ -266,7 +284,7 @@ class Verification:
 
     def logprob(self, position: int, token_id: int, params: "SamplingParams") -> float:
         """The target model's log-probability of a token this round emits at `position`."""
-        if params.greedy:  # a greedy round emits only the argmax
+        if params.deterministic:  # a greedy or coupled round emits only the target's own token
             return self.logprob_bases[position]
         p = self.probs[position].prob_of(token_id)
         return params.temperature * math.log(p) + self.logprob_bases[position] if p > 0 else -math.inf
@@ -329,6 +347,7 @@ class GenerationRequest:
     stop: Sequence[str] = ()
     logprobs: bool = False  # each token's log-probability under the target ...
     top_logprobs: int = 0  # ... and this many most likely alternatives (0-MAX_TOP_LOGPROBS)
+    sampling_mode: str | None = None  # "coupled" or "rejection"; None: coupled with a seed (the server's default)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -369,6 +388,8 @@ class GenerationStats:
     target_failovers: int = 0
     draft_failovers: int = 0
     mean_gamma: float = 0.0
+    sampling: str = ""  # "greedy", "coupled" or "rejection"
+    seed: int = 0  # the seed the request ran with, as an unsigned 64-bit integer
 
     def record_round(self, gamma: int, num_accepted: int) -> None:
         self.rounds += 1
@@ -440,7 +461,10 @@ FINISH_REASONS = {
     "stop_string": orchestrator_pb2.FINISH_REASON_STOP_STRING,
 }
 FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
-_REQUEST_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "logprobs", "top_logprobs")
+_REQUEST_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "logprobs", "top_logprobs",
+                    "sampling_mode")
+SAMPLING_MODES = {"rejection": orchestrator_pb2.SAMPLING_MODE_REJECTION, "coupled": orchestrator_pb2.SAMPLING_MODE_COUPLED}
+SAMPLING_MODE_NAMES = {code: name for name, code in SAMPLING_MODES.items()}
 
 
 def request_to_proto(
@@ -470,6 +494,10 @@ def request_to_proto(
             req.tokens.token_ids.extend(token_ids)
             req.tokens.SetInParent()
         for name, value in scalars.items():
+            if name == "sampling_mode" and value is not None:
+                if value not in SAMPLING_MODES:
+                    raise InvalidArgument(f"sampling_mode must be one of {sorted(SAMPLING_MODES)}, got {value!r}")
+                value = SAMPLING_MODES[value]
             if value is not None:
                 setattr(req, name, value)
     except (ValueError, TypeError) as exc:  # e.g. a negative seed or a token id beyond int32
@@ -486,9 +514,13 @@ def request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationReque
         kwargs["messages"] = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
     elif which == "tokens":
         kwargs["token_ids"] = list(msg.tokens.token_ids)
-    for name in _REQUEST_SCALARS:
+    for name in _REQUEST_SCALARS[:-1]:
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
+    if msg.sampling_mode:
+        if msg.sampling_mode not in SAMPLING_MODE_NAMES:  # a number this server does not know
+            raise InvalidArgument(f"sampling_mode {msg.sampling_mode} is not one of {sorted(SAMPLING_MODES)}")
+        kwargs["sampling_mode"] = SAMPLING_MODE_NAMES[msg.sampling_mode]
     return GenerationRequest(**kwargs, stop=tuple(msg.stop))
 
 

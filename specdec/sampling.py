@@ -7,11 +7,17 @@ transformers applies them). A processed distribution is kept as `CompactProbs`: 
 smaller on the wire. Probabilities are float32 on both sides of the wire, and the draft samples
 from exactly the values it sends, so the orchestrator tests against the q that was drawn from.
 
+Coupled sampling (`coupled_choice`): a request with a seed draws each token by Gumbel-max with
+noise that is a fixed function of (seed, position, token id), so that the token at a position is
+the same whoever computes it: the draft's proposal and the target's own choice share the noise,
+and the output equals plain target decoding with that seed for any gamma, batch or draft.
+
 This module owns no model, no gRPC server and no session state.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specdec.protocol import CompactProbs, SamplingParams
@@ -63,3 +69,70 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, vocab_size: int
     if probs.numel() * 8 >= n * 4:  # sparse would be larger than dense on the wire
         return CompactProbs(vocab_size, probs.new_zeros(n).index_copy_(0, indices, probs).cpu())
     return CompactProbs(vocab_size, probs.cpu(), indices.cpu())
+
+
+# ---- coupled sampling: Gumbel-max with noise keyed by (seed, position, token id) ----------------
+#
+# The token at absolute position t (the index it gets in the sequence, prompt included) is
+# argmax_v p_t(v) / E(seed, t, v), with E(seed, t, .) independent Exp(1) draws: the exponential
+# race, the same argmax as log p_t(v) + Gumbel(seed, t, v), so an exact draw from p_t. E comes
+# from a counter-based hash, not a generator's state: integers only up to the last step (one
+# float64 log), the same bits on every host whatever the batch, device or process, and the draft
+# and the target draw a position's token from the same E. Daliri, Musco & Suresh (2025, "Coupling
+# without communication and drafter-invariant speculative decoding") show the two argmaxes agree
+# with probability at least (1 - TV(p, q)) / (1 + TV(p, q)); rejection sampling's is 1 - TV.
+
+_U32 = np.uint32
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """lowbias32 (Chris Wellons' hash-prospector): a bijection on uint32 with near-ideal
+    avalanche; in place, wrapping multiplication (defined for numpy's unsigned integers)."""
+    x ^= x >> _U32(16)
+    x *= _U32(0x7FEB352D)
+    x ^= x >> _U32(15)
+    x *= _U32(0x846CA68B)
+    x ^= x >> _U32(16)
+    return x
+
+
+def _position_key(seed: int, position: int) -> tuple[int, int]:
+    """Two 32-bit keys for (seed, position): splitmix64's finalizer over seed + (position + 1) *
+    the golden ratio, in Python's exact integers. seed is taken modulo 2**64."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return z & 0xFFFFFFFF, z >> 32
+
+
+def coupling_exponentials(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
+    """E(seed, position, v) ~ Exp(1), float64, for each v in token_ids (uint32 [k]), independent
+    across v and positions: two rounds of the hash keyed by the position's keys, a uniform in
+    (0, 1) on a 2**-32 grid, -log of it."""
+    k1, k2 = _position_key(seed, position)
+    h = token_ids ^ _U32(k1)
+    _mix32(h)
+    h ^= _U32(k2)
+    _mix32(h)
+    return -np.log((h + 0.5) * 2.0**-32)
+
+
+_ARANGE = np.arange(0, dtype=np.uint32)
+
+
+def _ids(n: int) -> np.ndarray:
+    global _ARANGE
+    if _ARANGE.size < n:  # grown once to the largest vocabulary seen; read-only slices after
+        _ARANGE = np.arange(n, dtype=np.uint32)
+        _ARANGE.flags.writeable = False
+    return _ARANGE[:n]
+
+
+def coupled_choice(probs: CompactProbs, seed: int, position: int) -> int:
+    """The token at `position` drawn from `probs` with the request's noise: argmax p(v) / E(v)
+    over p's support (a token of probability 0 never wins)."""
+    p = probs.probs.numpy().astype(np.float64)
+    ids = _ids(p.size) if probs.indices is None else probs.indices.numpy().astype(np.uint32)
+    i = int(np.argmax(p / coupling_exponentials(seed, position, ids)))
+    return i if probs.indices is None else int(ids[i])

@@ -6,7 +6,9 @@ prompts, one after another in this process (d's services run as child processes 
   b  transformers assisted generation (`assistant_model=` the draft, its default schedule)
   c  this project's speculative decoding, in-process (engines called directly)
   d  this project's speculative decoding through the three gRPC services on loopback
-Modes: greedy, and sampled (temperature 0.7, top-p 0.95). Then a gamma sweep of c.
+Modes (--modes): greedy; sampled (temperature 0.7, top-p 0.95, rejection sampling) and coupled
+(the same, coupled sampling: specdec/sampling.py); sampled-t1 and coupled-t1 (temperature 1).
+Then a gamma sweep of c.
 Writes runs.csv, summary.csv, summary.json, sweep.csv, sweep.png and table.md to --out.
 """
 
@@ -64,7 +66,13 @@ EDIT = [  # code edits: answers that re-use most of the prompt's code
 ]
 PROMPT_SETS = {"fresh": FRESH, "edit": EDIT}
 PROMPTS = FRESH
-MODES = {"greedy": dict(temperature=0.0, top_p=1.0), "sampled": dict(temperature=0.7, top_p=0.95)}
+MODES = {  # sampled requests carry a seed: each names how it draws (coupled is the server's default with a seed)
+    "greedy": dict(temperature=0.0, top_p=1.0),
+    "sampled": dict(temperature=0.7, top_p=0.95, sampling_mode="rejection"),
+    "coupled": dict(temperature=0.7, top_p=0.95, sampling_mode="coupled"),
+    "sampled-t1": dict(temperature=1.0, top_p=1.0, sampling_mode="rejection"),
+    "coupled-t1": dict(temperature=1.0, top_p=1.0, sampling_mode="coupled"),
+}
 METHODS = {"a": "target alone (generate)", "b": "HF assisted generation", "c": "specdec in-process",
            "d": "specdec over gRPC"}
 
@@ -85,7 +93,7 @@ def hf_generate(model, prompt_ids, mode, max_new, seed, assistant=None) -> tuple
     if MODES[mode]["temperature"] == 0:
         kw.update(do_sample=False, temperature=None, top_p=None)
     else:
-        kw.update(do_sample=True, **MODES[mode])
+        kw.update(do_sample=True, temperature=MODES[mode]["temperature"], top_p=MODES[mode]["top_p"])
     if assistant is not None:
         kw["assistant_model"] = assistant
     torch.manual_seed(seed)
@@ -108,6 +116,9 @@ def summarize(runs: list[Run], method: str, mode: str, baseline_tps: float | Non
     row["ratio_to_a"] = round(row["tokens_per_s"] / baseline_tps, 3) if baseline_tps else None
     if mode == "greedy" and reference:
         row["same_tokens_as_a"] = f"{sum(r.tokens == reference.get(r.prompt) for r in rs)}/{len(rs)}"
+    if MODES[mode].get("sampling_mode") == "coupled" and method in ("c", "d") and reference:
+        # coupled: the seed's own answer is plain target decoding with it (reference: gamma 0)
+        row["same_tokens_as_gamma_0"] = f"{sum(r.tokens == reference.get(r.prompt) for r in rs)}/{len(rs)}"
     st = [r.stats for r in rs if r.stats]
     if st:
         total = lambda k: sum(s[k] for s in st)  # noqa: E731
@@ -136,18 +147,22 @@ def summarize(runs: list[Run], method: str, mode: str, baseline_tps: float | Non
 
 
 def format_table(rows: list[dict]) -> str:
-    head = "| mode | method | tok/s | vs a | greedy = a | acceptance | tokens/round | by position | wire B/round | draft s | verify s | sampling s | network s |"
+    head = "| mode | method | tok/s | vs a | same tokens | acceptance | tokens/round | by position | wire B/round | draft s | verify s | sampling s | network s |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         t = r.get("time_s", {})
         pos = " ".join(f"{x:.2f}" for x in r.get("acceptance_by_position", []))
         lines.append(
             f"| {r['mode']} | {r['method']}: {r['name']} | {r['tokens_per_s']:.2f} | {r['ratio_to_a'] or 0:.2f}x | "
-            f"{r.get('same_tokens_as_a', '')} | {r.get('acceptance_rate', '')} | {r.get('mean_accepted_length', '')} | "
+            f"{r.get('same_tokens_as_a', '') or _gamma0(r)} | {r.get('acceptance_rate', '')} | {r.get('mean_accepted_length', '')} | "
             f"{pos} | {r.get('wire_bytes_per_round', '')} | {t.get('draft', '')} | {t.get('verify', '')} | "
             f"{t.get('sampling', '')} | {t.get('network_and_rpc', '')} |"
         )
     return "\n".join(lines)
+
+
+def _gamma0(row: dict) -> str:
+    return f"{row['same_tokens_as_gamma_0']} as gamma 0" if "same_tokens_as_gamma_0" in row else ""
 
 
 def plot_sweep(sweep: list[dict], baseline: dict, path: Path) -> None:
@@ -225,6 +240,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     client = Client(stack.address) if stack else None
 
     runs: list[Run] = []
+    gamma0: dict[tuple[str, int], list[int]] = {}  # coupled modes: the seed's answer at gamma 0, in-process
     try:
         # warm-up: first passes allocate and pack weights
         decoder.generate(GenerationRequest(token_ids=prompt_ids[0], max_new_tokens=8, temperature=0, gamma=a.gamma))
@@ -265,6 +281,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
                         runs.append(Run(m, mode, i, len(r.token_ids), time.perf_counter() - t0, r.token_ids, r.stats))
                     last = runs[-1]
                     log(f"{mode} prompt {i} {m}: {last.new_tokens} tokens, {last.new_tokens / last.seconds:.2f} tok/s")
+                if MODES[mode].get("sampling_mode") == "coupled" and {"c", "d"} & set(methods):
+                    gamma0[mode, i] = decoder.generate(GenerationRequest(
+                        **specdec_request(ids, mode, a.max_new_tokens, seed, 0))).token_ids
     finally:
         if client:
             client.close()
@@ -274,6 +293,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     rows, baseline = [], {}
     for mode in modes:
         reference = {r.prompt: r.tokens for r in runs if r.method == "a" and r.mode == mode}
+        if MODES[mode].get("sampling_mode") == "coupled":
+            reference = {i: toks for (m, i), toks in gamma0.items() if m == mode}
         base = summarize(runs, "a", mode, None, {})["tokens_per_s"] if "a" in methods else None
         baseline[mode] = base
         rows += [summarize(runs, m, mode, base, reference) for m in methods]

@@ -14,14 +14,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy; default 1.0")
     p.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
     p.add_argument("--top-p", type=float, default=None, help="1 = off (default)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sampled output is a fixed function of it (coupled "
+                   "sampling: the same tokens whatever gamma or load)")
+    p.add_argument("--sampling-mode", default=None, choices=["coupled", "rejection"],
+                   help="how a sampled request draws; default: coupled with --seed, rejection without")
     p.add_argument("--gamma", type=int, default=None, help="drafts per round, 0 = target only; default 4")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def request_kwargs(a: argparse.Namespace) -> dict:
     return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                seed=a.seed, gamma=a.gamma, stop=a.stop)
+                seed=a.seed, gamma=a.gamma, stop=a.stop, sampling_mode=a.sampling_mode)
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:

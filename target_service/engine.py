@@ -14,7 +14,7 @@ import torch
 
 from specdec.errors import InvalidArgument, ServiceError
 from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, SamplingParams, Verification, VerifyCall
-from specdec.sampling import process_logits
+from specdec.sampling import coupled_choice, process_logits
 from specdec.worker.engine import WorkerEngine
 
 
@@ -45,8 +45,9 @@ class TargetEngine(WorkerEngine):
             session.tokens.extend(token_ids)
             session.uncache_last()
             session.tokens.extend(draft_token_ids)
+            first = len(session.tokens) - len(draft_token_ids)  # the position the pass's first row predicts
             argmax, probs, bases, top = self.run(session, len(draft_token_ids) + 1, "verify",
-                                                 lambda logits: self._score(logits, params, top_logprobs))
+                                                 lambda logits: self._score(logits, params, top_logprobs, first))
             return Verification(argmax, probs, len(session.tokens), time.perf_counter() - t0,
                                 session.last_pass_rows, session.last_pass_s, logprob_bases=bases, top_logprobs=top)
 
@@ -56,22 +57,29 @@ class TargetEngine(WorkerEngine):
         return self.run_calls(calls, lambda c: self.verify(c.session_id, c.start, c.token_ids, c.draft_token_ids,
                                                            c.params, c.top_logprobs))
 
-    def _score(self, logits, params: SamplingParams, top_logprobs: int | None):
-        """logits: [gamma + 1, vocab] -> (argmax, None) greedy, else (None, p per position);
-        then, asked for logprobs, (bases, top) of Verification, else (None, None)."""
-        argmax = logits.argmax(dim=-1) if params.greedy or top_logprobs is not None else None
-        probs = None if params.greedy else [process_logits(row, params, self.vocab_size) for row in logits]
+    def _score(self, logits, params: SamplingParams, top_logprobs: int | None, first: int):
+        """logits: [gamma + 1, vocab], row i predicting position first + i -> (tokens, None) when
+        the target decides (greedy: the argmax; coupled: the seeded Gumbel-max choice), else
+        (None, p per position); then, asked for logprobs, (bases, top) of Verification, else
+        (None, None)."""
+        if params.coupled:
+            chosen = [coupled_choice(process_logits(row, params, self.vocab_size), params.coupling_seed, first + i)
+                      for i, row in enumerate(logits)]
+            choice, probs = torch.tensor(chosen, device=logits.device), None
+        else:
+            choice = logits.argmax(dim=-1) if params.greedy or top_logprobs is not None else None
+            probs = None if params.greedy else [process_logits(row, params, self.vocab_size) for row in logits]
         bases = top = None
         if top_logprobs is not None:
             logprobs = torch.log_softmax(logits.float(), dim=-1)  # [gamma + 1, vocab]: the raw model's
-            at_argmax = logprobs.gather(-1, argmax[:, None])[:, 0].tolist()  # [gamma + 1]
-            if params.greedy:
-                bases = at_argmax
+            at_choice = logprobs.gather(-1, choice[:, None])[:, 0].tolist()  # [gamma + 1]
+            if params.deterministic:  # the only token the round can emit at each position
+                bases = at_choice
             else:  # p(t) = exp(l_t / T) / S over p's support, so log P(t) = T log p(t) + c; the argmax fixes c
                 bases = [lp - params.temperature * math.log(p.prob_of(a))
-                         for lp, p, a in zip(at_argmax, probs, argmax.tolist())]
+                         for lp, p, a in zip(at_choice, probs, choice.tolist())]
             if top_logprobs:
                 # [gamma + 1, top_logprobs]; a vocabulary smaller than asked gives all it has
                 values, indices = logprobs.topk(min(top_logprobs, logprobs.shape[-1]), dim=-1)
                 top = list(zip(indices.tolist(), values.tolist()))
-        return (argmax.tolist() if params.greedy else None), probs, bases, top
+        return (choice.tolist() if params.deterministic else None), probs, bases, top

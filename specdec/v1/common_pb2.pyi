@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p")
+    __slots__ = ("temperature", "top_k", "top_p", "coupling_seed")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
+    COUPLING_SEED_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
+    coupling_seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., coupling_seed: _Optional[int] = ...) -> None: ...
 
 class Probs(_message.Message):
     __slots__ = ("dense", "sparse")

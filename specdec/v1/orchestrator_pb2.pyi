@@ -7,12 +7,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SamplingMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAMPLING_MODE_UNSPECIFIED: _ClassVar[SamplingMode]
+    SAMPLING_MODE_REJECTION: _ClassVar[SamplingMode]
+    SAMPLING_MODE_COUPLED: _ClassVar[SamplingMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
+SAMPLING_MODE_UNSPECIFIED: SamplingMode
+SAMPLING_MODE_REJECTION: SamplingMode
+SAMPLING_MODE_COUPLED: SamplingMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
@@ -39,7 +48,7 @@ class TokenInput(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "tokens", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "stop", "logprobs", "top_logprobs")
+    __slots__ = ("prompt", "chat", "tokens", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "stop", "logprobs", "top_logprobs", "sampling_mode")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +61,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_MODE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatInput
     tokens: TokenInput
@@ -64,7 +74,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     logprobs: bool
     top_logprobs: int
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    sampling_mode: SamplingMode
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., sampling_mode: _Optional[_Union[SamplingMode, str]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -79,7 +90,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "drafted_by_position", "accepted_by_position", "target_forward_passes", "wire_bytes", "wire_bytes_per_round", "prefill_s", "draft_s", "verify_s", "sampling_s", "total_s", "tokens_per_second", "gamma", "draft_compute_s", "verify_compute_s", "target_failovers", "draft_failovers", "mean_gamma")
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "drafted_by_position", "accepted_by_position", "target_forward_passes", "wire_bytes", "wire_bytes_per_round", "prefill_s", "draft_s", "verify_s", "sampling_s", "total_s", "tokens_per_second", "gamma", "draft_compute_s", "verify_compute_s", "target_failovers", "draft_failovers", "mean_gamma", "sampling", "seed")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +115,8 @@ class GenerationStats(_message.Message):
     TARGET_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     MEAN_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     rounds: int
@@ -128,7 +141,9 @@ class GenerationStats(_message.Message):
     target_failovers: int
     draft_failovers: int
     mean_gamma: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_bytes_per_round: _Optional[float] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampling_s: _Optional[float] = ..., total_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., gamma: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., target_failovers: _Optional[int] = ..., draft_failovers: _Optional[int] = ..., mean_gamma: _Optional[float] = ...) -> None: ...
+    sampling: str
+    seed: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_bytes_per_round: _Optional[float] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampling_s: _Optional[float] = ..., total_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., gamma: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., target_failovers: _Optional[int] = ..., draft_failovers: _Optional[int] = ..., mean_gamma: _Optional[float] = ..., sampling: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "logprobs")

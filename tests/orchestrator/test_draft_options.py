@@ -65,7 +65,8 @@ def test_sampled_output_matches_target_distribution(config, target_engine, draft
 
     def one(seed):
         r = decoder.generate(GenerationRequest(token_ids=prompt, max_new_tokens=3, temperature=PARAMS.temperature,
-                                               top_k=PARAMS.top_k, gamma=3, seed=seed))
+                                               top_k=PARAMS.top_k, gamma=3, seed=seed,
+                                               sampling_mode="rejection"))
         return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"]
 
     with ThreadPoolExecutor(4) as pool:
@@ -85,7 +86,8 @@ def test_drafting_ahead_keeps_the_target_distribution(target_engine, draft_engin
 
     def one(seed):
         r = decoder.generate(GenerationRequest(token_ids=prompt, max_new_tokens=4, temperature=PARAMS.temperature,
-                                               top_k=PARAMS.top_k, gamma=1, seed=seed))
+                                               top_k=PARAMS.top_k, gamma=1, seed=seed,
+                                               sampling_mode="rejection"))
         return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"]
 
     with ThreadPoolExecutor(4) as pool:

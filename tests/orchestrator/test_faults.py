@@ -59,8 +59,9 @@ def holder(client, role):
 
 
 def kill_mid_request(client, ids, role, workers_by_address, sig=signal.SIGKILL, **kwargs):
-    """Streams a long greedy request and kills the worker of `role` holding it after chunk one."""
-    chunks = client.stream(token_ids=ids, max_new_tokens=LONG, temperature=0, gamma=3, **kwargs)
+    """Streams a long request (greedy unless kwargs say) and kills the worker of `role` holding
+    it after chunk one."""
+    chunks = client.stream(token_ids=ids, **{"max_new_tokens": LONG, "temperature": 0, "gamma": 3, **kwargs})
     tokens = list(next(chunks).token_ids)
     victim = workers_by_address[holder(client, role)]
     victim.kill(sig)
@@ -152,6 +153,31 @@ def test_target_killed_mid_request_moves_to_the_other_target(workers, prompt, ex
         assert stats["target_failovers"] == 1 and stats["draft_failovers"] == 0
         survivor = next(t for t in targets if t is not victim)
         assert survivor.open_sessions() == 0 and draft.open_sessions() == 0
+    finally:
+        client.close()
+        parts.stop(None)
+
+
+def test_a_coupled_request_keeps_its_seeds_output_across_a_target_failover(workers, prompt, target_engine):
+    """Sampled with a seed (coupled): the new target draws each position's token from the same
+    noise, so the answer is the seed's, as if nothing had happened."""
+    from specdec.protocol import SamplingParams
+    from tests.orchestrator.test_coupled_sampling import reference as coupled_reference
+
+    params = SamplingParams(0.8, top_p=0.95)
+    seed, expected = next((s, out) for s in range(20)
+                          if len(out := coupled_reference(target_engine, prompt, params, s, 120)) == 120)
+    targets = [workers("target"), workers("target")]
+    draft = workers("draft")
+    for w in (*targets, draft):
+        w.wait_serving()
+    parts, client = orchestrator_for(targets, [draft])
+    try:
+        tokens, stats, _ = kill_mid_request(client, prompt, "target", {t.address: t for t in targets},
+                                            max_new_tokens=120, temperature=params.temperature, top_p=params.top_p,
+                                            seed=seed)
+        assert stats["target_failovers"] == 1 and stats["sampling"] == "coupled"
+        assert tokens == expected
     finally:
         client.close()
         parts.stop(None)

@@ -220,8 +220,10 @@ def test_same_seed_same_sampled_output(client):
 
 def test_greedy_sends_no_distributions(client):
     greedy = client.generate(prompt="abc", max_new_tokens=12, temperature=0, gamma=4).stats
-    sampled = client.generate(prompt="abc", max_new_tokens=12, temperature=1.0, top_k=8, gamma=4, seed=1).stats
-    dense = client.generate(prompt="abc", max_new_tokens=12, temperature=1.0, gamma=4, seed=1).stats
+    sampled = client.generate(prompt="abc", max_new_tokens=12, temperature=1.0, top_k=8, gamma=4, seed=1,
+                              sampling_mode="rejection").stats
+    dense = client.generate(prompt="abc", max_new_tokens=12, temperature=1.0, gamma=4, seed=1,
+                            sampling_mode="rejection").stats
     # greedy: token ids and a few numbers (compute time, the pass's rows and seconds) only; top-k:
     # 8 (index, prob) pairs per position; plain temperature: dense
     assert greedy["wire_bytes_per_round"] < 256
@@ -301,3 +303,20 @@ def test_a_draft_session_takes_proposals_only_from_its_opener(stack):
                                                          session_secret=secret)))
         assert len(got) == 2
         stub.CloseSession(common_pb2.CloseSessionRequest(session_id="d1", session_secret=secret))
+
+
+def test_a_sampling_mode_the_server_does_not_know_is_invalid_argument(stack, client):
+    """An enum number from a newer client (or none at all) gets a precise status, and a bad
+    name is refused by the client before it is sent."""
+    from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+    with grpc.insecure_channel(stack["address"]) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(orchestrator_pb2.GenerateRequest(prompt="abc", max_new_tokens=2, temperature=0.9,
+                                                           sampling_mode=7), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_mode" in e.value.details()
+    with pytest.raises(ServiceError) as err:
+        client.generate(prompt="abc", max_new_tokens=2, temperature=0.9, sampling_mode="gumbel")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.generate(prompt="abc", max_new_tokens=2, temperature=0.9, seed=3).stats["sampling"] == "coupled"

@@ -89,9 +89,20 @@ def test_chat_without_max_tokens_runs_to_eos_or_the_context(oai, http_stack):
 
 
 def test_sampled_answer_is_reproducible_with_a_seed(oai, http_stack):
-    kw = dict(model=http_stack["model"], prompt=PROMPT, max_tokens=10, temperature=0.8, top_p=0.9, seed=7,
-              extra_body={"top_k": 20})
-    assert oai.completions.create(**kw).choices[0].text == oai.completions.create(**kw).choices[0].text
+    """OpenAI's `seed`, kept: the same answer whatever gamma (coupled sampling by default), and the
+    extension field says how it was drawn; asked for rejection sampling, the request gets it."""
+    kw = dict(model=http_stack["model"], prompt=PROMPT, max_tokens=10, temperature=0.8, top_p=0.9, seed=7)
+    runs = [oai.completions.create(**kw, extra_body={"top_k": 20, "gamma": g}) for g in (0, 2, 5)]
+    assert len({r.choices[0].text for r in runs}) == 1
+    assert {r.model_extra["specdec"]["sampling"] for r in runs} == {"coupled"}
+    assert runs[0].model_extra["specdec"]["seed"] == 7
+    chat = [oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=8, temperature=1.0,
+                                        seed=2**64 - 1, extra_body={"gamma": g}) for g in (0, 4)]
+    assert chat[0].choices[0].message.content == chat[1].choices[0].message.content
+    other = oai.completions.create(**kw, extra_body={"sampling_mode": "rejection"})
+    assert other.model_extra["specdec"]["sampling"] == "rejection"
+    r = httpx.post(http_stack["http"] + "/v1/completions", json={**kw, "sampling_mode": "gumbel"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_mode"
 
 
 def test_streamed_chat_and_completion_concatenate_to_the_whole_answer(oai, http_stack):

@@ -46,10 +46,13 @@ def exact_distribution(engine, prompt=PROMPT, new_tokens=NEW_TOKENS, params=PARA
     return dist
 
 
-def sample(client, params: SamplingParams, requests: int = REQUESTS) -> list[tuple[tuple[int, ...], int, int]]:
+def sample(client, params: SamplingParams, requests: int = REQUESTS,
+           sampling_mode: str = "rejection") -> list[tuple[tuple[int, ...], int, int]]:
+    """Seeds 0..requests-1, rejection sampling unless asked (a seeded request is coupled by
+    default: tests/orchestrator/test_coupled_sampling.py)."""
     def one(seed):
         r = client.generate(token_ids=PROMPT, max_new_tokens=NEW_TOKENS, temperature=params.temperature,
-                            top_k=params.top_k, top_p=params.top_p, gamma=2, seed=seed)
+                            top_k=params.top_k, top_p=params.top_p, gamma=2, seed=seed, sampling_mode=sampling_mode)
         return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"]
 
     with ThreadPoolExecutor(4) as pool:

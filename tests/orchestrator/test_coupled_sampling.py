@@ -1,0 +1,147 @@
+"""Coupled sampling end to end: a seeded sampled request's output is plain target decoding with
+that seed (specdec/sampling.py, coupled_choice at every position), token for token, whatever
+gamma, batch, draft or failover, and it follows the target's distribution exactly.
+
+The reference is computed here from the target model alone: at each position its processed
+distribution and the seed's noise give the token, one forward pass per token, no draft.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from draft_service.engine import DraftEngine
+from draft_service.ngram import NgramDraft
+from orchestrator.decoder import SpeculativeDecoder
+from specdec.errors import ServiceError
+from specdec.protocol import DraftOptions, GenerationRequest, SamplingParams
+from specdec.sampling import coupled_choice, process_logits
+from tests.orchestrator.test_sampled_distribution import PROMPT, assert_matches, exact_distribution
+
+SETTINGS = [SamplingParams(0.9), SamplingParams(0.7, top_k=6, top_p=0.8), SamplingParams(1.3, top_p=0.95)]
+SEEDS = [0, 1, 2**64 - 1, -5]
+NEW = 16
+
+
+def reference(target_engine, prompt: list[int], params: SamplingParams, seed: int, n: int = NEW) -> list[int]:
+    """Plain target decoding with the seed's noise: the definition the service must meet."""
+    tokens, eos = list(prompt), set(target_engine.info.eos_token_ids)
+    for _ in range(n):
+        with torch.inference_mode():
+            logits = target_engine.model(torch.tensor([tokens]), logits_to_keep=1).logits[0, -1]
+        token = coupled_choice(process_logits(logits, params, target_engine.vocab_size), seed % 2**64, len(tokens))
+        tokens.append(token)
+        if token in eos:
+            break
+    return tokens[len(prompt):]
+
+
+def request(params: SamplingParams, seed: int, gamma: int, prompt=PROMPT, **kw) -> GenerationRequest:
+    return GenerationRequest(token_ids=prompt, max_new_tokens=NEW, temperature=params.temperature, top_k=params.top_k,
+                             top_p=params.top_p, seed=seed, gamma=gamma, **kw)
+
+
+@pytest.fixture(scope="module")
+def decoder(target_engine, draft_engine):
+    return SpeculativeDecoder(target_engine, draft_engine, target_engine.tokenizer)
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["T0.9", "T0.7-k6-p0.8", "T1.3-p0.95"])
+def test_the_output_is_the_seeds_whatever_gamma(decoder, target_engine, params):
+    for seed in SEEDS:
+        expected = reference(target_engine, PROMPT, params, seed)
+        for gamma in (0, 1, 2, 3, 5, 8):
+            r = decoder.generate(request(params, seed, gamma))
+            assert r.token_ids == expected, (seed, gamma)
+            assert r.stats["sampling"] == "coupled" and r.stats["seed"] == seed % 2**64
+    # and rejection sampling, asked for, is not this (it draws differently: a control)
+    differs = sum(decoder.generate(request(params, s, 3, sampling_mode="rejection")).token_ids
+                  != reference(target_engine, PROMPT, params, s) for s in SEEDS)
+    assert differs >= len(SEEDS) - 1
+
+
+def test_the_output_is_the_seeds_under_concurrency_over_grpc(client, target_engine):
+    """Requests of different gammas and seeds at once (the step loop batches them): each is its
+    seed's reference, and the wire carries no distribution (bytes per round like greedy's)."""
+    params = SETTINGS[1]
+    jobs = [(seed, gamma) for seed in range(6) for gamma in (0, 2, 4, 7)]
+
+    def one(job):
+        seed, gamma = job
+        return client.generate(token_ids=PROMPT, max_new_tokens=NEW, temperature=params.temperature,
+                               top_k=params.top_k, top_p=params.top_p, seed=seed, gamma=gamma)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, jobs))
+    for (seed, gamma), r in zip(jobs, results):
+        assert r.token_ids == reference(target_engine, PROMPT, params, seed), (seed, gamma)
+    greedy = client.generate(token_ids=PROMPT, max_new_tokens=NEW, temperature=0, gamma=4)
+    rejection = client.generate(token_ids=PROMPT, max_new_tokens=NEW, temperature=params.temperature,
+                                top_k=params.top_k, top_p=params.top_p, seed=1, gamma=4, sampling_mode="rejection")
+    coupled = [r for (_, g), r in zip(jobs, results) if g == 4]
+    per_round = max(r.stats["wire_bytes_per_round"] for r in coupled)
+    assert per_round < 1.5 * greedy.stats["wire_bytes_per_round"] < rejection.stats["wire_bytes_per_round"]
+
+
+@pytest.mark.parametrize("draft", ["n-gram", "lookup and confidence stop", "drafting ahead", "the target itself"])
+def test_the_output_is_the_seeds_whatever_the_draft(target_engine, draft_engine, draft):
+    made = {
+        "n-gram": lambda: (NgramDraft(), DraftOptions()),
+        "lookup and confidence stop": lambda: (draft_engine, DraftOptions(p_min=0.3, lookup=3)),
+        "drafting ahead": lambda: (draft_engine, DraftOptions(lookup=3, ahead=6)),
+        "the target itself": lambda: (DraftEngine(target_engine.loaded), DraftOptions()),
+    }[draft]()
+    decoder = SpeculativeDecoder(target_engine, made[0], target_engine.tokenizer, draft_options=made[1])
+    prompt = PROMPT + [44, 40, 41, 42, 43]  # repeats itself: lookups find guesses
+    params = SETTINGS[0]
+    for seed in SEEDS[:3]:
+        r = decoder.generate(request(params, seed, 4, prompt=prompt))
+        assert r.token_ids == reference(target_engine, prompt, params, seed), (draft, seed)
+        if draft == "the target itself":  # q == p and the same noise: every draft is the target's token
+            assert r.stats["acceptance_rate"] == 1.0
+
+
+def test_logprobs_are_the_seeds_whatever_gamma(decoder):
+    runs = [decoder.generate(request(SETTINGS[1], 3, gamma, logprobs=True, top_logprobs=2)) for gamma in (0, 4)]
+    assert runs[0].token_ids == runs[1].token_ids
+    for a, b in zip(runs[0].logprobs, runs[1].logprobs):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-9)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert all(lp.logprob < 0 for lp in runs[0].logprobs)
+
+
+def test_the_mode_follows_the_seed_the_request_and_the_flag(target_engine, draft_engine, decoder):
+    params = SETTINGS[0]
+    assert decoder.generate(request(params, 5, 2)).stats["sampling"] == "coupled"
+    unseeded = decoder.generate(GenerationRequest(token_ids=PROMPT, max_new_tokens=4, temperature=0.9, gamma=2))
+    assert unseeded.stats["sampling"] == "rejection"
+    asked = decoder.generate(GenerationRequest(token_ids=PROMPT, max_new_tokens=NEW, temperature=0.9, gamma=2,
+                                               sampling_mode="coupled"))
+    # without a seed the server draws one and says which: replaying it gives the same answer
+    assert asked.stats["sampling"] == "coupled"
+    assert asked.token_ids == reference(target_engine, PROMPT, params, asked.stats["seed"])
+    greedy = decoder.generate(GenerationRequest(token_ids=PROMPT, max_new_tokens=4, temperature=0, seed=1))
+    assert greedy.stats["sampling"] == "greedy"
+    flagged = SpeculativeDecoder(target_engine, draft_engine, target_engine.tokenizer, seeded_sampling="rejection")
+    assert flagged.generate(request(params, 5, 2)).stats["sampling"] == "rejection"
+    with pytest.raises(ServiceError) as err:
+        decoder.generate(request(params, 5, 2, sampling_mode="gumbel"))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sampling_mode" in err.value.message
+
+
+def test_coupled_sampling_follows_the_target_distribution_over_grpc(client, target_engine):
+    """Thousands of seeds through the service (gamma 2, a draft that differs from the target): the
+    3-token continuations follow the target's exact distribution (chi-square), and against the
+    wrong distribution the same test fails (the negative control)."""
+    from specdec.protocol import SamplingParams as P
+    from tests.orchestrator.test_sampled_distribution import PARAMS, TUNED, sample
+
+    results = sample(client, TUNED, sampling_mode="coupled")
+    assert_matches(exact_distribution(target_engine, params=TUNED), results)
+    with pytest.raises(AssertionError, match="p-value"):
+        assert_matches(exact_distribution(target_engine, params=P(temperature=1.0, top_k=6)), results)
+    assert_matches(exact_distribution(target_engine, params=PARAMS), sample(client, PARAMS, sampling_mode="coupled"))
