@@ -131,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     bench_serve.add_arguments(bs)
     bs.set_defaults(func=bench_serve.cmd_bench_serve)
 
+    from specdec_tools import bench_coupling
+
+    bc = sub.add_parser("bench-coupling", help="coupled vs rejection sampling: acceptance on the same contexts")
+    bench_coupling.add_arguments(bc)
+    bc.set_defaults(func=bench_coupling.cmd_bench_coupling)
+
     from specdec_tools import bench_ahead
 
     ba = sub.add_parser("bench-ahead", help="drafting ahead, draft and target on cores of their own, side by side")
