@@ -4,7 +4,9 @@
 # Python packages install into .venv/ of this checkout. The one system-wide install: `make test`
 # run as root on a Debian-like machine adds Debian's docker-compose package when it is missing
 # (tests/deploy checks the compose files with `docker-compose config`, offline); elsewhere that
-# test is skipped. `make run` installs nothing outside .venv/.
+# test is skipped. `make test` also installs the buf CLI (proto lint and breaking-change checks)
+# into tools/buf/node_modules with npm, at the version tools/buf/package-lock.json pins; without
+# npm it says so and those tests are skipped. `make run` installs nothing outside .venv/.
 
 PYTHON ?= python3
 VENV := .venv
@@ -13,7 +15,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: install run test compose-tool bench protos clean
+.PHONY: install run test compose-tool buf-tool bench protos proto-checks proto-baseline clean
 
 install: $(STAMP)
 
@@ -28,7 +30,7 @@ $(STAMP): pyproject.toml
 run: install
 	$(VENV)/bin/specdec run $(RUN_ARGS)
 
-test: install compose-tool
+test: install compose-tool buf-tool
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Debian's docker-compose (1.29) validates and merges compose files offline (no Docker engine).
@@ -43,8 +45,23 @@ compose-tool:
 	    echo "docker-compose not found and not installable here (needs root and apt-get): its test will be skipped"; \
 	  fi; }
 
+# buf (npm's @bufbuild/buf) for tests/specdec/test_proto_checks.py: `npm ci` into
+# tools/buf/node_modules when missing; nothing global. No npm: a message, and the tests skip.
+buf-tool:
+	@$(PYTHON) scripts/buf.py install --if-npm
+
+# after editing proto/: the generated code and the API reference (docs/api.md)
 protos: install
 	$(PY) scripts/gen_protos.py
+	$(PY) scripts/gen_api_docs.py
+
+# buf lint, buf breaking against proto/baseline.txtpb, and a baseline that records every field
+proto-checks:
+	$(PYTHON) scripts/buf.py check
+
+# records proto/ as the new baseline; refuses a breaking change (see README.md, "The gRPC API")
+proto-baseline:
+	$(PYTHON) scripts/buf.py baseline
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache tools/buf/node_modules

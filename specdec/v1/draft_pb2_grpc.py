@@ -27,7 +27,10 @@ if _version_not_supported:
 
 
 class DraftWorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """The draft worker (python -m draft_service): holds one session (a KV cache) per request of each
+    orchestrator and proposes draft tokens on it. Every call but Describe and OpenSession must
+    carry the session's secret; until the model has loaded, every call gets UNAVAILABLE.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -68,22 +71,29 @@ class DraftWorkerStub:
 
 
 class DraftWorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The draft worker (python -m draft_service): holds one session (a KV cache) per request of each
+    orchestrator and proposes draft tokens on it. Every call but Describe and OpenSession must
+    carry the session's secret; until the model has loaded, every call gets UNAVAILABLE.
+    """
 
     def Describe(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """What the worker serves and its load: the orchestrator pairs a draft with a target only when
+        their vocabularies agree, and polls it for the worker's state.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def OpenSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Opens a session on the prompt (prefilling all but its last token) and returns its secret.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Propose(self, request, context):
-        """Streams gamma proposals as the draft produces them.
+        """Streams up to gamma proposals as the draft produces them (fewer when DraftOptions.p_min
+        stops it). A call that changes the session meanwhile ends it with ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,13 +108,15 @@ class DraftWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Truncate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Cuts a session back to a length (a Propose's `start` does the same on its own).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CloseSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Frees a session.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -151,7 +163,10 @@ def add_DraftWorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DraftWorker:
-    """Missing associated documentation comment in .proto file."""
+    """The draft worker (python -m draft_service): holds one session (a KV cache) per request of each
+    orchestrator and proposes draft tokens on it. Every call but Describe and OpenSession must
+    carry the session's secret; until the model has loaded, every call gets UNAVAILABLE.
+    """
 
     @staticmethod
     def Describe(request,

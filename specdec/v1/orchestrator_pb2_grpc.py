@@ -26,7 +26,12 @@ if _version_not_supported:
 
 
 class OrchestratorStub:
-    """Missing associated documentation comment in .proto file."""
+    """The orchestrator (python -m orchestrator): the service clients call. It runs each request's
+    rounds (draft, verify, accept) on a target worker and a draft from its pools and returns
+    what the target alone would give (greedy: the same tokens; sampled: the same distribution).
+    Until its workers serve and are paired, Generate and GenerateStream get UNAVAILABLE
+    (FAILED_PRECONDITION when the pair is refused: their vocabularies differ).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -57,10 +62,17 @@ class OrchestratorStub:
 
 
 class OrchestratorServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The orchestrator (python -m orchestrator): the service clients call. It runs each request's
+    rounds (draft, verify, accept) on a target worker and a draft from its pools and returns
+    what the target alone would give (greedy: the same tokens; sampled: the same distribution).
+    Until its workers serve and are paired, Generate and GenerateStream get UNAVAILABLE
+    (FAILED_PRECONDITION when the pair is refused: their vocabularies differ).
+    """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Runs a request to its end and returns the whole answer. Bad input gets INVALID_ARGUMENT
+        naming the field.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -74,14 +86,16 @@ class OrchestratorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListWorkers(self, request, context):
-        """The workers this orchestrator places sessions on, with their state and load.
+        """The workers this orchestrator places sessions on, with their state and load (where they are
+        only for callers with an admin token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AddWorkers(self, request, context):
-        """Adds workers at run time (HOST:PORT; a name may resolve to many); nothing restarts.
+        """Adds workers at run time (HOST:PORT; a name may resolve to many); nothing restarts. Needs an
+        admin token (--admin-token-file; PERMISSION_DENIED otherwise); answers with every worker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,7 +133,12 @@ def add_OrchestratorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Orchestrator:
-    """Missing associated documentation comment in .proto file."""
+    """The orchestrator (python -m orchestrator): the service clients call. It runs each request's
+    rounds (draft, verify, accept) on a target worker and a draft from its pools and returns
+    what the target alone would give (greedy: the same tokens; sampled: the same distribution).
+    Until its workers serve and are paired, Generate and GenerateStream get UNAVAILABLE
+    (FAILED_PRECONDITION when the pair is refused: their vocabularies differ).
+    """
 
     @staticmethod
     def Generate(request,

@@ -27,7 +27,11 @@ if _version_not_supported:
 
 
 class TargetWorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """The target worker (python -m target_service): holds one session (a KV cache) per request of
+    each orchestrator and scores the drafts of each round on it in one forward pass. Every call
+    but Describe, OpenSession and GetTokenizer must carry the session's secret; until the model
+    has loaded, every call gets UNAVAILABLE.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -73,16 +77,23 @@ class TargetWorkerStub:
 
 
 class TargetWorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The target worker (python -m target_service): holds one session (a KV cache) per request of
+    each orchestrator and scores the drafts of each round on it in one forward pass. Every call
+    but Describe, OpenSession and GetTokenizer must carry the session's secret; until the model
+    has loaded, every call gets UNAVAILABLE.
+    """
 
     def Describe(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """What the worker serves and its load: the orchestrator pairs a draft with a target only when
+        their vocabularies agree, and polls it for the worker's state.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def OpenSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Opens a session on the prompt (prefilling all but its last token) and returns its secret.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -103,19 +114,23 @@ class TargetWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Truncate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Cuts a session back to a length (a Verify's `start` does the same on its own).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CloseSession(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Frees a session.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetTokenizer(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Streams the files of the target's tokenizer, so that the orchestrator tokenizes and
+        detokenizes with it and needs no model files of its own.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -167,7 +182,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TargetWorker:
-    """Missing associated documentation comment in .proto file."""
+    """The target worker (python -m target_service): holds one session (a KV cache) per request of
+    each orchestrator and scores the drafts of each round on it in one forward pass. Every call
+    but Describe, OpenSession and GetTokenizer must carry the session's secret; until the model
+    has loaded, every call gets UNAVAILABLE.
+    """
 
     @staticmethod
     def Describe(request,

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io
 import os
@@ -139,6 +140,66 @@ def k8s_docs(paths: list[Path] | None = None) -> list[dict]:
 
 def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+# Custom resources (KEDA's ScaledObject) are validated against their CRD's openAPIV3Schema,
+# vendored under tests/deploy/schemas (see its README.md for the source and version).
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+KEDA_CRD = SCHEMAS / "keda.sh_scaledobjects.yaml"
+KEDA_VERSION = "v2.18.3"
+KEDA_CRD_SHA256 = "44e8d3444bb884ed5c8dc4f1b118944a54fe9c81534048793c20b9394ae1de2c"
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with every object that lists its properties closed to others, as the API server
+    does for a custom resource under strict field validation (kubectl's default)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if ("properties" in out and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def crd_schemas(path: Path = KEDA_CRD) -> dict[tuple[str, str], dict]:
+    """{(apiVersion, kind): strict JSON schema} for every served version of the CRD in path."""
+    crd = yaml.safe_load(path.read_text())
+    group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+    return {(f"{group}/{v['name']}", kind): _closed(v["schema"]["openAPIV3Schema"])
+            for v in crd["spec"]["versions"] if v.get("served")}
+
+
+def is_custom_resource(doc: dict) -> bool:
+    return (doc.get("apiVersion"), doc.get("kind")) in crd_schemas()
+
+
+def validate_custom_resource(doc: dict) -> None:
+    """Validates doc against its vendored CRD schema (unknown fields fail); its metadata against
+    the Kubernetes ObjectMeta schema. Raises AssertionError naming the path."""
+    import jsonschema
+    import kubernetes_validate
+
+    schemas = crd_schemas()
+    key = (doc.get("apiVersion"), doc.get("kind"))
+    assert key in schemas, f"no vendored CRD schema for {key}"
+    name = f"{doc['kind']}/{doc.get('metadata', {}).get('name')}"
+    errors = sorted(jsonschema.Draft7Validator(schemas[key]).iter_errors(doc),
+                    key=lambda e: [str(p) for p in e.absolute_path])
+    if errors:
+        err = errors[0]
+        path = ".".join(str(p) for p in err.absolute_path)
+        raise AssertionError(f"{name} at {path}: {err.message}")
+    # metadata is a plain object in a CRD schema: the API server checks it as ObjectMeta
+    try:
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc["metadata"]},
+                                     "1.31", strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        path = ".".join(str(p) for p in exc.path)
+        raise AssertionError(f"{name} at {path}: {exc.message}") from None
 
 
 def container_env(container: dict, configmaps: Mapping[str, dict]) -> dict[str, str]:
