@@ -37,28 +37,29 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}") from None
 
 
-QUANTIZATIONS = ("none", "fp16", "int8")
+QUANTIZATIONS = ("none", "fp16", "int8", "int8-rows")
 
 
 def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str = "target") -> str:
-    """'auto' stores Linear weights in float16 on CPU (fbgemm; activations stay float32), and in
-    int8 for a draft.
+    """'auto' on CPU (float32 models): int8-rows for a target, int8 for a draft; elsewhere none.
 
-    Why: on CPU the fp32 matmul of a few rows costs 2-3x one row, so verifying gamma drafts
-    costs ~3 target steps and eats the gain; fbgemm's fp16-weight kernels keep a 5-row pass near
-    1.3x a 1-row pass and read half the bytes. Unlike int8 dynamic quantization, whose activation
-    scale is computed over all rows of a pass, fp16 weights keep every row independent of the
-    others, so a k-row verify pass computes what k single-row passes would (to rounding).
+    A target's rows must be independent (a k-row verify pass computing exactly what k single
+    steps compute, or speculative output stops being the target's own): int8-rows is (int8 weights
+    per output channel, int8 activations per row, exact integer sums: specdec/kernels.py), and it
+    reads half the bytes of fp16 weights. Measured on the default target, 2 cores (`specdec
+    bench-kernels`): a 1-row pass 1.4x faster than fp16 weights, a 9-row pass 1.7x, 17 rows 2.1x;
+    greedy text within KL ~0.003 of the fp16 path (README, "Performance on CPU"). `fp16` (fbgemm's
+    fp16-weight kernels, fp32 activations; also row-independent) stays as an option. fbgemm's
+    plain `int8` computes one activation scale over all rows of a pass: rows are not independent.
 
     A draft's numerics never change the output (the target verifies every token; q is what the
-    draft really sampled from), so a draft takes int8: a draft step of the default pair costs
-    33 ms against 44 ms with fp16 weights (200 cached tokens, this project's 2-core CPU), and
-    the whole request ran 1.39x against 1.27x over gamma 0 (`specdec bench --ablation edit`).
+    draft really sampled from), so a draft takes plain int8, the fastest at one row (14.6 ms a
+    pass against 17.2 ms for int8-rows and 19.5 ms for fp16 weights, the default draft).
     """
     if name == "auto":
         if device != "cpu" or dtype != torch.float32:
             return "none"
-        return "int8" if role == "draft" else "fp16"
+        return "int8" if role == "draft" else "int8-rows"
     if name not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {name!r}; choose one of auto, {', '.join(QUANTIZATIONS)}")
     if name != "none" and (device != "cpu" or dtype != torch.float32):
@@ -67,9 +68,16 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
 
 
 def quantize(model: torch.nn.Module, quantization: str) -> torch.nn.Module:
-    """Dynamic quantization of every nn.Linear (CPU only); 'none' returns the model unchanged."""
+    """Every nn.Linear (CPU only): fp16 or int8 weights with fbgemm's dynamic quantization, or
+    int8 weights and per-row int8 activations (int8-rows: specdec/kernels.py, rows independent);
+    'none' returns the model unchanged."""
     if quantization == "none":
         return model
+    if quantization == "int8-rows":
+        from specdec.kernels import int8_rows
+
+        with torch.no_grad():
+            return int8_rows(model)
     import warnings
 
     with warnings.catch_warnings():

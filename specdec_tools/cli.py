@@ -131,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     bench_serve.add_arguments(bs)
     bs.set_defaults(func=bench_serve.cmd_bench_serve)
 
+    from specdec_tools import bench_kernels
+
+    bk = sub.add_parser("bench-kernels", help="forward passes under each CPU quantization: speed, exactness, quality")
+    bench_kernels.add_arguments(bk)
+    bk.set_defaults(func=bench_kernels.cmd_bench_kernels)
+
     from specdec_tools import bench_coupling
 
     bc = sub.add_parser("bench-coupling", help="coupled vs rejection sampling: acceptance on the same contexts")

@@ -54,6 +54,15 @@ LOCKSTEP_MAX_S = 0.025
 # sessions has its next work queued (or its call is over), at most this long (they are normally
 # all there within a millisecond). So draft step i of every call runs in one pass.
 GATHER_MAX_S = 0.05
+# A session with at most this many new rows in a pass (a verify of gamma + 1 tokens, a draft step
+# with lookup guesses: decoding work) has its attention computed one query row at a time, each row
+# by the very call a one-row step makes (its keys up to itself, no mask). SDPA over several query
+# rows is not bitwise equal to that (the first difference is layer 0's attention output, ~1e-5),
+# and int8 activations per row amplify such a difference into logits that differ: with this, and
+# row-independent linears (fp16 weights, int8-rows: specdec/kernels.py), a k-row verify pass
+# computes exactly what k single steps compute. Longer work (prefill chunks) takes one SDPA call.
+# Cost (default target, 2 cores): about that of one SDPA call over the rows, up to 16 rows.
+ROWWISE_MAX_ROWS = 32
 
 
 @dataclass
@@ -101,15 +110,20 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
         for k, n in zip(key.tensors, key.new):
             past = k.shape[2] - n
             # token i of the new ones (absolute position past + i) sees keys 0 .. past + i
-            key.masks.append(None if n == 1 else
+            key.masks.append(None if n == 1 or n <= ROWWISE_MAX_ROWS else
                              torch.ones(n, past + n, dtype=torch.bool, device=k.device).tril(diagonal=past))
     # grouped-query heads share their key/value head inside SDPA: no repeat_kv copy of the whole
     # cache per layer (measured, 8 sessions of 100 tokens: 29 ms of a pass down to 9)
     gqa = query.shape[1] != key.tensors[0].shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     outputs = []
-    for q, k, v, mask in zip(query.split(key.new, dim=2), key.tensors, value.tensors, key.masks):
-        outputs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                                                        enable_gqa=gqa))
+    for q, k, v, mask, n in zip(query.split(key.new, dim=2), key.tensors, value.tensors, key.masks, key.new):
+        if 1 < n <= ROWWISE_MAX_ROWS:  # decoding work: each row exactly as a one-row step computes it
+            past = k.shape[2] - n
+            outputs.extend(sdpa(q[:, :, i:i + 1], k[:, :, :past + i + 1], v[:, :, :past + i + 1], scale=scaling,
+                                enable_gqa=gqa) for i in range(n))
+        else:
+            outputs.append(sdpa(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

@@ -33,7 +33,7 @@ def test_transformers_alone_keeps_the_weight_file_mapped(fp32_dir):
     gc.collect()
 
 
-@pytest.mark.parametrize("quantization", ["none", "fp16", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "fp16", "int8", "int8-rows"])
 def test_a_loaded_worker_model_maps_no_weight_file(fp32_dir, quantization):
     loaded = load_model(str(fp32_dir), dtype="float32", quantization=quantization)
     gc.collect()
@@ -47,7 +47,7 @@ def fp16_dir(tmp_path_factory):
     return build_model_dir(tmp_path_factory.mktemp("fp16") / "m", seed=6, layers=2, dtype=torch.float16)
 
 
-@pytest.mark.parametrize("quantization", ["fp16", "int8", "none"])
+@pytest.mark.parametrize("quantization", ["fp16", "int8", "int8-rows", "none"])
 def test_a_float16_store_runs_as_if_loaded_in_float32(fp16_dir, quantization):
     """A float16 store packs fp16 Linear weights straight from the file: the same model, to
     the bit, as loading float32 first; everything else runs in float32; nothing stays mapped."""

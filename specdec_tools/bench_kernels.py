@@ -1,0 +1,164 @@
+"""`specdec bench-kernels`: the target's (or draft's) forward pass under each CPU quantization.
+
+For each `--quantize` mode, in one process, on the real model with `--cached` tokens in its
+cache, through the worker's own pass (ragged attention, specdec/worker/batching.py):
+
+  passes     median ms of a pass of 1, 2, 5, 9 and 17 new rows
+  exact      whether a 9-row pass gives bitwise the logits of 9 one-row steps (what a verify of
+             8 drafts must compute for speculative output to equal the target's own)
+  profile    where a 1-row and a 5-row pass spend their time, by op kind (torch.profiler)
+  quality    against --reference (fp16 by default), on `specdec bench`'s prompts: whether the
+             greedy text of --new-tokens tokens is the same, teacher-forced top-1 agreement on the
+             reference's text, KL(reference || mode) and |log-prob difference| of the text's tokens
+
+Writes table.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specdec.model_store import DEFAULT_TARGET
+
+    p.add_argument("--model", default=DEFAULT_TARGET)
+    p.add_argument("--role", default="target", choices=["target", "draft"])
+    p.add_argument("--modes", default="fp16,int8-rows,int8", help="quantizations to compare")
+    p.add_argument("--reference", default="fp16", help="the mode quality is measured against ('' to skip)")
+    p.add_argument("--draft-vocab", type=int, default=0, help="a draft's head rows (0: all)")
+    p.add_argument("--cached", type=int, default=100, help="tokens in the cache before each pass")
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=4, help="prompts for the quality check")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--profile", action="store_true", help="also a per-op profile of 1- and 5-row passes")
+    p.add_argument("--out", default=None, help="results folder (default bench_results/kernels-<time>)")
+
+
+def _pass(model, cache, tokens: list[int], start: int, keep: int):
+    from specdec.worker.batching import NO_MASK, RaggedCache
+
+    n = len(tokens)
+    return model(input_ids=torch.tensor([tokens]), position_ids=torch.tensor([list(range(start, start + n))]),
+                 attention_mask=NO_MASK, past_key_values=RaggedCache([cache], [n]), use_cache=True,
+                 logits_to_keep=torch.tensor(list(range(n - keep, n)))).logits[0]
+
+
+def cmd_bench_kernels(a: argparse.Namespace) -> int:
+    from transformers import DynamicCache
+
+    from specdec.model_store import resolve_model
+    from specdec.modeling import load_model
+    from specdec.worker.batching import use_ragged_attention
+    from specdec_tools.bench import PROMPTS
+
+    out = Path(a.out or f"bench_results/kernels-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    log = lambda msg: print(f"[bench-kernels] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    path = str(resolve_model(a.model))
+    modes = [m for m in a.modes.split(",") if m]
+    if a.reference and a.reference not in modes:
+        modes.append(a.reference)
+    models = {m: load_model(path, quantization=m, head_rows=a.draft_vocab, role=a.role) for m in modes}
+    tok = next(iter(models.values())).tokenizer
+    prefix = tok("def merge(a, b):\n    result = []\n    i = j = 0\n" * 16).input_ids[: a.cached]
+    rows_list = (1, 2, 5, 9, 17)
+    lines = [f"| mode | " + " | ".join(f"{r} row{'s' if r > 1 else ''}" for r in rows_list)
+             + " | 9-row pass = 9 steps |", "|---|" + "---|" * (len(rows_list) + 1)]
+    profiles = []
+    for mode, loaded in models.items():
+        model = loaded.model
+        use_ragged_attention(model)
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            _pass(model, cache, prefix, 0, 1)
+            start = len(prefix)
+            cells = []
+            for rows in rows_list:
+                new = prefix[-rows:]
+                times = []
+                for i in range(a.repeats + 2):
+                    t0 = time.perf_counter()
+                    _pass(model, cache, new, start, rows)
+                    times.append(time.perf_counter() - t0)
+                    cache.crop(-rows)
+                cells.append(f"{statistics.median(times[2:]) * 1e3:.1f}")
+            new = prefix[-9:]
+            whole = _pass(model, cache, new, start, 9)
+            cache.crop(-9)
+            steps = []
+            for i, token in enumerate(new):
+                steps.append(_pass(model, cache, [token], start + i, 1)[0])
+            cache.crop(-9)
+            exact = torch.equal(whole, torch.stack(steps))
+            if a.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                for rows in (1, 5):
+                    with profile(activities=[ProfilerActivity.CPU]) as prof:
+                        for i in range(3):
+                            _pass(model, cache, prefix[-rows:], start, rows)
+                            cache.crop(-rows)
+                    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+                    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:5]
+                    profiles.append(f"- {mode}, {rows}-row pass: " + ", ".join(
+                        f"{e.key} {100 * e.self_cpu_time_total / total:.1f}%" for e in top))
+        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {'yes' if exact else 'no'} |")
+        log(lines[-1])
+    header = (f"{a.model} ({a.role}), ms per forward pass by new rows, {a.cached} tokens cached, median of "
+              f"{a.repeats}, torch threads {torch.get_num_threads()}")
+    text = f"{header}\n\n" + "\n".join(lines) + "\n"
+    if profiles:
+        text += "\nWhere the time goes (self CPU time, top 5 ops):\n\n" + "\n".join(profiles) + "\n"
+    if a.reference:
+        text += "\n" + _quality(models, a, PROMPTS[: a.prompts], log) + "\n"
+    (out / "table.md").write_text(text)
+    print(text, flush=True)
+    return 0
+
+
+def _quality(models: dict, a: argparse.Namespace, prompts: list[str], log) -> str:
+    ref = models[a.reference]
+    tok = ref.tokenizer
+    lines = [f"Against {a.reference}, {len(prompts)} prompts, {a.new_tokens} greedy tokens each:", "",
+             "| mode | same greedy text | first difference at | top-1 agreement (teacher-forced) | KL mean | KL max "
+             "| mean abs log-prob diff | max |", "|---|---|---|---|---|---|---|---|"]
+    ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False).input_ids for p in prompts]
+
+    def greedy(model, prompt):
+        with torch.inference_mode():
+            return model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=a.new_tokens, do_sample=False, top_k=None, top_p=None,
+                                  temperature=None)[0, len(prompt):].tolist()
+
+    texts = [greedy(ref.model, p) for p in ids]
+    for mode, loaded in models.items():
+        if mode == a.reference:
+            continue
+        same, firsts, agree, total, kls, diffs = 0, [], 0, 0, [], []
+        for prompt, text in zip(ids, texts):
+            mine = greedy(loaded.model, prompt)
+            first = next((i for i, (x, y) in enumerate(zip(mine, text)) if x != y), None)
+            same += first is None
+            firsts.append("-" if first is None else str(first))
+            with torch.inference_mode():
+                seq = torch.tensor([prompt + text])
+                lp_r = torch.log_softmax(ref.model(seq).logits[0, len(prompt) - 1:-1].double(), -1)
+                lp_m = torch.log_softmax(loaded.model(seq).logits[0, len(prompt) - 1:-1].double(), -1)
+            agree += int((lp_r.argmax(-1) == lp_m.argmax(-1)).sum())
+            total += len(text)
+            kls.append((lp_r.exp() * (lp_r - lp_m)).sum(-1))
+            t = torch.tensor(text)[:, None]
+            diffs.append((lp_r.gather(-1, t) - lp_m.gather(-1, t)).abs()[:, 0])
+        kl, d = torch.cat(kls), torch.cat(diffs)
+        lines.append(f"| {mode} | {same}/{len(ids)} | {', '.join(firsts)} | {agree}/{total} | {kl.mean():.4f} | "
+                     f"{kl.max():.4f} | {d.mean():.4f} | {d.max():.4f} |")
+        log(lines[-1])
+    return "\n".join(lines)
