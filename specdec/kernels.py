@@ -100,10 +100,48 @@ class Int8RowLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, activations int{bits} per row"
 
 
-def int8_rows(model: torch.nn.Module) -> torch.nn.Module:
-    """Replaces every CPU nn.Linear of the model by an Int8RowLinear, in place."""
+class Int8Linear(torch.nn.Module):
+    """fbgemm's int8 dynamic quantization (`--quantize int8`, a draft's default): int8 weights per
+    output channel; the input quantized to 7 bits with ONE scale for all rows of a pass (fbgemm's
+    reduce_range, exact on any x86), so a row's result depends on the others. Fastest at one row;
+    for a draft, whose numerics never change the output."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._packed, _ = _prepack(linear.weight)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(
+            linear.bias.detach().to(torch.float32, copy=True), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.quantized.linear_dynamic(x.to(torch.float32), self._packed, True)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class Fp16Linear(torch.nn.Module):
+    """fbgemm's fp16-weight kernel (`--quantize fp16`): fp16 weights, fp32 activations and
+    accumulation; rows independent."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.float32, copy=True)
+        self._packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().to(torch.float32), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x.to(torch.float32), self._packed)
+
+
+KERNELS = {"int8-rows": Int8RowLinear, "int8": Int8Linear, "fp16": Fp16Linear}
+
+
+def replace_linears(model: torch.nn.Module, quantization: str) -> torch.nn.Module:
+    """Replaces every CPU nn.Linear of the model by the module of `quantization` (a KERNELS key),
+    in place, calling fbgemm's operators directly (torch.ao.quantization's module swapping is
+    deprecated and warns)."""
+    kernel = KERNELS[quantization]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear) and child.weight.device.type == "cpu":
-                setattr(parent, name, Int8RowLinear(child))
+                setattr(parent, name, kernel(child))
     return model

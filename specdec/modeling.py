@@ -68,26 +68,15 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
 
 
 def quantize(model: torch.nn.Module, quantization: str) -> torch.nn.Module:
-    """Every nn.Linear (CPU only): fp16 or int8 weights with fbgemm's dynamic quantization, or
-    int8 weights and per-row int8 activations (int8-rows: specdec/kernels.py, rows independent);
-    'none' returns the model unchanged."""
+    """Every nn.Linear (CPU only) replaced by an fbgemm kernel (specdec/kernels.py): int8-rows
+    (int8 weights, int8 activations per row: rows independent), int8 (one activation scale per
+    pass) or fp16 (fp16 weights, fp32 activations); 'none' returns the model unchanged."""
     if quantization == "none":
         return model
-    if quantization == "int8-rows":
-        from specdec.kernels import int8_rows
+    from specdec.kernels import replace_linears
 
-        with torch.no_grad():
-            return int8_rows(model)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated but still the fbgemm path
-        qdtype = {"fp16": torch.float16, "int8": torch.qint8}[quantization]
-        with torch.no_grad():  # the quantized modules keep each bias as given: not a view of a weight file
-            for module in model.modules():
-                if isinstance(module, torch.nn.Linear) and module.bias is not None and module.bias.device.type == "cpu":
-                    module.bias.data = module.bias.data.to(torch.float32, copy=True)
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=qdtype, inplace=True)
+    with torch.no_grad():
+        return replace_linears(model, quantization)
 
 
 def _stored_dtype(path: Path) -> str | None:
