@@ -11,7 +11,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
@@ -19,11 +19,13 @@ RUN_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU wheel of 2.13.0 (an unpinned torch pulls a multi-GB CUDA build)
 	$(PY) -m pip install --quiet torch==2.13.0
+	# the client distribution next (the server depends on specdec-client, which is not on PyPI)
+	$(PY) -m pip install --quiet -e clients/python
 	$(PY) -m pip install --quiet -e '.[test]'
 	rm -f $(VENV)/.installed-* && touch $@
 

@@ -1,6 +1,7 @@
 """Shared runtime of the speculative decoding service: sampling, wire encoding, model loading,
 worker sessions, gRPC plumbing and the `specdec` command line. The generated protobuf modules
-live in specdec/v1/ (see scripts/gen_protos.py)."""
+live in the client distribution, clients/python/specdec_client/v1/ (see scripts/gen_protos.py);
+specdec.v1 re-exports them."""
 
 
 def _version() -> str:

@@ -12,66 +12,13 @@ import logging
 
 import grpc
 
+# The error classes live in the client distribution (clients/python/specdec_client/errors.py),
+# one copy for both sides: a client catches exactly the classes the server raises.
+from specdec_client.errors import (Aborted, AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition,  # noqa: F401
+                                   InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted,
+                                   ServiceError, Unavailable)
+
 log = logging.getLogger(__name__)
-
-
-class ServiceError(Exception):
-    """A request failed with a known gRPC status."""
-
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
-        super().__init__(message)
-        if code is not None:
-            self.code = code
-
-    @property
-    def message(self) -> str:
-        return str(self)
-
-
-class InvalidArgument(ServiceError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class NotFound(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class AlreadyExists(ServiceError):
-    code = grpc.StatusCode.ALREADY_EXISTS
-
-
-class PermissionDenied(ServiceError):
-    code = grpc.StatusCode.PERMISSION_DENIED
-
-
-class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class OutOfRange(ServiceError):
-    code = grpc.StatusCode.OUT_OF_RANGE
-
-
-class ResourceExhausted(ServiceError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class Unavailable(ServiceError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class Cancelled(ServiceError):
-    code = grpc.StatusCode.CANCELLED
-
-
-class Aborted(ServiceError):
-    code = grpc.StatusCode.ABORTED
-
-
-class DeadlineExceeded(ServiceError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def from_rpc_error(err: grpc.RpcError, peer: str) -> ServiceError:

@@ -1,6 +1,7 @@
 """What the two sides of every gRPC hop share: plain records and their proto converters.
 
-Client <-> orchestrator: GenerationRequest, GenerationChunk, GenerationResult, GenerationStats.
+Client <-> orchestrator: GenerationRequest, GenerationChunk, GenerationResult, GenerationStats
+(what a client needs of these comes from the client distribution, specdec_client.protocol).
 Orchestrator <-> workers: SamplingParams, CompactProbs (a distribution on the wire), Proposal,
 Verification, ModelInfo. Servicers and clients convert with the functions here and nowhere else.
 
@@ -19,6 +20,13 @@ from typing import Any, Sequence
 
 from specdec.errors import InvalidArgument, ServiceError, from_status, status_of
 from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2
+# What a client needs (its records, request_to_proto, the *_from_proto converters, the message
+# limit) lives in the client distribution (clients/python/specdec_client/protocol.py): one copy,
+# imported here for the server's side of the same messages.
+from specdec_client.protocol import (CLIENT_MAX_MESSAGE_BYTES, FINISH_NAMES, FINISH_REASONS,  # noqa: F401
+                                     REQUEST_SCALARS, SAMPLING_MODE_NAMES, SAMPLING_MODES, GenerationChunk,
+                                     GenerationResult, TokenLogprob, chunk_from_proto, message_options,
+                                     request_to_proto, result_from_proto, stats_from_proto)
 
 MAX_GAMMA = 16  # most drafts per round a request may ask for
 DEFAULT_GAMMA = 4
@@ -28,14 +36,9 @@ GREEDY_BELOW = 1e-5  # temperatures below this are greedy
 ANY_VOCABULARY = "*"  # the vocab_fingerprint of a draft that pairs with any target (a model-free one)
 
 # Worst case on the worker hop: a dense verify response at gamma 16 is 17 x 151,936 x 4 B,
-# about 10.3 MB; 64 MiB leaves room for larger vocabularies. Prompts to the orchestrator
-# are far smaller, but a 128k-token prompt of int32 ids still needs ~0.7 MB.
+# about 10.3 MB; 64 MiB leaves room for larger vocabularies. (The client hop's limit,
+# CLIENT_MAX_MESSAGE_BYTES, is the client package's.)
 WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CLIENT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
-
-def message_options(limit: int) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
 # ---- sampling parameters and distributions (orchestrator <-> workers) ----------------------
@@ -418,93 +421,6 @@ class GenerationStats:
         return asdict(self)
 
 
-@dataclass
-class GenerationChunk:
-    text_delta: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "length", "eos" or "stop_string" on the last chunk
-    stats: GenerationStats | dict | None = None  # on the last chunk (a dict on the client side)
-    logprobs: list["TokenLogprob"] | None = None  # one per token id, when asked for
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability under the target model (its raw logits, temperature
-    1), and the most likely tokens at its position with theirs, most likely first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-    def to_proto(self) -> orchestrator_pb2.TokenLogprob:
-        return orchestrator_pb2.TokenLogprob(token_id=self.token_id, logprob=self.logprob,
-                                             top_token_ids=[t for t, _ in self.top],
-                                             top_logprobs=[lp for _, lp in self.top])
-
-    @classmethod
-    def from_proto(cls, msg: orchestrator_pb2.TokenLogprob) -> "TokenLogprob":
-        return cls(msg.token_id, msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: dict
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
-
-
-FINISH_REASONS = {
-    "length": orchestrator_pb2.FINISH_REASON_LENGTH,
-    "eos": orchestrator_pb2.FINISH_REASON_EOS,
-    "stop_string": orchestrator_pb2.FINISH_REASON_STOP_STRING,
-}
-FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
-_REQUEST_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "logprobs", "top_logprobs",
-                    "sampling_mode")
-SAMPLING_MODES = {"rejection": orchestrator_pb2.SAMPLING_MODE_REJECTION, "coupled": orchestrator_pb2.SAMPLING_MODE_COUPLED}
-SAMPLING_MODE_NAMES = {code: name for name, code in SAMPLING_MODES.items()}
-
-
-def request_to_proto(
-    prompt: str | None = None,
-    *,
-    messages: Sequence[dict] | None = None,
-    token_ids: Sequence[int] | None = None,
-    stop: Sequence[str] = (),
-    **scalars,
-) -> orchestrator_pb2.GenerateRequest:
-    """The request message; scalars left None take the server's defaults. Values protobuf
-    cannot hold raise InvalidArgument, as the server would."""
-    if sum(x is not None for x in (prompt, messages, token_ids)) > 1:
-        raise InvalidArgument("give exactly one of prompt, messages or token_ids")
-    unknown = set(scalars) - set(_REQUEST_SCALARS)
-    if unknown:
-        raise TypeError(f"unexpected request fields: {sorted(unknown)}")
-    try:
-        req = orchestrator_pb2.GenerateRequest(stop=list(stop))
-        if prompt is not None:
-            req.prompt = prompt
-        if messages is not None:
-            req.chat.messages.extend(orchestrator_pb2.ChatMessage(role=m["role"], content=m["content"])
-                                     for m in messages)
-            req.chat.SetInParent()
-        if token_ids is not None:
-            req.tokens.token_ids.extend(token_ids)
-            req.tokens.SetInParent()
-        for name, value in scalars.items():
-            if name == "sampling_mode" and value is not None:
-                if value not in SAMPLING_MODES:
-                    raise InvalidArgument(f"sampling_mode must be one of {sorted(SAMPLING_MODES)}, got {value!r}")
-                value = SAMPLING_MODES[value]
-            if value is not None:
-                setattr(req, name, value)
-    except (ValueError, TypeError) as exc:  # e.g. a negative seed or a token id beyond int32
-        raise InvalidArgument(f"invalid request: {exc}") from None
-    return req
-
-
 def request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationRequest:
     kwargs = {}
     which = msg.WhichOneof("input")
@@ -514,7 +430,7 @@ def request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationReque
         kwargs["messages"] = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
     elif which == "tokens":
         kwargs["token_ids"] = list(msg.tokens.token_ids)
-    for name in _REQUEST_SCALARS[:-1]:
+    for name in REQUEST_SCALARS[:-1]:
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     if msg.sampling_mode:
@@ -528,11 +444,6 @@ def stats_to_proto(stats: GenerationStats) -> orchestrator_pb2.GenerationStats:
     return orchestrator_pb2.GenerationStats(**stats.to_dict())
 
 
-def stats_from_proto(msg: orchestrator_pb2.GenerationStats) -> dict:
-    return {f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name)
-            for f in msg.DESCRIPTOR.fields}
-
-
 def chunk_to_proto(chunk: GenerationChunk) -> orchestrator_pb2.GenerateChunk:
     return orchestrator_pb2.GenerateChunk(
         text_delta=chunk.text_delta,
@@ -543,21 +454,9 @@ def chunk_to_proto(chunk: GenerationChunk) -> orchestrator_pb2.GenerateChunk:
     )
 
 
-def chunk_from_proto(msg: orchestrator_pb2.GenerateChunk) -> GenerationChunk:
-    last = msg.HasField("stats")
-    return GenerationChunk(msg.text_delta, list(msg.token_ids), FINISH_NAMES.get(msg.finish_reason) if last else None,
-                           stats_from_proto(msg.stats) if last else None,
-                           [TokenLogprob.from_proto(lp) for lp in msg.logprobs] or None)
-
-
 def result_to_proto(text: str, token_ids: list[int], last: GenerationChunk,
                     logprobs: list[TokenLogprob] | None = None) -> orchestrator_pb2.GenerateResponse:
     return orchestrator_pb2.GenerateResponse(text=text, token_ids=token_ids,
                                              finish_reason=FINISH_REASONS[last.finish_reason],
                                              stats=stats_to_proto(last.stats),
                                              logprobs=[lp.to_proto() for lp in logprobs or ()])
-
-
-def result_from_proto(msg: orchestrator_pb2.GenerateResponse) -> GenerationResult:
-    return GenerationResult(msg.text, list(msg.token_ids), FINISH_NAMES.get(msg.finish_reason, ""),
-                            stats_from_proto(msg.stats), [TokenLogprob.from_proto(lp) for lp in msg.logprobs] or None)

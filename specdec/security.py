@@ -22,11 +22,12 @@ from pathlib import Path
 
 import grpc
 
+# The client's half (ClientTls, open_channel, open_aio_channel) lives in the client distribution
+# (clients/python/specdec_client/channel.py); the orchestrator reaches its workers with it too.
+from specdec_client.channel import ClientTls, open_aio_channel, open_channel  # noqa: F401
+from specdec_client.channel import read_file as _read
+
 log = logging.getLogger(__name__)
-
-
-def _read(path: str | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
 
 
 @dataclass(frozen=True)
@@ -70,24 +71,6 @@ class ServerTls:
                                                    require_client_authentication=self.client_ca is not None)
 
 
-@dataclass(frozen=True)
-class ClientTls:
-    ca: str | None = None  # PEM CA bundle that signed the server's certificate (None: system roots)
-    cert: str | None = None  # PEM certificate to present (mTLS)
-    key: str | None = None
-    enabled: bool = False  # TLS even with no file given (public CAs)
-
-    @property
-    def on(self) -> bool:
-        return self.enabled or bool(self.ca or self.cert)
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        if bool(self.cert) != bool(self.key):
-            raise ValueError("a client certificate needs its key, and a key its certificate")
-        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),
-                                            certificate_chain=_read(self.cert))
-
-
 def _stamp(files: tuple[str, ...]) -> tuple:
     return tuple((st.st_mtime_ns, st.st_size) for st in map(os.stat, files))
 
@@ -97,23 +80,6 @@ def bind(server: grpc.Server, address: str, tls: ServerTls | None) -> int:
     if tls is not None and tls.enabled:
         return server.add_secure_port(address, tls.credentials())
     return server.add_insecure_port(address)
-
-
-def open_channel(address: str, tls: ClientTls | None, options: list, server_name: str | None = None) -> grpc.Channel:
-    """A channel to address; server_name: the name its certificate carries when address is an IP
-    that a DNS name resolved to."""
-    if tls is None or not tls.on:
-        return grpc.insecure_channel(address, options=options)
-    if server_name:
-        options = [*options, ("grpc.ssl_target_name_override", server_name)]
-    return grpc.secure_channel(address, tls.credentials(), options=options)
-
-
-def open_aio_channel(address: str, tls: ClientTls | None, options: list) -> "grpc.aio.Channel":
-    """open_channel's asyncio twin (grpc.aio), for orchestrator.client.AsyncClient."""
-    if tls is None or not tls.on:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, tls.credentials(), options=options)
 
 
 def read_tokens(path: str | None) -> frozenset[str]:

@@ -1,4 +1,4 @@
-"""The committed generated code matches proto/: a stale specdec/v1/ fails here."""
+"""The committed generated code matches proto/: a stale clients/python/specdec_client/v1/ fails here."""
 
 import subprocess
 import sys

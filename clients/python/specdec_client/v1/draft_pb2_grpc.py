@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
-from specdec.v1 import target_pb2 as specdec_dot_v1_dot_target__pb2
+from specdec_client.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
+from specdec_client.v1 import draft_pb2 as specdec_dot_v1_dot_draft__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,18 +19,17 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in specdec/v1/target_pb2_grpc.py depends on'
+        + ' but the generated code in specdec/v1/draft_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class TargetWorkerStub:
-    """The target worker (python -m target_service): holds one session (a KV cache) per request of
-    each orchestrator and scores the drafts of each round on it in one forward pass. Every call
-    but Describe, OpenSession and GetTokenizer must carry the session's secret; until the model
-    has loaded, every call gets UNAVAILABLE.
+class DraftWorkerStub:
+    """The draft worker (python -m draft_service): holds one session (a KV cache) per request of each
+    orchestrator and proposes draft tokens on it. Every call but Describe and OpenSession must
+    carry the session's secret; until the model has loaded, every call gets UNAVAILABLE.
     """
 
     def __init__(self, channel):
@@ -40,47 +39,41 @@ class TargetWorkerStub:
             channel: A grpc.Channel.
         """
         self.Describe = channel.unary_unary(
-                '/specdec.v1.TargetWorker/Describe',
+                '/specdec.v1.DraftWorker/Describe',
                 request_serializer=specdec_dot_v1_dot_common__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
                 _registered_method=True)
         self.OpenSession = channel.unary_unary(
-                '/specdec.v1.TargetWorker/OpenSession',
+                '/specdec.v1.DraftWorker/OpenSession',
                 request_serializer=specdec_dot_v1_dot_common__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_common__pb2.OpenSessionResponse.FromString,
                 _registered_method=True)
-        self.Verify = channel.unary_unary(
-                '/specdec.v1.TargetWorker/Verify',
-                request_serializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+        self.Propose = channel.unary_stream(
+                '/specdec.v1.DraftWorker/Propose',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.Proposal.FromString,
                 _registered_method=True)
-        self.VerifyBatch = channel.unary_unary(
-                '/specdec.v1.TargetWorker/VerifyBatch',
-                request_serializer=specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.FromString,
+        self.ProposeBatch = channel.unary_unary(
+                '/specdec.v1.DraftWorker/ProposeBatch',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
                 _registered_method=True)
         self.Truncate = channel.unary_unary(
-                '/specdec.v1.TargetWorker/Truncate',
+                '/specdec.v1.DraftWorker/Truncate',
                 request_serializer=specdec_dot_v1_dot_common__pb2.TruncateRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_common__pb2.TruncateResponse.FromString,
                 _registered_method=True)
         self.CloseSession = channel.unary_unary(
-                '/specdec.v1.TargetWorker/CloseSession',
+                '/specdec.v1.DraftWorker/CloseSession',
                 request_serializer=specdec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_common__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
-        self.GetTokenizer = channel.unary_stream(
-                '/specdec.v1.TargetWorker/GetTokenizer',
-                request_serializer=specdec_dot_v1_dot_common__pb2.GetTokenizerRequest.SerializeToString,
-                response_deserializer=specdec_dot_v1_dot_common__pb2.FileChunk.FromString,
-                _registered_method=True)
 
 
-class TargetWorkerServicer:
-    """The target worker (python -m target_service): holds one session (a KV cache) per request of
-    each orchestrator and scores the drafts of each round on it in one forward pass. Every call
-    but Describe, OpenSession and GetTokenizer must carry the session's secret; until the model
-    has loaded, every call gets UNAVAILABLE.
+class DraftWorkerServicer:
+    """The draft worker (python -m draft_service): holds one session (a KV cache) per request of each
+    orchestrator and proposes draft tokens on it. Every call but Describe and OpenSession must
+    carry the session's secret; until the model has loaded, every call gets UNAVAILABLE.
     """
 
     def Describe(self, request, context):
@@ -98,23 +91,24 @@ class TargetWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Verify(self, request, context):
-        """One forward pass over the tokens the target has not seen plus the drafts.
+    def Propose(self, request, context):
+        """Streams up to gamma proposals as the draft produces them (fewer when DraftOptions.p_min
+        stops it). A call that changes the session meanwhile ends it with ABORTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def VerifyBatch(self, request, context):
-        """The Verify calls of many sessions in one RPC (an orchestrator's step), scored in one
-        forward pass. Each call succeeds or fails on its own.
+    def ProposeBatch(self, request, context):
+        """The Propose calls of many sessions in one RPC (an orchestrator's step): draft step i of
+        every call runs in the same forward pass. Each call succeeds or fails on its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Truncate(self, request, context):
-        """Cuts a session back to a length (a Verify's `start` does the same on its own).
+        """Cuts a session back to a length (a Propose's `start` does the same on its own).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,16 +121,8 @@ class TargetWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetTokenizer(self, request, context):
-        """Streams the files of the target's tokenizer, so that the orchestrator tokenizes and
-        detokenizes with it and needs no model files of its own.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
-
-def add_TargetWorkerServicer_to_server(servicer, server):
+def add_DraftWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
@@ -148,15 +134,15 @@ def add_TargetWorkerServicer_to_server(servicer, server):
                     request_deserializer=specdec_dot_v1_dot_common__pb2.OpenSessionRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_common__pb2.OpenSessionResponse.SerializeToString,
             ),
-            'Verify': grpc.unary_unary_rpc_method_handler(
-                    servicer.Verify,
-                    request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            'Propose': grpc.unary_stream_rpc_method_handler(
+                    servicer.Propose,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.Proposal.SerializeToString,
             ),
-            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
-                    servicer.VerifyBatch,
-                    request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.SerializeToString,
+            'ProposeBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProposeBatch,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.SerializeToString,
             ),
             'Truncate': grpc.unary_unary_rpc_method_handler(
                     servicer.Truncate,
@@ -168,24 +154,18 @@ def add_TargetWorkerServicer_to_server(servicer, server):
                     request_deserializer=specdec_dot_v1_dot_common__pb2.CloseSessionRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_common__pb2.CloseSessionResponse.SerializeToString,
             ),
-            'GetTokenizer': grpc.unary_stream_rpc_method_handler(
-                    servicer.GetTokenizer,
-                    request_deserializer=specdec_dot_v1_dot_common__pb2.GetTokenizerRequest.FromString,
-                    response_serializer=specdec_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'specdec.v1.TargetWorker', rpc_method_handlers)
+            'specdec.v1.DraftWorker', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('specdec.v1.TargetWorker', rpc_method_handlers)
+    server.add_registered_method_handlers('specdec.v1.DraftWorker', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class TargetWorker:
-    """The target worker (python -m target_service): holds one session (a KV cache) per request of
-    each orchestrator and scores the drafts of each round on it in one forward pass. Every call
-    but Describe, OpenSession and GetTokenizer must carry the session's secret; until the model
-    has loaded, every call gets UNAVAILABLE.
+class DraftWorker:
+    """The draft worker (python -m draft_service): holds one session (a KV cache) per request of each
+    orchestrator and proposes draft tokens on it. Every call but Describe and OpenSession must
+    carry the session's secret; until the model has loaded, every call gets UNAVAILABLE.
     """
 
     @staticmethod
@@ -202,7 +182,7 @@ class TargetWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specdec.v1.TargetWorker/Describe',
+            '/specdec.v1.DraftWorker/Describe',
             specdec_dot_v1_dot_common__pb2.DescribeRequest.SerializeToString,
             specdec_dot_v1_dot_common__pb2.ModelInfo.FromString,
             options,
@@ -229,7 +209,7 @@ class TargetWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specdec.v1.TargetWorker/OpenSession',
+            '/specdec.v1.DraftWorker/OpenSession',
             specdec_dot_v1_dot_common__pb2.OpenSessionRequest.SerializeToString,
             specdec_dot_v1_dot_common__pb2.OpenSessionResponse.FromString,
             options,
@@ -243,7 +223,7 @@ class TargetWorker:
             _registered_method=True)
 
     @staticmethod
-    def Verify(request,
+    def Propose(request,
             target,
             options=(),
             channel_credentials=None,
@@ -253,12 +233,12 @@ class TargetWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
-            '/specdec.v1.TargetWorker/Verify',
-            specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
-            specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            '/specdec.v1.DraftWorker/Propose',
+            specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.Proposal.FromString,
             options,
             channel_credentials,
             insecure,
@@ -270,7 +250,7 @@ class TargetWorker:
             _registered_method=True)
 
     @staticmethod
-    def VerifyBatch(request,
+    def ProposeBatch(request,
             target,
             options=(),
             channel_credentials=None,
@@ -283,9 +263,9 @@ class TargetWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specdec.v1.TargetWorker/VerifyBatch',
-            specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.SerializeToString,
-            specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.FromString,
+            '/specdec.v1.DraftWorker/ProposeBatch',
+            specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -310,7 +290,7 @@ class TargetWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specdec.v1.TargetWorker/Truncate',
+            '/specdec.v1.DraftWorker/Truncate',
             specdec_dot_v1_dot_common__pb2.TruncateRequest.SerializeToString,
             specdec_dot_v1_dot_common__pb2.TruncateResponse.FromString,
             options,
@@ -337,36 +317,9 @@ class TargetWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specdec.v1.TargetWorker/CloseSession',
+            '/specdec.v1.DraftWorker/CloseSession',
             specdec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
             specdec_dot_v1_dot_common__pb2.CloseSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetTokenizer(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/specdec.v1.TargetWorker/GetTokenizer',
-            specdec_dot_v1_dot_common__pb2.GetTokenizerRequest.SerializeToString,
-            specdec_dot_v1_dot_common__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,

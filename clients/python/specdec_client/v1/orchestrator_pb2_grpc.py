@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from specdec.v1 import orchestrator_pb2 as specdec_dot_v1_dot_orchestrator__pb2
+from specdec_client.v1 import orchestrator_pb2 as specdec_dot_v1_dot_orchestrator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
