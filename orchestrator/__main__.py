@@ -1,7 +1,7 @@
 """`python -m orchestrator`: see orchestrator/server.py."""
-from specdec.threads import prefer_passive_openmp
+from specdec.threads import bound_openmp_spinning
 
-prefer_passive_openmp()  # before torch is imported: it shares the host's cores with workers
+bound_openmp_spinning()  # before torch is imported: it shares the host's cores with workers
 
 from orchestrator.server import main  # noqa: E402
 

@@ -65,9 +65,9 @@ def cmd_workers(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.threads import prefer_passive_openmp
+    from specdec.threads import bound_openmp_spinning
 
-    prefer_passive_openmp()  # the local stack and the benchmarks share cores (specdec/threads.py)
+    bound_openmp_spinning()  # the local stack and the benchmarks share cores (specdec/threads.py)
     from specdec import __version__
 
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding over gRPC.")

@@ -3,9 +3,9 @@
 `python -m target_service`: role.py says what a target is, specdec/worker/server.py serves it,
 servicer.py maps gRPC to engine.py, which does the model work.
 """
-from specdec.threads import prefer_passive_openmp
+from specdec.threads import bound_openmp_spinning
 
-prefer_passive_openmp()  # before torch is imported (specdec/threads.py says why)
+bound_openmp_spinning()  # before torch is imported (specdec/threads.py says why)
 
 from specdec.worker.server import main  # noqa: E402
 from target_service.role import TARGET  # noqa: E402

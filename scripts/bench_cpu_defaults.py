@@ -1,0 +1,84 @@
+"""The CPU defaults of issue 21, ablated side by side in one run: the target's kernel (fp16
+weights vs int8-rows) x OpenMP's idle threads (PASSIVE vs a bounded spin, GOMP_SPINCOUNT).
+
+Each setup starts the three services as `make run` does (specdec_tools.stack.ProcessStack, the
+default pair, draft vocabulary 32k), then times 4 of `specdec bench`'s prompts, greedy, 48 new
+tokens: one client at gamma 0 and at gamma 4 (the goodput policy), then four clients at once.
+Prints one table row per setup (generated tokens over wall time).
+
+    .venv/bin/python scripts/bench_cpu_defaults.py [--new-tokens 48] [--setups all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SETUPS = {  # name: (--quantize, OpenMP environment)
+    "fp16, PASSIVE (before)": ("fp16", {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "fp16, spin": ("fp16", {"GOMP_SPINCOUNT": "200000"}),
+    "int8-rows, PASSIVE": ("auto", {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "int8-rows, spin (default)": ("auto", {"GOMP_SPINCOUNT": "200000"}),
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--setups", default="all", help="comma-separated names of SETUPS, or all")
+    a = p.parse_args()
+    from transformers import AutoTokenizer
+
+    from orchestrator.client import Client
+    from specdec.model_store import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
+    from specdec_tools.bench import PROMPTS
+    from specdec_tools.stack import DEFAULT_DRAFT_VOCAB, ProcessStack
+
+    target, draft = str(resolve_model(DEFAULT_TARGET)), str(resolve_model(DEFAULT_DRAFT))
+    tok = AutoTokenizer.from_pretrained(target)
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True), add_special_tokens=False).input_ids
+               for p in PROMPTS[:4]]
+    names = list(SETUPS) if a.setups == "all" else a.setups.split(",")
+    print("| setup | 1 client, gamma 0 | 1 client, gamma 4 | 4 clients, gamma 0 | 4 clients, gamma 4 |")
+    print("|---|---|---|---|---|")
+    saved = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    for name in names:
+        quantization, env = SETUPS[name]
+        for k in saved:
+            os.environ.pop(k, None)
+        os.environ.update(env)
+        with ProcessStack(target, draft, quantization=quantization, draft_vocab=DEFAULT_DRAFT_VOCAB) as stack:
+            stack.wait_until_ready(900)
+            with Client(stack.address, timeout_s=900) as client:
+                def run(ids, gamma):
+                    return len(client.generate(token_ids=ids, max_new_tokens=a.new_tokens, temperature=0,
+                                               gamma=gamma).token_ids)
+
+                run(prompts[0][:8], 0)  # warm-up
+                cells = []
+                for gamma in (0, 4):
+                    t0 = time.perf_counter()
+                    n = sum(run(ids, gamma) for ids in prompts)
+                    cells.append(n / (time.perf_counter() - t0))
+                for gamma in (0, 4):
+                    t0 = time.perf_counter()
+                    with ThreadPoolExecutor(4) as pool:
+                        n = sum(pool.map(lambda ids: run(ids, gamma), prompts))
+                    cells.append(n / (time.perf_counter() - t0))
+        print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
+    for k, v in saved.items():
+        os.environ.pop(k, None)
+        if v is not None:
+            os.environ[k] = v
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
