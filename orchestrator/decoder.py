@@ -41,7 +41,7 @@ from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
 from specdec.errors import Cancelled, InvalidArgument, ServiceError
 from specdec.protocol import (MAX_GAMMA, MAX_TOP_LOGPROBS, DraftOptions, GenerationChunk, GenerationRequest, GenerationResult, GenerationStats,
-                              RequestLimits, SamplingParams)
+                              RequestLimits, SAMPLING_MODES, SamplingParams)
 from specdec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -189,8 +189,8 @@ class SpeculativeDecoder:
             raise InvalidArgument(f"seed must lie in [-2**63, 2**64 - 1], got {request.seed}")
         if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
-        if request.sampling_mode not in (None, "coupled", "rejection"):
-            raise InvalidArgument(f"sampling_mode must be 'coupled' or 'rejection', got {request.sampling_mode!r}")
+        if request.sampling_mode is not None and request.sampling_mode not in SAMPLING_MODES:
+            raise InvalidArgument(f"sampling_mode must be one of {sorted(SAMPLING_MODES)}, got {request.sampling_mode!r}")
         if request.top_logprobs and not request.logprobs:
             raise InvalidArgument("top_logprobs needs logprobs")
         if request.gamma > 0 and self.drafts is None:

@@ -26,14 +26,14 @@ import warnings
 import torch
 
 
-def _prepack(weight: torch.Tensor) -> tuple[object, torch.Tensor]:
-    """fbgemm-packed int8 weight, one symmetric scale per output channel, and those scales."""
+def _prepack(weight: torch.Tensor) -> object:
+    """fbgemm-packed int8 weight, one symmetric scale per output channel."""
     w = weight.detach().to(torch.float32)
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantized tensor creation warns of its deprecation
         qw = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
-        return torch.ops.quantized.linear_prepack(qw, None), scale
+        return torch.ops.quantized.linear_prepack(qw, None)
 
 
 @functools.cache
@@ -42,7 +42,7 @@ def activation_bits() -> int:
     k, n = 64, 16
     w = torch.full((n, k), 127.0)
     w[1::2] = -127.0  # alternate signs across channels: both saturation directions
-    packed, _ = _prepack(w)
+    packed = _prepack(w)
     x = torch.full((2, k), 127.0)
     x[1] = -128.0  # the sentinel row's two ends, as every call has them
     x[1, 1] = 127.0
@@ -71,7 +71,7 @@ class Int8RowLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._packed, self._scale = _prepack(linear.weight)
+        self._packed = _prepack(linear.weight)
         self.bias = None if linear.bias is None else torch.nn.Parameter(
             linear.bias.detach().to(torch.float32, copy=True), requires_grad=False)
         bits = activation_bits()
@@ -109,7 +109,7 @@ class Int8Linear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._packed, _ = _prepack(linear.weight)
+        self._packed = _prepack(linear.weight)
         self.bias = None if linear.bias is None else torch.nn.Parameter(
             linear.bias.detach().to(torch.float32, copy=True), requires_grad=False)
 

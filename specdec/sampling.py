@@ -115,7 +115,11 @@ def coupling_exponentials(seed: int, position: int, token_ids: np.ndarray) -> np
     _mix32(h)
     h ^= _U32(k2)
     _mix32(h)
-    return -np.log((h + 0.5) * 2.0**-32)
+    e = h.astype(np.float64)  # the one float array: the rest in place
+    e += 0.5
+    e *= 2.0**-32
+    np.log(e, out=e)
+    return np.negative(e, out=e)
 
 
 _ARANGE = np.arange(0, dtype=np.uint32)
@@ -132,7 +136,8 @@ def _ids(n: int) -> np.ndarray:
 def coupled_choice(probs: CompactProbs, seed: int, position: int) -> int:
     """The token at `position` drawn from `probs` with the request's noise: argmax p(v) / E(v)
     over p's support (a token of probability 0 never wins)."""
-    p = probs.probs.numpy().astype(np.float64)
+    p = probs.probs.numpy()  # float32; divided by float64 noise, the scores are float64
     ids = _ids(p.size) if probs.indices is None else probs.indices.numpy().astype(np.uint32)
-    i = int(np.argmax(p / coupling_exponentials(seed, position, ids)))
+    e = coupling_exponentials(seed, position, ids)
+    i = int(np.argmax(np.divide(p, e, out=e)))
     return i if probs.indices is None else int(ids[i])
