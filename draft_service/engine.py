@@ -27,7 +27,7 @@ from specdec.errors import Aborted, InvalidArgument, ServiceError
 from specdec import ngram
 from specdec import telemetry as t
 from specdec.protocol import MAX_GAMMA, CompactProbs, DraftOptions, Proposal, ProposeCall, SamplingParams
-from specdec.sampling import coupled_choice, process_logits
+from specdec.sampling import apply_controls, coupled_choice, process_logits
 from specdec.worker.engine import Session, WorkerEngine
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class DraftEngine(WorkerEngine):
         context, made with randomness the target's decisions never saw."""
         if not 1 <= gamma <= MAX_GAMMA:
             raise InvalidArgument(f"gamma must lie in [1, {MAX_GAMMA}] for a proposal, got {gamma}")
-        params.validate()
+        params.validate().check_vocabulary(self.vocab_size)
         options.validate()
         session = self.session(session_id)
         end = start + len(token_ids)  # where this call's proposals begin
@@ -182,7 +182,7 @@ class DraftEngine(WorkerEngine):
         session.tokens.extend(guess)
         picks = self.run(session, len(guess) + 1, kind,
                          lambda logits: self._picks(logits, guess, drafted.params, drafted.generator, drafted.options,
-                                                    made, base))
+                                                    made, base, session.tokens))
         # the tokens are the prefix, the guesses the draft took, and its last proposal, which stays
         # uncached until the next pass; the cache holds no guess it refused
         if guess:
@@ -215,11 +215,16 @@ class DraftEngine(WorkerEngine):
             log.exception("drafting ahead for session %s failed", session.session_id)
 
     def _picks(self, logits: torch.Tensor, guess: list[int], params: SamplingParams, generator: torch.Generator,
-               options: DraftOptions, made: int, first: int) -> list[tuple[int, CompactProbs | None, float, bool]]:
-        """logits: [len(guess) + 1, vocab], row j predicting position first + j -> [(proposal, q,
-        the draft's probability of it, stop)], one per row while the proposals equal the guesses,
-        ending at the first that does not, or at a stop. Coupled sampling proposes the seeded
-        Gumbel-max choice of q, which it does not send (the target decides by its own choice)."""
+               options: DraftOptions, made: int, first: int,
+               tokens: list[int]) -> list[tuple[int, CompactProbs | None, float, bool]]:
+        """logits: [len(guess) + 1, vocab], row j predicting position first + j, whose prefix is
+        tokens[:first + j] (the guesses included) -> [(proposal, q, the draft's probability of it,
+        stop)], one per row while the proposals equal the guesses, ending at the first that does
+        not, or at a stop. q is after the request's decoding controls, as the target's p is.
+        Coupled sampling proposes the seeded Gumbel-max choice of q, which it does not send (the
+        target decides by its own choice)."""
+        if params.controlled:
+            logits = apply_controls(logits.float(), params, tokens, first)
         picks = []
         for j in range(logits.shape[0]):
             row = logits[j]

@@ -41,7 +41,7 @@ from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
 from specdec.errors import Cancelled, InvalidArgument, ServiceError
 from specdec.protocol import (MAX_GAMMA, MAX_TOP_LOGPROBS, DraftOptions, GenerationChunk, GenerationRequest, GenerationResult, GenerationStats,
-                              RequestLimits, SAMPLING_MODES, SamplingParams)
+                              MAX_STOP_TOKEN_IDS, RequestLimits, SAMPLING_MODES, SamplingParams)
 from specdec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,20 @@ class SpeculativeDecoder:
             raise InvalidArgument("top_logprobs needs logprobs")
         if request.gamma > 0 and self.drafts is None:
             raise InvalidArgument("this orchestrator has no draft worker; use gamma 0")
-        return params
+        if not 0 <= request.min_tokens <= request.max_new_tokens:
+            raise InvalidArgument(f"min_tokens must lie in [0, max_new_tokens = {request.max_new_tokens}], "
+                                  f"got {request.min_tokens}")
+        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(f"stop_token_ids has {len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+        bad = [t for t in request.stop_token_ids if not 0 <= t < self.target_info.vocab_size]
+        if bad:
+            raise InvalidArgument(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {self.target_info.vocab_size})")
+        params.check_vocabulary(self.target_info.vocab_size)
+        # what the controls need of the prompt and the model: where the output starts (penalties,
+        # min_tokens) and the tokens min_tokens holds back
+        stops = sorted({*request.stop_token_ids, *(() if request.ignore_eos else self.eos)})
+        return replace(params, output_start=prompt_len, stop_token_ids=tuple(stops) if request.min_tokens else ())
 
     def sampling_mode(self, request: GenerationRequest) -> str:
         """"greedy", or how a sampled request draws: coupled (Gumbel-max keyed by its seed: the
@@ -295,11 +308,13 @@ class SpeculativeDecoder:
         """Drives the request round by round: in its target's step loop with the other requests
         there (orchestrator/steps.py), or on its own (orchestrator/rounds.py); records each round's
         metrics."""
-        state = RequestState(placement, params, generator, self.tracer, self.eos, request.gamma,
+        state = RequestState(placement, params, generator, self.tracer,
+                             frozenset() if request.ignore_eos else self.eos, request.gamma,
                              request.max_new_tokens, list(prompt), stats, TextAssembler(self.tokenizer, request.stop),
                              started=time.perf_counter() - stats.prefill_s, policy=self.gamma_policy,
                              draft_options=self.draft_options,
-                             top_logprobs=request.top_logprobs if request.logprobs else None)
+                             top_logprobs=request.top_logprobs if request.logprobs else None,
+                             stop_token_ids=frozenset(request.stop_token_ids))
         if self.steps is not None:
             yield from self.steps.join(state, ctx)  # leaving it (done, failed, cancelled) waits for the step
             return

@@ -48,7 +48,8 @@ from orchestrator.admission import Admission, CallDeadline, client_key
 from orchestrator.decoder import MAX_MESSAGES, MAX_STOP_STRINGS
 from orchestrator.detokenizer import token_bytes
 from specdec.errors import ServiceError
-from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, GenerationChunk, GenerationRequest
+from specdec.protocol import (MAX_GAMMA, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, GenerationChunk,
+                              GenerationRequest)
 from specdec.security import ServerTls, TokenSet
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # a chat's message count and its stop strings have the decoder's own limits.
 MAX_PROMPT_IDS = 1 << 20
 MAX_CONTENT_PARTS = 1 << 12
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length"}
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "stop_token": "stop", "length": "length"}
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -91,7 +92,9 @@ HTTP_STATUS = {  # gRPC status of a ServiceError -> (HTTP status, OpenAI error t
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 # the decoder's messages name its own fields; a client of this door knows them by OpenAI's names
-PARAM_NAMES = [("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+PARAM_NAMES = [*((name, name) for name in ("logit_bias", "stop_token_ids", "min_tokens", "min_p", "repetition_penalty",
+                                           "frequency_penalty", "presence_penalty")),
+               ("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                ("top_k", "top_k"), ("gamma", "gamma"), ("stop", "stop"), ("prompt", "prompt"),
                ("chat", "messages"), ("token id", "prompt"), ("seed", "seed")]
 
@@ -205,20 +208,30 @@ class _Common(_Body):
     stream_options: StreamOptions | None = None
     gamma: int | None = Field(None, ge=0, le=MAX_GAMMA)  # extension: drafts per round (0 = the target alone)
     sampling_mode: Literal["coupled", "rejection"] | None = None  # extension: how a seed's tokens are drawn
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # decoding controls, exact under speculation (specdec/sampling.py: apply_controls): OpenAI's
+    # fields, then vLLM's extensions with vLLM's semantics
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=1e4)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: bool = False
     user: str | None = None
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):
             raise OpenAIError(400, "n: only n=1 is supported (send n requests instead)", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise OpenAIError(400, f"{name}: not supported (the output is exactly the target's distribution)",
-                                  param=name)
-        if self.logit_bias:
-            raise OpenAIError(400, "logit_bias: not supported", param="logit_bias")
+
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI's logit_bias: token ids as strings (JSON keys) to a bias in [-100, 100]."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise OpenAIError(400, f"logit_bias: {key[:32]!r} is not a token id", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def generation_kwargs(self) -> dict:
         kwargs: dict[str, Any] = {}
@@ -236,6 +249,15 @@ class _Common(_Body):
             kwargs["sampling_mode"] = self.sampling_mode
         if self.stop is not None:
             kwargs["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        if self.logit_bias:
+            kwargs["logit_bias"] = self._logit_bias()
+        if self.stop_token_ids:
+            kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
+        if self.ignore_eos:
+            kwargs["ignore_eos"] = True
         return kwargs
 
 

@@ -204,14 +204,16 @@ class RemoteTarget(_RemoteWorker):
         positions = len(c.draft_token_ids) + 1
         if len(argmax if decided else probs) != positions:
             raise ServiceError(f"{self.peer} returned a malformed verification", grpc.StatusCode.INTERNAL)
-        bases = top = None
+        bases = top = norms = None
         if c.top_logprobs is not None:
             bases = list(r.logprob_bases)
             top = [(list(t.token_ids), list(t.logprobs)) for t in r.top_logprobs] if c.top_logprobs else None
-            if len(bases) != positions or (top is not None and len(top) != positions):
+            norms = list(r.raw_log_norms) or None
+            if (len(bases) != positions or (top is not None and len(top) != positions)
+                    or (norms is not None and len(norms) != positions)):
                 raise ServiceError(f"{self.peer} returned malformed logprobs", grpc.StatusCode.INTERNAL)
         return Verification(argmax, probs, r.length, r.compute_s, r.batch_rows, r.pass_s, wire_bytes,
-                            logprob_bases=bases, top_logprobs=top)
+                            logprob_bases=bases, top_logprobs=top, raw_log_norms=norms)
 
     def verify(
         self, session_id: str, start: int, token_ids: list[int], draft_token_ids: list[int], params: SamplingParams,

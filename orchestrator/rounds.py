@@ -61,7 +61,8 @@ class RequestState:
     prompt_len: int = field(init=False)
     target_synced: int = field(init=False)  # how many of `tokens` the target's cache holds validly
     draft_synced: int = field(init=False)  # the same for the draft's
-    finish: str | None = None  # "eos", "stop_string" or "length" once the request is done
+    finish: str | None = None  # "eos", "stop_token", "stop_string" or "length" once the request is done
+    stop_token_ids: frozenset[int] = frozenset()  # the request's own: generation ends after one
 
     def __post_init__(self) -> None:
         self.prompt_len = self.target_synced = len(self.tokens)
@@ -263,11 +264,12 @@ def learn_passes(req: RequestState, rnd: Round) -> None:
 
 
 def emit(req: RequestState, rnd: Round) -> GenerationChunk:
-    """Appends the round's tokens up to EOS, a stop string or max_new_tokens; the last chunk has the stats."""
+    """Appends the round's tokens up to EOS, a stop token, a stop string or max_new_tokens; the
+    last chunk has the stats."""
     new = rnd.result.token_ids[:rnd.remaining]
     for i, tok in enumerate(new):
-        if tok in req.eos:
-            new, req.finish = new[: i + 1], "eos"
+        if tok in req.stop_token_ids or tok in req.eos:
+            new, req.finish = new[: i + 1], "stop_token" if tok in req.stop_token_ids else "eos"
             break
     delta, keep = req.assembler.add(new)
     if keep is not None:  # a stop string ends at `keep` generated tokens
@@ -290,7 +292,8 @@ def emit(req: RequestState, rnd: Round) -> GenerationChunk:
 def token_logprobs(req: RequestState, rnd: Round) -> list[TokenLogprob]:
     """The emitted tokens' log-probabilities under the target: token i of the round sits at
     position i of the verification (the accepted drafts, then the recovered or bonus token)."""
-    v = rnd.verification
-    return [TokenLogprob(tok, v.logprob(i, tok, req.params),
+    v, before = rnd.verification, len(req.tokens) - len(rnd.emitted)  # emitted: already in req.tokens
+    prefix = (lambda i: req.tokens[: before + i]) if v.raw_log_norms else (lambda i: ())  # to undo controls
+    return [TokenLogprob(tok, v.logprob(i, tok, req.params, prefix(i)),
                          tuple(zip(*v.top_logprobs[i])) if v.top_logprobs else ())
             for i, tok in enumerate(rnd.emitted)]

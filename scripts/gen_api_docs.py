@@ -152,7 +152,9 @@ def _type_link(type_name: str, kinds: dict[str, str]) -> str:
     return f"[{short}](#{_anchor(kind, short)})" if kind else f"`{full}`"
 
 
-def _field_type(field, kinds: dict[str, str]) -> str:
+def _field_type(field, kinds: dict[str, str], maps: dict[str, str] | None = None) -> str:
+    if maps and field.type_name.lstrip(".") in maps:  # a map's entry type: map<K, V>, not a repeated message
+        return maps[field.type_name.lstrip(".")]
     if field.type in (TYPE_MESSAGE, TYPE_ENUM):
         base = _type_link(field.type_name, kinds)
     else:
@@ -220,13 +222,15 @@ def _message(file, m, path: tuple[int, ...], prefix: str, docs, kinds) -> list[s
     name = f"{prefix}.{m.name}"
     out = ["", f"### message {m.name}", "", _paragraphs(docs[("message", name)])]
     oneofs = {k: o.name for k, o in enumerate(m.oneof_decl) if not _synthetic(m, k)}
+    maps = {f"{name}.{e.name}": "map<{}, {}>".format(*(_field_type(f, kinds).strip("`") for f in e.field))
+            for e in m.nested_type if e.options.map_entry}
     if m.field:
         out += ["", "| field | number | type | description |", "|---|---|---|---|"]
         for f in m.field:
             note = ""
             if f.HasField("oneof_index") and f.oneof_index in oneofs:
                 note = f"(oneof `{oneofs[f.oneof_index]}`) "
-            out.append(f"| `{f.name}` | {f.number} | {_field_type(f, kinds)} | {note}{_cell(docs[('field', f'{name}.{f.name}')])} |")
+            out.append(f"| `{f.name}` | {f.number} | {_field_type(f, kinds, maps)} | {note}{_cell(docs[('field', f'{name}.{f.name}')])} |")
     else:
         out += ["", "No fields."]
     for k, o in oneofs.items():
@@ -245,7 +249,7 @@ def _message(file, m, path: tuple[int, ...], prefix: str, docs, kinds) -> list[s
         out += ["", f"Reserved number {numbers}" + (f": {_cell(comment)}" if comment else ".")]
     if m.reserved_name:
         out += ["", "Reserved names: " + ", ".join(f"`{n}`" for n in m.reserved_name) + "."]
-    if m.nested_type or m.enum_type:
+    if any(not e.options.map_entry for e in m.nested_type) or m.enum_type:
         raise SystemExit(f"{name}: nested types are not rendered yet (scripts/gen_api_docs.py)")
     return out
 

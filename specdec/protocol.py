@@ -44,14 +44,36 @@ WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # ---- sampling parameters and distributions (orchestrator <-> workers) ----------------------
 
 
+MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI's API allows
+MAX_STOP_TOKEN_IDS = 64
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """How both workers turn a position's logits into its token or distribution (specdec/sampling.py).
+
+    The decoding controls (vLLM's semantics) are functions of the logits and of the prefix the
+    position sees, drafts of the round included: both workers apply them at every position they
+    score, so q and p are the controlled distributions and the rejection test (or greedy and
+    coupled choice) stays exact for the controlled target. In order: logit_bias, min_tokens, the
+    penalties (greedy takes the argmax here), temperature, min_p, top-k, top-p."""
+
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     # set: coupled sampling (specdec/sampling.py, coupled_choice): each position's token is a fixed
     # function of this seed, the position and the distribution there; None: each side draws its own
     coupling_seed: int | None = None
+    # a positive logit of a token in the prefix (prompt and output) is divided by it, a negative one
+    # multiplied; 1 = off
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0  # logit -= frequency_penalty * count in the output before the position
+    presence_penalty: float = 0.0  # logit -= presence_penalty if the token is in the output before it
+    min_p: float = 0.0  # sampling keeps tokens with at least min_p x the most likely token's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
+    output_start: int = 0  # the absolute position of the first output token (the prompt's length)
+    min_tokens: int = 0  # the stop tokens are masked at the first min_tokens output positions ...
+    stop_token_ids: tuple[int, ...] = ()  # ... these (EOS unless ignore_eos, and the request's stop_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +91,13 @@ class SamplingParams:
         equal the target's tokens."""
         return self.greedy or self.coupling_seed is not None
 
+    @property
+    def controlled(self) -> bool:
+        """Some control changes logits by the position's prefix (or by token): the workers apply
+        specdec/sampling.py's apply_controls before choosing or computing a distribution."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.stop_token_ids)))
+
     def validate(self) -> "SamplingParams":
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -78,20 +107,56 @@ class SamplingParams:
             raise InvalidArgument(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.coupling_seed is not None and not 0 <= self.coupling_seed < 2**64:
             raise InvalidArgument(f"coupling_seed must lie in [0, 2**64 - 1], got {self.coupling_seed}")
+        if not 0.0 < self.repetition_penalty <= 1e4:  # vLLM: > 0 (1 = off); also rejects NaN and inf
+            raise InvalidArgument(f"repetition_penalty must lie in (0, 10000] (1 turns it off), got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # OpenAI's and vLLM's range
+                raise InvalidArgument(f"{name} must lie in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgument(f"min_p must lie in [0, 1], got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        for i, (token, bias) in enumerate(self.logit_bias):
+            if token < 0 or i and token <= self.logit_bias[i - 1][0]:
+                raise InvalidArgument("logit_bias: token ids must be >= 0, each once, in ascending order")
+            if not -100.0 <= bias <= 100.0:  # OpenAI's range; also rejects NaN
+                raise InvalidArgument(f"logit_bias: the bias of token {token} must lie in [-100, 100], got {bias}")
+        if self.output_start < 0 or self.min_tokens < 0:
+            raise InvalidArgument(f"output_start and min_tokens must be >= 0, got {self.output_start}, {self.min_tokens}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS + 16 or any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgument(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids >= 0")
         return self
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """INVALID_ARGUMENT for a token id the controls name that the vocabulary does not have."""
+        for name, tokens in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in tokens if t >= vocab_size]
+            if bad:
+                raise InvalidArgument(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
     def to_proto(self) -> common_pb2.SamplingParams:
-        return common_pb2.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                         coupling_seed=self.coupling_seed)
+        return common_pb2.SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, coupling_seed=self.coupling_seed,
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty != 1.0 else None,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty, min_p=self.min_p,
+            logit_bias_token_ids=[t for t, _ in self.logit_bias], logit_bias_values=[b for _, b in self.logit_bias],
+            output_start=self.output_start, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids)
 
     @classmethod
     def from_proto(cls, msg: common_pb2.SamplingParams) -> "SamplingParams":
         # proto3 cannot tell 0 from unset: the orchestrator always sets all three, and greedy
         # requests need neither top_k nor top_p.
+        if len(msg.logit_bias_token_ids) != len(msg.logit_bias_values):
+            raise InvalidArgument("logit_bias_token_ids and logit_bias_values must have the same length")
+        controls = dict(
+            repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=msg.frequency_penalty, presence_penalty=msg.presence_penalty,
+            logit_bias=tuple(zip(msg.logit_bias_token_ids, msg.logit_bias_values)), output_start=msg.output_start,
+            min_tokens=msg.min_tokens, stop_token_ids=tuple(msg.stop_token_ids))
         if 0 <= msg.temperature < GREEDY_BELOW:
-            return cls(temperature=0.0)
-        return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
-                   coupling_seed=msg.coupling_seed if msg.HasField("coupling_seed") else None).validate()
+            return cls(temperature=0.0, **controls).validate()
+        return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
+                   coupling_seed=msg.coupling_seed if msg.HasField("coupling_seed") else None, **controls).validate()
 
 
 @dataclass
@@ -284,13 +349,25 @@ class Verification:
     # with log P(t) = temperature * log p(t) + c for every t that p can emit
     logprob_bases: list[float] | None = None
     top_logprobs: list[tuple[list[int], list[float]]] | None = None  # (ids, log-probabilities), most likely first
+    # rejection sampling under decoding controls, with logprobs: [gamma + 1] logsumexp of the raw
+    # logits; the controlled logit of t is temperature * log p(t) + base + norm
+    raw_log_norms: list[float] | None = None
 
-    def logprob(self, position: int, token_id: int, params: "SamplingParams") -> float:
-        """The target model's log-probability of a token this round emits at `position`."""
+    def logprob(self, position: int, token_id: int, params: "SamplingParams", prefix: list[int] = ()) -> float:
+        """The target model's raw log-probability of a token this round emits at `position`, whose
+        prefix is `prefix` (needed only to undo decoding controls)."""
         if params.deterministic:  # a greedy or coupled round emits only the target's own token
             return self.logprob_bases[position]
         p = self.probs[position].prob_of(token_id)
-        return params.temperature * math.log(p) + self.logprob_bases[position] if p > 0 else -math.inf
+        if p <= 0:
+            return -math.inf
+        if not self.raw_log_norms:
+            return params.temperature * math.log(p) + self.logprob_bases[position]
+        from specdec.sampling import raw_logit  # torch: only the orchestrator's side reads distributions
+
+        norm = self.raw_log_norms[position]
+        controlled = params.temperature * math.log(p) + self.logprob_bases[position] + norm
+        return raw_logit(params, controlled, token_id, list(prefix)) - norm
 
 
 @dataclass(frozen=True)
@@ -351,10 +428,27 @@ class GenerationRequest:
     logprobs: bool = False  # each token's log-probability under the target ...
     top_logprobs: int = 0  # ... and this many most likely alternatives (0-MAX_TOP_LOGPROBS)
     sampling_mode: str | None = None  # "coupled" or "rejection"; None: coupled with a seed (the server's default)
+    # decoding controls (SamplingParams says what each does)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    stop_token_ids: Sequence[int] = ()  # generation also ends after one of these (finish "stop_token")
+    ignore_eos: bool = False  # generation does not end at EOS
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
+        """The request's sampling and controls; the decoder adds what depends on the prompt and
+        the model (output_start, the stop tokens min_tokens holds back, a coupling seed)."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:  # before sorting a dict of any size
+            raise InvalidArgument(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+        return SamplingParams(self.temperature, self.top_k, self.top_p, repetition_penalty=self.repetition_penalty,
+                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                              min_p=self.min_p, logit_bias=tuple(sorted((int(t), float(b)) for t, b in bias.items())),
+                              min_tokens=self.min_tokens)
 
 
 @dataclass(frozen=True)
@@ -437,7 +531,8 @@ def request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationReque
         if msg.sampling_mode not in SAMPLING_MODE_NAMES:  # a number this server does not know
             raise InvalidArgument(f"sampling_mode {msg.sampling_mode} is not one of {sorted(SAMPLING_MODES)}")
         kwargs["sampling_mode"] = SAMPLING_MODE_NAMES[msg.sampling_mode]
-    return GenerationRequest(**kwargs, stop=tuple(msg.stop))
+    return GenerationRequest(**kwargs, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                             logit_bias=dict(msg.logit_bias) or None)
 
 
 def stats_to_proto(stats: GenerationStats) -> orchestrator_pb2.GenerationStats:

@@ -1,8 +1,9 @@
 """Logits processing, shared by both workers: logits in, a CompactProbs (specdec/protocol.py) out.
 
-The draft computes q and the target computes p with the same `process_logits`, so the
-rejection test compares like with like (temperature, then top-k, then top-p, in the order
-transformers applies them). A processed distribution is kept as `CompactProbs`: sparse
+The decoding controls (logit_bias, min_tokens, penalties: `apply_controls`) come first, at every
+position with the prefix it sees. The draft computes q and the target computes p with the same
+`process_logits`, so the rejection test compares like with like (temperature, then min-p, top-k
+and top-p). A processed distribution is kept as `CompactProbs`: sparse
 (indices + probabilities) when truncation leaves few tokens, dense otherwise, whichever is
 smaller on the wire. Probabilities are float32 on both sides of the wire, and the draft samples
 from exactly the values it sends, so the orchestrator tests against the q that was drawn from.
@@ -16,6 +17,8 @@ This module owns no model, no gRPC server and no session state.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -40,20 +43,30 @@ def _top_p_candidates(scores: torch.Tensor, top_p: float) -> tuple[torch.Tensor,
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, vocab_size: int | None = None) -> CompactProbs:
-    """Temperature, top-k and top-p applied to one position's logits [n].
+    """Temperature, min-p, top-k and top-p applied to one position's logits [n] (the decoding
+    controls, when the request has any, already applied: apply_controls).
 
     n is vocab_size, or less for a draft whose output head covers only the first n token ids.
 
-    Top-p keeps the smallest set of most likely tokens whose mass reaches top_p (a token is
-    kept when the mass of the tokens ranked above it is below top_p), as transformers'
-    TopPLogitsWarper does; at least one token always survives.
+    Min-p keeps the tokens with at least min_p times the most likely token's probability (vLLM's
+    order: after temperature, before top-k and top-p). Top-p keeps the smallest set of most likely
+    tokens whose mass reaches top_p (a token is kept when the mass of the tokens ranked above it is
+    below top_p), as transformers' TopPLogitsWarper does; at least one token always survives.
     """
     assert logits.dim() == 1, logits.shape
     assert not params.greedy, "greedy decoding needs no distribution"
     n = logits.numel()
     vocab_size = vocab_size or n
     scores = logits.float() / params.temperature
-    if params.top_k and params.top_k < n:
+    if params.min_p > 0.0:
+        # p(v) >= min_p * p_max  <=>  s(v) >= s_max + log(min_p); the survivors, sorted
+        indices = (scores >= scores.max() + math.log(params.min_p)).nonzero()[:, 0]
+        values, order = scores[indices].sort(descending=True)
+        indices = indices[order]
+        if params.top_k and params.top_k < values.numel():
+            values, indices = values[: params.top_k], indices[: params.top_k]
+        log_norm = torch.logsumexp(values, -1)
+    elif params.top_k and params.top_k < n:
         values, indices = scores.topk(params.top_k)  # sorted, descending
         log_norm = torch.logsumexp(values, -1)  # top-p applies to the top-k distribution
     elif params.top_p < 1.0:
@@ -69,6 +82,78 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, vocab_size: int
     if probs.numel() * 8 >= n * 4:  # sparse would be larger than dense on the wire
         return CompactProbs(vocab_size, probs.new_zeros(n).index_copy_(0, indices, probs).cpu())
     return CompactProbs(vocab_size, probs.cpu(), indices.cpu())
+
+
+# ---- decoding controls: logit_bias, min_tokens, penalties (vLLM's semantics) -------------------
+#
+# Each is a function of a position's logits and of the prefix it sees. Both workers apply them at
+# every position they score, the round's drafts included in the prefix (the target's verify pass
+# scores gamma + 1 positions, row i seeing the drafts before it), so q and p are the controlled
+# distributions and greedy, coupled and rejection sampling stay exact for the controlled target.
+
+
+def _bias(params: SamplingParams, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([t for t, _ in params.logit_bias if t < n], dtype=torch.long)
+    return ids, torch.tensor([b for t, b in params.logit_bias if t < n], dtype=torch.float32)
+
+
+def apply_controls(logits: torch.Tensor, params: SamplingParams, tokens: list[int], first: int) -> torch.Tensor:
+    """logits: float32 [rows, n], row i the logits at absolute position first + i, whose prefix is
+    tokens[:first + i] (tokens holds at least first + rows - 1 of them). Changed in place, in
+    vLLM's order: logit_bias added; min_tokens: the stop tokens at -inf on the first min_tokens
+    output positions (never leaving a row with no token); repetition_penalty over the prefix
+    (prompt and output: a positive logit divided, a negative one multiplied); frequency and
+    presence penalties over the output (positions output_start on). Returns logits."""
+    rows, n = logits.shape
+    if params.logit_bias:
+        ids, bias = _bias(params, n)
+        logits[:, ids] += bias
+    if params.min_tokens and params.stop_token_ids:
+        stop = torch.tensor([t for t in params.stop_token_ids if t < n], dtype=torch.long)
+        for i in range(rows):
+            if first + i - params.output_start < params.min_tokens:
+                row = logits[i]
+                held = row[stop].clone()
+                row[stop] = -math.inf
+                if not bool(torch.isfinite(row).any()):  # nothing else allowed here: min_tokens yields
+                    row[stop] = held
+    rep, freq, pres = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+    if rep == 1.0 and freq == 0.0 and pres == 0.0:
+        return logits
+    prefix = torch.tensor(tokens[: first + rows - 1], dtype=torch.long)
+    seen = torch.unique(prefix[:first]) if rep != 1.0 else None
+    out_ids, out_counts = torch.unique(prefix[params.output_start : first], return_counts=True)
+    for i in range(rows):
+        row, drafts = logits[i], prefix[first : first + i]  # the round's tokens before position first + i
+        if rep != 1.0:
+            ids = torch.unique(torch.cat([seen, drafts])) if i else seen
+            ids = ids[ids < n]
+            v = row[ids]
+            row[ids] = torch.where(v > 0, v / rep, v * rep)
+        if freq != 0.0 or pres != 0.0:
+            if i:
+                ids, inverse = torch.unique(torch.cat([out_ids, drafts]), return_inverse=True)
+                counts = torch.zeros(ids.numel(), dtype=out_counts.dtype).index_add_(
+                    0, inverse, torch.cat([out_counts, torch.ones(i, dtype=out_counts.dtype)]))
+            else:
+                ids, counts = out_ids, out_counts
+            keep = ids < n
+            ids, counts = ids[keep], counts[keep]
+            row[ids] -= freq * counts.float() + pres
+    return logits
+
+
+def raw_logit(params: SamplingParams, controlled: float, token: int, prefix: list[int]) -> float:
+    """The raw logit of `token` at the position after `prefix`, from its controlled logit: the
+    controls of apply_controls undone (each is invertible for one token; the orchestrator uses it
+    to report raw log-probabilities under rejection sampling)."""
+    z = controlled
+    if params.frequency_penalty or params.presence_penalty:
+        count = prefix[params.output_start:].count(token)
+        z += params.frequency_penalty * count + (params.presence_penalty if count else 0.0)
+    if params.repetition_penalty != 1.0 and token in prefix:
+        z = z * params.repetition_penalty if z > 0 else z / params.repetition_penalty
+    return z - dict(params.logit_bias).get(token, 0.0)
 
 
 # ---- coupled sampling: Gumbel-max with noise keyed by (seed, position, token id) ----------------

@@ -14,7 +14,7 @@ import torch
 
 from specdec.errors import InvalidArgument, ServiceError
 from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, SamplingParams, Verification, VerifyCall
-from specdec.sampling import coupled_choice, process_logits
+from specdec.sampling import apply_controls, coupled_choice, process_logits
 from specdec.worker.engine import WorkerEngine
 
 
@@ -34,7 +34,7 @@ class TargetEngine(WorkerEngine):
             raise InvalidArgument(f"at most {MAX_GAMMA} drafts per round, got {len(draft_token_ids)}")
         if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgument(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
-        params.validate()
+        params.validate().check_vocabulary(self.vocab_size)
         session = self.session(session_id)
         with session.lock:
             t0 = time.perf_counter()
@@ -46,10 +46,12 @@ class TargetEngine(WorkerEngine):
             session.uncache_last()
             session.tokens.extend(draft_token_ids)
             first = len(session.tokens) - len(draft_token_ids)  # the position the pass's first row predicts
-            argmax, probs, bases, top = self.run(session, len(draft_token_ids) + 1, "verify",
-                                                 lambda logits: self._score(logits, params, top_logprobs, first))
+            argmax, probs, bases, top, norms = self.run(
+                session, len(draft_token_ids) + 1, "verify",
+                lambda logits: self._score(logits, params, top_logprobs, first, session.tokens))
             return Verification(argmax, probs, len(session.tokens), time.perf_counter() - t0,
-                                session.last_pass_rows, session.last_pass_s, logprob_bases=bases, top_logprobs=top)
+                                session.last_pass_rows, session.last_pass_s, logprob_bases=bases, top_logprobs=top,
+                                raw_log_norms=norms)
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | ServiceError]:
         """The verifications of many sessions' calls (one orchestrator step), scored in one forward
@@ -57,11 +59,16 @@ class TargetEngine(WorkerEngine):
         return self.run_calls(calls, lambda c: self.verify(c.session_id, c.start, c.token_ids, c.draft_token_ids,
                                                            c.params, c.top_logprobs))
 
-    def _score(self, logits, params: SamplingParams, top_logprobs: int | None, first: int):
-        """logits: [gamma + 1, vocab], row i predicting position first + i -> (tokens, None) when
-        the target decides (greedy: the argmax; coupled: the seeded Gumbel-max choice), else
-        (None, p per position); then, asked for logprobs, (bases, top) of Verification, else
-        (None, None)."""
+    def _score(self, logits, params: SamplingParams, top_logprobs: int | None, first: int, tokens: list[int]):
+        """logits: [gamma + 1, vocab], row i predicting position first + i, whose prefix is
+        tokens[:first + i] (the session's tokens, drafts included) -> (tokens, None) when the
+        target decides (greedy: the argmax; coupled: the seeded Gumbel-max choice), else (None, p
+        per position), both after the request's decoding controls; then, asked for logprobs,
+        (bases, top, raw_log_norms) of Verification, else Nones."""
+        raw = logits
+        if params.controlled:  # a copy only when the raw logits are still wanted (logprobs)
+            logits = apply_controls(logits.float() if top_logprobs is None else logits.float().clone(), params,
+                                    tokens, first)
         if params.coupled:
             chosen = [coupled_choice(process_logits(row, params, self.vocab_size), params.coupling_seed, first + i)
                       for i, row in enumerate(logits)]
@@ -69,17 +76,25 @@ class TargetEngine(WorkerEngine):
         else:
             choice = logits.argmax(dim=-1) if params.greedy or top_logprobs is not None else None
             probs = None if params.greedy else [process_logits(row, params, self.vocab_size) for row in logits]
-        bases = top = None
+        bases = top = norms = None
         if top_logprobs is not None:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [gamma + 1, vocab]: the raw model's
-            at_choice = logprobs.gather(-1, choice[:, None])[:, 0].tolist()  # [gamma + 1]
-            if params.deterministic:  # the only token the round can emit at each position
-                bases = at_choice
-            else:  # p(t) = exp(l_t / T) / S over p's support, so log P(t) = T log p(t) + c; the argmax fixes c
+            logprobs = torch.log_softmax(raw.float(), dim=-1)  # [gamma + 1, vocab]: the raw model's
+            if params.deterministic:  # the only token the round can emit at each position: its raw log-probability
+                bases = logprobs.gather(-1, choice[:, None])[:, 0].tolist()
+            elif not params.controlled:
+                # p(t) = exp(l_t / T) / S over p's support, so log P(t) = T log p(t) + c; the argmax fixes c
+                at_choice = logprobs.gather(-1, choice[:, None])[:, 0].tolist()
                 bases = [lp - params.temperature * math.log(p.prob_of(a))
                          for lp, p, a in zip(at_choice, probs, choice.tolist())]
+            else:
+                # the controlled logit of t is T log p(t) + base + norm (the argmax fixes base); the
+                # orchestrator undoes the controls on it and subtracts norm (Verification.logprob)
+                norms = torch.logsumexp(raw.float(), dim=-1).tolist()
+                at_choice = logits.gather(-1, choice[:, None])[:, 0].tolist()
+                bases = [c - n - params.temperature * math.log(p.prob_of(a))
+                         for c, n, p, a in zip(at_choice, norms, probs, choice.tolist())]
             if top_logprobs:
                 # [gamma + 1, top_logprobs]; a vocabulary smaller than asked gives all it has
                 values, indices = logprobs.topk(min(top_logprobs, logprobs.shape[-1]), dim=-1)
                 top = list(zip(indices.tolist(), values.tolist()))
-        return (choice.tolist() if params.deterministic else None), probs, bases, top
+        return (choice.tolist() if params.deterministic else None), probs, bases, top, norms

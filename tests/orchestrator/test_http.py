@@ -55,6 +55,24 @@ def test_completion_is_the_grpc_answer_with_usage_and_stats(oai, grpc_client, ht
     assert stats["generated_tokens"] == len(ref.token_ids) and stats["rounds"] >= 1
 
 
+def test_decoding_controls_through_the_sdk_are_the_grpc_answer(oai, grpc_client, http_stack):
+    """OpenAI's penalties and logit_bias, and vLLM's extensions in extra_body, reach the decoder
+    as the gRPC fields do (their exactness: tests/orchestrator/test_decoding_controls.py)."""
+    controls = dict(frequency_penalty=1.2, presence_penalty=0.5)
+    extensions = dict(repetition_penalty=1.3, min_tokens=3, stop_token_ids=[11], min_p=0.1)
+    plain = oai.completions.create(model=http_stack["model"], prompt=PROMPT, max_tokens=16, temperature=0)
+    r = oai.completions.create(model=http_stack["model"], prompt=PROMPT, max_tokens=16, temperature=0,
+                               logit_bias={"30": 5.0}, extra_body=extensions, **controls)
+    ref = grpc_client.generate(prompt=PROMPT, max_new_tokens=16, temperature=0, logit_bias={30: 5.0},
+                               **controls, **extensions)
+    assert r.choices[0].text == ref.text != plain.choices[0].text
+    assert r.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+    chat = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=8, temperature=0,
+                                       extra_body={"repetition_penalty": 1.5})
+    ref = grpc_client.generate(messages=CHAT, max_new_tokens=8, temperature=0, repetition_penalty=1.5)
+    assert chat.choices[0].message.content == ref.text
+
+
 def test_completion_defaults_to_sixteen_tokens_like_openai(oai, http_stack):
     r = oai.completions.create(model=http_stack["model"], prompt=PROMPT, temperature=0, extra_body={"gamma": 2})
     assert r.usage.completion_tokens <= 16
@@ -158,7 +176,14 @@ BAD = {  # body changes -> (status, param, words in the message)
     "no model": ({"model": None}, 400, "model", "model"),
     "unknown model": ({"model": "gpt-9"}, 404, "model", "gpt-9"),
     "empty prompt": ({"prompt": ""}, 400, "prompt", "prompt"),
-    "penalty": ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    "presence_penalty": ({"presence_penalty": 2.5}, 400, "presence_penalty", "presence_penalty"),
+    "repetition_penalty": ({"repetition_penalty": 0}, 400, "repetition_penalty", "repetition_penalty"),
+    "logit_bias key": ({"logit_bias": {"the": 1}}, 400, "logit_bias", "not a token id"),
+    "logit_bias value": ({"logit_bias": {"5": 101}}, 400, "logit_bias", "100"),
+    "logit_bias token": ({"logit_bias": {"99999999": 1}}, 400, "logit_bias", "vocabulary"),
+    "min_tokens": ({"min_tokens": 5}, 400, "min_tokens", "max_new_tokens"),
+    "stop_token_ids": ({"stop_token_ids": [10**7]}, 400, "stop_token_ids", "vocabulary"),
+    "min_p": ({"min_p": 2}, 400, "min_p", "min_p"),
     "token id": ({"prompt": [10**7]}, 400, "prompt", "vocabulary"),
     # values beyond what the decoder or the wire can hold (they were 500s)
     "seed beyond uint64": ({"seed": 2**64}, 400, "seed", "seed"),

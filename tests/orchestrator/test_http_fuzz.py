@@ -41,7 +41,9 @@ FIELDS = {
     "seed": st.one_of(INTS, VALUE), "stop": st.one_of(TEXT, st.lists(TEXT, max_size=3), VALUE),
     "n": INTS, "stream": st.one_of(st.booleans(), VALUE), "gamma": INTS, "logprobs": st.one_of(INTS, st.booleans()),
     "top_logprobs": INTS, "echo": st.booleans(), "stream_options": st.one_of(VALUE, st.just({"include_usage": True})),
-    "response_format": VALUE, "tools": VALUE, "logit_bias": VALUE, "presence_penalty": FLOATS,
+    "response_format": VALUE, "tools": VALUE, "logit_bias": st.one_of(VALUE, st.dictionaries(TEXT, FLOATS, max_size=3)),
+    "presence_penalty": FLOATS, "frequency_penalty": FLOATS, "repetition_penalty": FLOATS, "min_p": FLOATS,
+    "min_tokens": INTS, "stop_token_ids": st.one_of(st.lists(INTS, max_size=3), VALUE), "ignore_eos": VALUE,
 }
 
 

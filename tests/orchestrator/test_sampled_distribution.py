@@ -17,7 +17,7 @@ import pytest
 from scipy import stats
 
 from specdec.protocol import SamplingParams
-from specdec.sampling import process_logits
+from specdec.sampling import apply_controls, process_logits
 
 PROMPT = [40, 41, 42, 43]
 PARAMS = SamplingParams(temperature=1.0, top_k=3)
@@ -29,6 +29,8 @@ def exact_distribution(engine, prompt=PROMPT, new_tokens=NEW_TOKENS, params=PARA
     def next_probs(prefix):
         with torch.inference_mode():
             logits = engine.model(torch.tensor([prefix]), logits_to_keep=1).logits[0, -1]
+        if params.controlled:  # the decoding controls, at this position (tests/orchestrator/test_decoding_controls.py)
+            logits = apply_controls(logits[None].float().clone(), params, prefix, len(prefix))[0]
         d = process_logits(logits, params)
         ids = d.indices if d.indices is not None else range(d.probs.numel())
         return {int(i): float(p) for i, p in zip(ids, d.probs) if p > 0}
@@ -47,12 +49,13 @@ def exact_distribution(engine, prompt=PROMPT, new_tokens=NEW_TOKENS, params=PARA
 
 
 def sample(client, params: SamplingParams, requests: int = REQUESTS,
-           sampling_mode: str = "rejection") -> list[tuple[tuple[int, ...], int, int]]:
+           sampling_mode: str = "rejection", **controls) -> list[tuple[tuple[int, ...], int, int]]:
     """Seeds 0..requests-1, rejection sampling unless asked (a seeded request is coupled by
-    default: tests/orchestrator/test_coupled_sampling.py)."""
+    default: tests/orchestrator/test_coupled_sampling.py); controls: more request fields."""
     def one(seed):
         r = client.generate(token_ids=PROMPT, max_new_tokens=NEW_TOKENS, temperature=params.temperature,
-                            top_k=params.top_k, top_p=params.top_p, gamma=2, seed=seed, sampling_mode=sampling_mode)
+                            top_k=params.top_k, top_p=params.top_p, gamma=2, seed=seed, sampling_mode=sampling_mode,
+                            **controls)
         return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"]
 
     with ThreadPoolExecutor(4) as pool:

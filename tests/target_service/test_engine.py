@@ -33,6 +33,6 @@ def test_more_top_logprobs_than_the_vocabulary_gives_the_whole_vocabulary(target
     """A model whose vocabulary is smaller than the alternatives asked for (up to 20) answers
     with all its tokens instead of failing the call (it was an internal error)."""
     logits = torch.tensor([[0.5, 2.0, -1.0], [3.0, 0.0, 1.0]], dtype=torch.float64)  # 3 tokens, 2 positions
-    argmax, _, bases, top = target_engine._score(logits, GREEDY, 20, first=0)
+    argmax, _, bases, top, _ = target_engine._score(logits, GREEDY, 20, first=0, tokens=[])
     assert argmax == [1, 0] and len(bases) == 2
     assert [ids for ids, _ in top] == [[1, 0, 2], [0, 2, 1]]

@@ -45,7 +45,7 @@ class TokenLogprob:
 class GenerationChunk:
     text_delta: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "length", "eos" or "stop_string" on the last chunk
+    finish_reason: str | None = None  # "length", "eos", "stop_string" or "stop_token" on the last chunk
     # on the last chunk: a dict on the client side (the server's own chunks carry GenerationStats)
     stats: Any = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
@@ -64,9 +64,11 @@ FINISH_REASONS = {
     "length": orchestrator_pb2.FINISH_REASON_LENGTH,
     "eos": orchestrator_pb2.FINISH_REASON_EOS,
     "stop_string": orchestrator_pb2.FINISH_REASON_STOP_STRING,
+    "stop_token": orchestrator_pb2.FINISH_REASON_STOP_TOKEN,
 }
 FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
 REQUEST_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "logprobs", "top_logprobs",
+                   "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "min_tokens", "ignore_eos",
                    "sampling_mode")
 SAMPLING_MODES = {"rejection": orchestrator_pb2.SAMPLING_MODE_REJECTION, "coupled": orchestrator_pb2.SAMPLING_MODE_COUPLED}
 SAMPLING_MODE_NAMES = {code: name for name, code in SAMPLING_MODES.items()}
@@ -78,6 +80,8 @@ def request_to_proto(
     messages: Sequence[dict] | None = None,
     token_ids: Sequence[int] | None = None,
     stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    logit_bias: dict[int, float] | None = None,
     **scalars,
 ) -> orchestrator_pb2.GenerateRequest:
     """The request message; scalars left None take the server's defaults. Values protobuf
@@ -88,7 +92,9 @@ def request_to_proto(
     if unknown:
         raise TypeError(f"unexpected request fields: {sorted(unknown)}")
     try:
-        req = orchestrator_pb2.GenerateRequest(stop=list(stop))
+        req = orchestrator_pb2.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids))
+        for token, bias in (logit_bias or {}).items():
+            req.logit_bias[int(token)] = bias
         if prompt is not None:
             req.prompt = prompt
         if messages is not None:

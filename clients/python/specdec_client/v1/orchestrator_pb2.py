@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\tChatInput\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x1f\n\nTokenInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xdc\x03\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ChatInputH\x00\x12(\n\x06tokens\x18\x03 \x01(\x0b\x32\x16.specdec.v1.TokenInputH\x00\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x12\n\x05gamma\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x15\n\x08logprobs\x18\x0b \x01(\x08H\x07\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12/\n\rsampling_mode\x18\r \x01(\x0e\x32\x18.specdec.v1.SamplingModeB\x07\n\x05inputB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_gammaB\x0b\n\t_logprobsB\x0f\n\r_top_logprobs\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xe5\x04\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x07 \x01(\x01\x12\x1b\n\x13\x64rafted_by_position\x18\x08 \x03(\r\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\t \x03(\r\x12\x1d\n\x15target_forward_passes\x18\n \x01(\r\x12\x12\n\nwire_bytes\x18\x0b \x01(\x04\x12\x1c\n\x14wire_bytes_per_round\x18\x0c \x01(\x01\x12\x11\n\tprefill_s\x18\r \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\x0e \x01(\x01\x12\x10\n\x08verify_s\x18\x0f \x01(\x01\x12\x12\n\nsampling_s\x18\x10 \x01(\x01\x12\x0f\n\x07total_s\x18\x11 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x12 \x01(\x01\x12\r\n\x05gamma\x18\x13 \x01(\r\x12\x17\n\x0f\x64raft_compute_s\x18\x14 \x01(\x01\x12\x18\n\x10verify_compute_s\x18\x15 \x01(\x01\x12\x18\n\x10target_failovers\x18\x16 \x01(\r\x12\x17\n\x0f\x64raft_failovers\x18\x17 \x01(\r\x12\x12\n\nmean_gamma\x18\x18 \x01(\x01\x12\x10\n\x08sampling\x18\x19 \x01(\t\x12\x0c\n\x04seed\x18\x1a \x01(\x04\"\xbc\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\xbf\x01\n\rGenerateChunk\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\xba\x01\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x15\n\ropen_sessions\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\r\x12\x17\n\x0fplaced_sessions\x18\t \x01(\x04\"\x14\n\x12ListWorkersRequest\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.specdec.v1.WorkerStatus\"2\n\x11\x41\x64\x64WorkersRequest\x12\x0e\n\x06target\x18\x01 \x03(\t\x12\r\n\x05\x64raft\x18\x02 \x03(\t*e\n\x0cSamplingMode\x12\x1d\n\x19SAMPLING_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SAMPLING_MODE_REJECTION\x10\x01\x12\x19\n\x15SAMPLING_MODE_COUPLED\x10\x02*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32\xbf\x02\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x12N\n\x0bListWorkers\x12\x1e.specdec.v1.ListWorkersRequest\x1a\x1f.specdec.v1.ListWorkersResponse\x12L\n\nAddWorkers\x12\x1d.specdec.v1.AddWorkersRequest\x1a\x1f.specdec.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\tChatInput\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x1f\n\nTokenInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xf6\x06\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ChatInputH\x00\x12(\n\x06tokens\x18\x03 \x01(\x0b\x32\x16.specdec.v1.TokenInputH\x00\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x12\n\x05gamma\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x15\n\x08logprobs\x18\x0b \x01(\x08H\x07\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12/\n\rsampling_mode\x18\r \x01(\x0e\x32\x18.specdec.v1.SamplingMode\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\n\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\x0b\x88\x01\x01\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\x0c\x88\x01\x01\x12>\n\nlogit_bias\x18\x12 \x03(\x0b\x32*.specdec.v1.GenerateRequest.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x13 \x01(\x05H\r\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x14 \x03(\x05\x12\x17\n\nignore_eos\x18\x15 \x01(\x08H\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_gammaB\x0b\n\t_logprobsB\x0f\n\r_top_logprobsB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eos\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xe5\x04\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x07 \x01(\x01\x12\x1b\n\x13\x64rafted_by_position\x18\x08 \x03(\r\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\t \x03(\r\x12\x1d\n\x15target_forward_passes\x18\n \x01(\r\x12\x12\n\nwire_bytes\x18\x0b \x01(\x04\x12\x1c\n\x14wire_bytes_per_round\x18\x0c \x01(\x01\x12\x11\n\tprefill_s\x18\r \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\x0e \x01(\x01\x12\x10\n\x08verify_s\x18\x0f \x01(\x01\x12\x12\n\nsampling_s\x18\x10 \x01(\x01\x12\x0f\n\x07total_s\x18\x11 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x12 \x01(\x01\x12\r\n\x05gamma\x18\x13 \x01(\r\x12\x17\n\x0f\x64raft_compute_s\x18\x14 \x01(\x01\x12\x18\n\x10verify_compute_s\x18\x15 \x01(\x01\x12\x18\n\x10target_failovers\x18\x16 \x01(\r\x12\x17\n\x0f\x64raft_failovers\x18\x17 \x01(\r\x12\x12\n\nmean_gamma\x18\x18 \x01(\x01\x12\x10\n\x08sampling\x18\x19 \x01(\t\x12\x0c\n\x04seed\x18\x1a \x01(\x04\"\xbc\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\xbf\x01\n\rGenerateChunk\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\xba\x01\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x15\n\ropen_sessions\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\r\x12\x17\n\x0fplaced_sessions\x18\t \x01(\x04\"\x14\n\x12ListWorkersRequest\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.specdec.v1.WorkerStatus\"2\n\x11\x41\x64\x64WorkersRequest\x12\x0e\n\x06target\x18\x01 \x03(\t\x12\r\n\x05\x64raft\x18\x02 \x03(\t*e\n\x0cSamplingMode\x12\x1d\n\x19SAMPLING_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SAMPLING_MODE_REJECTION\x10\x01\x12\x19\n\x15SAMPLING_MODE_COUPLED\x10\x02*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x04\x32\xbf\x02\n\x0cOrchestrator\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12J\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\x19.specdec.v1.GenerateChunk0\x01\x12N\n\x0bListWorkers\x12\x1e.specdec.v1.ListWorkersRequest\x1a\x1f.specdec.v1.ListWorkersResponse\x12L\n\nAddWorkers\x12\x1d.specdec.v1.AddWorkersRequest\x1a\x1f.specdec.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec_client.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGMODE']._serialized_start=2085
-  _globals['_SAMPLINGMODE']._serialized_end=2186
-  _globals['_FINISHREASON']._serialized_start=2188
-  _globals['_FINISHREASON']._serialized_end=2313
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SAMPLINGMODE']._serialized_start=2495
+  _globals['_SAMPLINGMODE']._serialized_end=2596
+  _globals['_FINISHREASON']._serialized_start=2599
+  _globals['_FINISHREASON']._serialized_end=2754
   _globals['_CHATMESSAGE']._serialized_start=45
   _globals['_CHATMESSAGE']._serialized_end=89
   _globals['_CHATINPUT']._serialized_start=91
@@ -42,23 +44,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENINPUT']._serialized_start=147
   _globals['_TOKENINPUT']._serialized_end=178
   _globals['_GENERATEREQUEST']._serialized_start=181
-  _globals['_GENERATEREQUEST']._serialized_end=657
-  _globals['_TOKENLOGPROB']._serialized_start=659
-  _globals['_TOKENLOGPROB']._serialized_end=753
-  _globals['_GENERATIONSTATS']._serialized_start=756
-  _globals['_GENERATIONSTATS']._serialized_end=1369
-  _globals['_GENERATERESPONSE']._serialized_start=1372
-  _globals['_GENERATERESPONSE']._serialized_end=1560
-  _globals['_GENERATECHUNK']._serialized_start=1563
-  _globals['_GENERATECHUNK']._serialized_end=1754
-  _globals['_WORKERSTATUS']._serialized_start=1757
-  _globals['_WORKERSTATUS']._serialized_end=1943
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1945
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1965
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1967
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=2031
-  _globals['_ADDWORKERSREQUEST']._serialized_start=2033
-  _globals['_ADDWORKERSREQUEST']._serialized_end=2083
-  _globals['_ORCHESTRATOR']._serialized_start=2316
-  _globals['_ORCHESTRATOR']._serialized_end=2635
+  _globals['_GENERATEREQUEST']._serialized_end=1067
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=800
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=848
+  _globals['_TOKENLOGPROB']._serialized_start=1069
+  _globals['_TOKENLOGPROB']._serialized_end=1163
+  _globals['_GENERATIONSTATS']._serialized_start=1166
+  _globals['_GENERATIONSTATS']._serialized_end=1779
+  _globals['_GENERATERESPONSE']._serialized_start=1782
+  _globals['_GENERATERESPONSE']._serialized_end=1970
+  _globals['_GENERATECHUNK']._serialized_start=1973
+  _globals['_GENERATECHUNK']._serialized_end=2164
+  _globals['_WORKERSTATUS']._serialized_start=2167
+  _globals['_WORKERSTATUS']._serialized_end=2353
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2355
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2375
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2377
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2441
+  _globals['_ADDWORKERSREQUEST']._serialized_start=2443
+  _globals['_ADDWORKERSREQUEST']._serialized_end=2493
+  _globals['_ORCHESTRATOR']._serialized_start=2757
+  _globals['_ORCHESTRATOR']._serialized_end=3076
 # @@protoc_insertion_point(module_scope)
