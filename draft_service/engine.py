@@ -74,6 +74,8 @@ class DraftEngine(WorkerEngine):
         super().__init__(*args, **kwargs)
         # drafting ahead: one job per session at most, each mostly waiting for its passes
         self._ahead = ThreadPoolExecutor(max_workers=max(1, self.max_sessions), thread_name_prefix="ahead")
+        self.forced_tokens = True  # structured output: tokens the grammar forces are proposed with no pass
+        self.forced_made = 0  # tokens so proposed
         self.ahead_made = self.ahead_taken = 0  # tokens drafted ahead, and those a later call took
 
     def instrument(self, telemetry, role: str) -> None:
@@ -157,7 +159,9 @@ class DraftEngine(WorkerEngine):
             elapsed = (time.perf_counter() - t0) / len(picks)
             for token, probs, confidence in picks:
                 made += 1
-                last = made == gamma or confidence < options.p_min and made >= options.min_drafts
+                # nothing after an EOS is worth drafting: the request ends there (unless it ignores EOS)
+                last = (made == gamma or confidence < options.p_min and made >= options.min_drafts
+                        or token in self.info.eos_token_ids)
                 if last:
                     if options.ahead:  # before the yield: the caller verifies as soon as it has this
                         self._ahead.submit(self._draft_ahead, session, version, drafted, end + made + options.ahead)
@@ -177,12 +181,20 @@ class DraftEngine(WorkerEngine):
     def _draft_pass(self, session: Session, drafted: Drafted, left: int, made: int, kind: str) -> int:
         """One pass, holding session.lock: appends the next proposals (at most `left`) to the
         session and to `drafted`; returns how many. `made`: proposals of the call so far."""
-        guess = ngram.lookup(session.tokens, left - 1, drafted.options.lookup) if drafted.options.lookup else []
         base = len(session.tokens)
+        grammar = self.grammar_at(session, drafted.params, base)
+        forced = self._forced(grammar, left)
+        if forced:  # the grammar allows one token at each: q is a point mass there, no pass needed
+            session.tokens.extend(forced)
+            drafted.probs.extend([None] * len(forced))
+            drafted.confidence.extend([1.0] * len(forced))
+            self.forced_made += len(forced)
+            return len(forced)
+        guess = ngram.lookup(session.tokens, left - 1, drafted.options.lookup) if drafted.options.lookup else []
         session.tokens.extend(guess)
         picks = self.run(session, len(guess) + 1, kind,
                          lambda logits: self._picks(logits, guess, drafted.params, drafted.generator, drafted.options,
-                                                    made, base, session.tokens))
+                                                    made, base, session.tokens, grammar))
         # the tokens are the prefix, the guesses the draft took, and its last proposal, which stays
         # uncached until the next pass; the cache holds no guess it refused
         if guess:
@@ -214,17 +226,27 @@ class DraftEngine(WorkerEngine):
         except Exception:  # noqa: BLE001 - the next call drafts as usual
             log.exception("drafting ahead for session %s failed", session.session_id)
 
+    def _forced(self, grammar, left: int) -> list[int]:
+        """The tokens the grammar forces next (at most `left`, ending at an EOS), when
+        self.forced_tokens is on: proposed without a forward pass."""
+        if grammar is None or not self.forced_tokens:
+            return []
+        forced = grammar.forced_tokens()[:left]
+        eos = next((i for i, t in enumerate(forced) if t in self.info.eos_token_ids), None)
+        return forced if eos is None else forced[: eos + 1]
+
     def _picks(self, logits: torch.Tensor, guess: list[int], params: SamplingParams, generator: torch.Generator,
-               options: DraftOptions, made: int, first: int,
-               tokens: list[int]) -> list[tuple[int, CompactProbs | None, float, bool]]:
+               options: DraftOptions, made: int, first: int, tokens: list[int],
+               grammar=None) -> list[tuple[int, CompactProbs | None, float, bool]]:
         """logits: [len(guess) + 1, vocab], row j predicting position first + j, whose prefix is
         tokens[:first + j] (the guesses included) -> [(proposal, q, the draft's probability of it,
         stop)], one per row while the proposals equal the guesses, ending at the first that does
-        not, or at a stop. q is after the request's decoding controls, as the target's p is.
+        not, or at a stop. q is after the request's decoding controls (and grammar), as the
+        target's p is.
         Coupled sampling proposes the seeded Gumbel-max choice of q, which it does not send (the
         target decides by its own choice)."""
         if params.controlled:
-            logits = apply_controls(logits.float(), params, tokens, first)
+            logits = apply_controls(logits.float(), params, tokens, first, grammar)
         picks = []
         for j in range(logits.shape[0]):
             row = logits[j]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from orchestrator.pool import parse_entries
 from specdec.flags import Flag, FlagTable, ServedConfig, connection_flags, log_level_flag, reflection_flag, tls_flags
+from specdec.grammar import grammar_flags
 from specdec.errors import InvalidArgument
 from specdec.protocol import DraftOptions
 from specdec.security import ClientTls
@@ -87,6 +88,7 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--worker-tls-ca", help="reach the workers over TLS, verifying their certificates against this PEM CA"),
     Flag("--worker-tls-cert", help="mutual TLS with the workers: our cert"),
     Flag("--worker-tls-key", help="mutual TLS with the workers: our key"),
+    *grammar_flags(),
     Flag("--auth-token-file",
          help="file of bearer tokens (one per line) a client must send as 'authorization: Bearer T'"),
     Flag("--admin-token-file",
@@ -114,6 +116,14 @@ class OrchestratorConfig(ServedConfig):
     gamma_policy: str = FLAGS.default("gamma_policy")
     step_loop: bool = FLAGS.default("step_loop")
     seeded_sampling: str = FLAGS.default("seeded_sampling")
+    # structured output (specdec/grammar.py, GrammarLimits): what one request's grammar may cost
+    grammar_cache_size: int = FLAGS.default("grammar_cache_size")
+    grammar_max_chars: int = FLAGS.default("grammar_max_chars")
+    grammar_max_grammar_size: int = FLAGS.default("grammar_max_grammar_size")
+    grammar_initial_lexer_fuel: int = FLAGS.default("grammar_initial_lexer_fuel")
+    grammar_step_lexer_fuel: int = FLAGS.default("grammar_step_lexer_fuel")
+    grammar_step_max_items: int = FLAGS.default("grammar_step_max_items")
+    grammar_max_lexer_states: int = FLAGS.default("grammar_max_lexer_states")
     batched_wire: bool = FLAGS.default("batched_wire")
     draft_p_min: float = FLAGS.default("draft_p_min")
     draft_min: int = FLAGS.default("draft_min")

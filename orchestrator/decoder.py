@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -69,7 +70,7 @@ class SpeculativeDecoder:
                  tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
                  limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None,
                  draft_options: DraftOptions = DraftOptions(), step_loop: bool = True, batched_wire: bool = True,
-                 seeded_sampling: str = "coupled"):
+                 seeded_sampling: str = "coupled", grammar_limits=None):
         self.limits = limits
         # how a sampled request with a seed and no sampling_mode draws its tokens (--seeded-sampling)
         self.seeded_sampling = seeded_sampling
@@ -100,6 +101,9 @@ class SpeculativeDecoder:
         # one step loop per target runs the rounds of all its requests together (orchestrator/steps.py);
         # None: each request runs its own rounds (--step-loop off)
         self.steps = StepLoops(self.gamma_policy, self.tracer, self.metrics, batched_wire) if step_loop else None
+        self.grammar_limits = grammar_limits  # specdec.grammar.GrammarLimits (the --grammar-* flags); None: defaults
+        self._grammars = None
+        self._grammars_lock = threading.Lock()
 
     def close(self) -> None:
         """Stops the step loops (requests still in them fail UNAVAILABLE)."""
@@ -205,10 +209,24 @@ class SpeculativeDecoder:
             raise InvalidArgument(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self.target_info.vocab_size})")
         params.check_vocabulary(self.target_info.vocab_size)
+        if params.grammar is not None:  # the engine's refusal now, before any worker holds a session
+            self.grammar_compiler().compile(params.grammar)
         # what the controls need of the prompt and the model: where the output starts (penalties,
         # min_tokens) and the tokens min_tokens holds back
         stops = sorted({*request.stop_token_ids, *(() if request.ignore_eos else self.eos)})
         return replace(params, output_start=prompt_len, stop_token_ids=tuple(stops) if request.min_tokens else ())
+
+    def grammar_compiler(self):
+        """A GrammarCompiler for the target's tokenizer (specdec/grammar.py): the orchestrator
+        compiles a request's grammar once to refuse a bad one with the engine's reason; the
+        workers compile their own (each caches by spec). Made at the first grammar request."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from specdec.grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.target_info.vocab_size, sorted(self.eos),
+                                                 self.grammar_limits)
+            return self._grammars
 
     def sampling_mode(self, request: GenerationRequest) -> str:
         """"greedy", or how a sampled request draws: coupled (Gumbel-max keyed by its seed: the

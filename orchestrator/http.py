@@ -49,7 +49,7 @@ from orchestrator.decoder import MAX_MESSAGES, MAX_STOP_STRINGS
 from orchestrator.detokenizer import token_bytes
 from specdec.errors import ServiceError
 from specdec.protocol import (MAX_GAMMA, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, GenerationChunk,
-                              GenerationRequest)
+                              GenerationRequest, GrammarSpec)
 from specdec.security import ServerTls, TokenSet
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,9 @@ HTTP_STATUS = {  # gRPC status of a ServiceError -> (HTTP status, OpenAI error t
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 # the decoder's messages name its own fields; a client of this door knows them by OpenAI's names
-PARAM_NAMES = [*((name, name) for name in ("logit_bias", "stop_token_ids", "min_tokens", "min_p", "repetition_penalty",
+PARAM_NAMES = [("json_schema", "response_format"), ("json_object", "response_format"), ("regex", "structured_outputs"),
+               ("choice", "structured_outputs"), ("grammar", "structured_outputs"),
+               *((name, name) for name in ("logit_bias", "stop_token_ids", "min_tokens", "min_p", "repetition_penalty",
                                            "frequency_penalty", "presence_penalty")),
                ("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                ("top_k", "top_k"), ("gamma", "gamma"), ("stop", "stop"), ("prompt", "prompt"),
@@ -218,6 +220,13 @@ class _Common(_Body):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -258,7 +267,54 @@ class _Common(_Body):
             kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
         if self.ignore_eos:
             kwargs["ignore_eos"] = True
+        spec = self.grammar()
+        if spec is not None:
+            kwargs["structured_output"] = spec
         return kwargs
+
+    def grammar(self) -> GrammarSpec | None:
+        """The one output constraint the body asks for, by any of the names clients use."""
+        asked = []
+        rf = self.response_format or {}
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            asked.append(("response_format", GrammarSpec("json_object")))
+        elif kind == "json_schema":
+            schema = (rf.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise OpenAIError(400, "response_format: json_schema needs json_schema.schema, a JSON Schema object",
+                                  param="response_format")
+            asked.append(("response_format", GrammarSpec("json_schema", json.dumps(schema))))
+        elif kind != "text":
+            raise OpenAIError(400, f"response_format: type must be text, json_object or json_schema, got {kind!r}",
+                              param="response_format")
+        so = dict(self.structured_outputs or {})
+        for name, value in (("json", self.guided_json), ("regex", self.guided_regex), ("choice", self.guided_choice),
+                            ("grammar", self.guided_grammar)):
+            if value is not None:
+                so.setdefault(name, value)
+        for name, value in so.items():
+            if value is None or name in ("disable_any_whitespace", "disable_fallback", "whitespace_pattern"):
+                continue  # vLLM's options: this server's JSON layout is fixed (specdec/grammar.py, JSON_LAYOUT)
+            if name == "json":
+                text = value if isinstance(value, str) else json.dumps(value)
+                asked.append(("structured_outputs", GrammarSpec("json_schema", text)))
+            elif name == "json_object":
+                if value:
+                    asked.append(("structured_outputs", GrammarSpec("json_object")))
+            elif name == "regex" and isinstance(value, str):
+                asked.append(("structured_outputs", GrammarSpec("regex", value)))
+            elif name == "choice" and isinstance(value, list):
+                asked.append(("structured_outputs", GrammarSpec("choice", json.dumps(value))))
+            elif name == "grammar" and isinstance(value, str):
+                asked.append(("structured_outputs", GrammarSpec("grammar", value)))
+            else:
+                raise OpenAIError(400, f"structured_outputs: {name!r} is not json, json_object, regex, choice or "
+                                       f"grammar of the right type", param="structured_outputs")
+        if len(asked) > 1:
+            raise OpenAIError(400, "ask for one output constraint (response_format, structured_outputs or guided_*)",
+                              param=asked[1][0])
+        return asked[0][1] if asked else None
 
 
 class CompletionRequest(_Common):
@@ -315,15 +371,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: dict | None = None
     tools: list | None = None
 
     def to_generation(self) -> GenerationRequest:
         self.check_supported()
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise OpenAIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
         if self.tools:
             raise OpenAIError(400, "tools: not supported", param="tools")
         if not self.messages:

@@ -26,6 +26,7 @@ from orchestrator.remote import RemoteDraft, RemoteTarget
 from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.servicer import DecoderSlot, OrchestratorServicer
 from specdec.errors import FailedPrecondition, ServiceError
+from specdec.grammar import GrammarLimits
 from specdec.grpc_server import HEALTH_RESERVE, ServerParts, build_server, serve_until_signalled
 from specdec.protocol import CLIENT_MAX_MESSAGE_BYTES, RequestLimits
 from specdec.security import BearerTokenInterceptor, TokenSet, read_tokens
@@ -72,7 +73,8 @@ def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry)
                                                        in_step=config.gamma_policy == "goodput"),
                               limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens),
                               draft_options=config.draft_options, step_loop=config.step_loop,
-                              batched_wire=config.batched_wire, seeded_sampling=config.seeded_sampling)
+                              batched_wire=config.batched_wire, seeded_sampling=config.seeded_sampling,
+                              grammar_limits=GrammarLimits.from_config(config))
 
 
 def _pair_in_background(config: OrchestratorConfig, slot: DecoderSlot, parts: ServerParts) -> threading.Thread:

@@ -45,6 +45,74 @@ WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI's API allows
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A request's output constraint (structured output). text by kind:
+    json_schema: the schema as a JSON object string; json_object: "" (any JSON object);
+    regex: the pattern (Rust regex syntax, \\d meaning [0-9]; it must match the whole output);
+    choice: a JSON list of non-empty strings; grammar: Lark text in llguidance's dialect
+    (https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md) or llama.cpp GBNF.
+    Compiled and followed by specdec/grammar.py (which this module does not import: no engine here)."""
+
+    kind: str
+    text: str = ""
+
+    def validate(self, max_chars: int | None = None) -> "GrammarSpec":
+        """Structural checks that need no engine; the engine's own come at compile. Raises InvalidArgument."""
+        import json
+
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidArgument(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}; got {self.kind!r}")
+        if not isinstance(self.text, str):
+            raise InvalidArgument(f"grammar text must be a string, got {type(self.text).__name__}")
+        if max_chars is not None and len(self.text) > max_chars:
+            raise InvalidArgument(f"{self.kind} text is {len(self.text)} characters; the limit is {max_chars}")
+        if self.kind == "json_object":
+            if self.text.strip():
+                raise InvalidArgument("json_object takes no text (use json_schema for a schema)")
+            return self
+        if not self.text.strip():
+            raise InvalidArgument(f"{self.kind} text is empty")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.text)
+            except ValueError as exc:
+                raise InvalidArgument(f"json_schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise InvalidArgument(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        elif self.kind == "choice":
+            try:
+                choices = json.loads(self.text)
+            except ValueError as exc:
+                raise InvalidArgument(f"choice is not valid JSON: {exc}") from None
+            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+                raise InvalidArgument("choice must be a non-empty JSON list of non-empty strings")
+        elif self.kind == "grammar" and self.text.lstrip().startswith("{"):
+            # llguidance would read a JSON text as its internal grammar list, with options we do not vet
+            raise InvalidArgument("grammar must be Lark or GBNF text, not JSON")
+        return self
+
+    def to_proto(self) -> common_pb2.Grammar:
+        return common_pb2.Grammar(kind=self.kind, text=self.text)
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Grammar) -> "GrammarSpec":
+        return cls(msg.kind, msg.text)
+
+    @classmethod
+    def from_structured_output(cls, msg: orchestrator_pb2.StructuredOutput) -> "GrammarSpec | None":
+        """The client's oneof (orchestrator.proto StructuredOutput) as a spec; None when unset."""
+        import json
+
+        form = msg.WhichOneof("format")
+        if form is None or (form == "json_object" and not msg.json_object):
+            return None
+        if form == "choice":
+            return cls("choice", json.dumps(list(msg.choice.choices)))
+        return cls(form, "" if form == "json_object" else getattr(msg, form))
 MAX_STOP_TOKEN_IDS = 64
 
 
@@ -74,6 +142,7 @@ class SamplingParams:
     output_start: int = 0  # the absolute position of the first output token (the prompt's length)
     min_tokens: int = 0  # the stop tokens are masked at the first min_tokens output positions ...
     stop_token_ids: tuple[int, ...] = ()  # ... these (EOS unless ignore_eos, and the request's stop_token_ids)
+    grammar: GrammarSpec | None = None  # structured output: output positions masked by the grammar's state
 
     @property
     def greedy(self) -> bool:
@@ -96,7 +165,8 @@ class SamplingParams:
         """Some control changes logits by the position's prefix (or by token): the workers apply
         specdec/sampling.py's apply_controls before choosing or computing a distribution."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.stop_token_ids)))
+                or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.stop_token_ids))
+                or self.grammar is not None)
 
     def validate(self) -> "SamplingParams":
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -140,7 +210,8 @@ class SamplingParams:
             repetition_penalty=self.repetition_penalty if self.repetition_penalty != 1.0 else None,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty, min_p=self.min_p,
             logit_bias_token_ids=[t for t, _ in self.logit_bias], logit_bias_values=[b for _, b in self.logit_bias],
-            output_start=self.output_start, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids)
+            output_start=self.output_start, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+            grammar=self.grammar.to_proto() if self.grammar is not None else None)
 
     @classmethod
     def from_proto(cls, msg: common_pb2.SamplingParams) -> "SamplingParams":
@@ -152,7 +223,8 @@ class SamplingParams:
             repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
             frequency_penalty=msg.frequency_penalty, presence_penalty=msg.presence_penalty,
             logit_bias=tuple(zip(msg.logit_bias_token_ids, msg.logit_bias_values)), output_start=msg.output_start,
-            min_tokens=msg.min_tokens, stop_token_ids=tuple(msg.stop_token_ids))
+            min_tokens=msg.min_tokens, stop_token_ids=tuple(msg.stop_token_ids),
+            grammar=GrammarSpec.from_proto(msg.grammar).validate() if msg.HasField("grammar") else None)
         if 0 <= msg.temperature < GREEDY_BELOW:
             return cls(temperature=0.0, **controls).validate()
         return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
@@ -437,6 +509,7 @@ class GenerationRequest:
     min_tokens: int = 0
     stop_token_ids: Sequence[int] = ()  # generation also ends after one of these (finish "stop_token")
     ignore_eos: bool = False  # generation does not end at EOS
+    structured_output: GrammarSpec | None = None  # the output follows this grammar
 
     @property
     def sampling(self) -> SamplingParams:
@@ -448,7 +521,8 @@ class GenerationRequest:
         return SamplingParams(self.temperature, self.top_k, self.top_p, repetition_penalty=self.repetition_penalty,
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                               min_p=self.min_p, logit_bias=tuple(sorted((int(t), float(b)) for t, b in bias.items())),
-                              min_tokens=self.min_tokens)
+                              min_tokens=self.min_tokens,
+                              grammar=self.structured_output.validate() if self.structured_output else None)
 
 
 @dataclass(frozen=True)
@@ -532,7 +606,8 @@ def request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationReque
             raise InvalidArgument(f"sampling_mode {msg.sampling_mode} is not one of {sorted(SAMPLING_MODES)}")
         kwargs["sampling_mode"] = SAMPLING_MODE_NAMES[msg.sampling_mode]
     return GenerationRequest(**kwargs, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-                             logit_bias=dict(msg.logit_bias) or None)
+                             logit_bias=dict(msg.logit_bias) or None,
+                             structured_output=GrammarSpec.from_structured_output(msg.structured_output))
 
 
 def stats_to_proto(stats: GenerationStats) -> orchestrator_pb2.GenerationStats:

@@ -97,14 +97,24 @@ def _bias(params: SamplingParams, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.tensor([b for t, b in params.logit_bias if t < n], dtype=torch.float32)
 
 
-def apply_controls(logits: torch.Tensor, params: SamplingParams, tokens: list[int], first: int) -> torch.Tensor:
+def apply_controls(logits: torch.Tensor, params: SamplingParams, tokens: list[int], first: int,
+                   grammar=None) -> torch.Tensor:
     """logits: float32 [rows, n], row i the logits at absolute position first + i, whose prefix is
     tokens[:first + i] (tokens holds at least first + rows - 1 of them). Changed in place, in
-    vLLM's order: logit_bias added; min_tokens: the stop tokens at -inf on the first min_tokens
+    vLLM's order: the grammar's masks (grammar: a specdec.grammar.Matcher at position first; row i
+    masked by its state after tokens[first:first + i]; rows after a token it forbids are left as
+    they are, since that token is rejected); logit_bias added; min_tokens: the stop tokens at -inf on the first min_tokens
     output positions (never leaving a row with no token); repetition_penalty over the prefix
     (prompt and output: a positive logit divided, a negative one multiplied); frequency and
     presence penalties over the output (positions output_start on). Returns logits."""
     rows, n = logits.shape
+    if grammar is not None:
+        drafts = tokens[first : first + rows - 1]
+        if n == grammar.vocab_size:
+            grammar.apply_draft_masks(logits, drafts)
+        else:  # a draft whose head scores only the first n ids
+            masks = grammar.draft_masks(drafts)
+            logits[: masks.shape[0]].masked_fill_(~masks[:, :n], -math.inf)
     if params.logit_bias:
         ids, bias = _bias(params, n)
         logits[:, ids] += bias

@@ -46,9 +46,10 @@ class TargetEngine(WorkerEngine):
             session.uncache_last()
             session.tokens.extend(draft_token_ids)
             first = len(session.tokens) - len(draft_token_ids)  # the position the pass's first row predicts
+            grammar = self.grammar_at(session, params, first)
             argmax, probs, bases, top, norms = self.run(
                 session, len(draft_token_ids) + 1, "verify",
-                lambda logits: self._score(logits, params, top_logprobs, first, session.tokens))
+                lambda logits: self._score(logits, params, top_logprobs, first, session.tokens, grammar))
             return Verification(argmax, probs, len(session.tokens), time.perf_counter() - t0,
                                 session.last_pass_rows, session.last_pass_s, logprob_bases=bases, top_logprobs=top,
                                 raw_log_norms=norms)
@@ -59,16 +60,18 @@ class TargetEngine(WorkerEngine):
         return self.run_calls(calls, lambda c: self.verify(c.session_id, c.start, c.token_ids, c.draft_token_ids,
                                                            c.params, c.top_logprobs))
 
-    def _score(self, logits, params: SamplingParams, top_logprobs: int | None, first: int, tokens: list[int]):
+    def _score(self, logits, params: SamplingParams, top_logprobs: int | None, first: int, tokens: list[int],
+               grammar=None):
         """logits: [gamma + 1, vocab], row i predicting position first + i, whose prefix is
         tokens[:first + i] (the session's tokens, drafts included) -> (tokens, None) when the
         target decides (greedy: the argmax; coupled: the seeded Gumbel-max choice), else (None, p
-        per position), both after the request's decoding controls; then, asked for logprobs,
+        per position), both after the request's decoding controls (grammar: its matcher at position
+        first, for structured output); then, asked for logprobs,
         (bases, top, raw_log_norms) of Verification, else Nones."""
         raw = logits
         if params.controlled:  # a copy only when the raw logits are still wanted (logprobs)
             logits = apply_controls(logits.float() if top_logprobs is None else logits.float().clone(), params,
-                                    tokens, first)
+                                    tokens, first, grammar)
         if params.coupled:
             chosen = [coupled_choice(process_logits(row, params, self.vocab_size), params.coupling_seed, first + i)
                       for i, row in enumerate(logits)]

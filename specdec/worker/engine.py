@@ -50,6 +50,32 @@ def check_session_id(session_id: str) -> None:
 
 
 @dataclass
+class SessionGrammar:
+    """A session's place in its request's grammar: the matcher has consumed exactly `tokens`, the
+    session's tokens from output_start on up to some position."""
+
+    spec: Any  # specdec.protocol.GrammarSpec
+    output_start: int
+    matcher: Any  # specdec.grammar.Matcher
+    tokens: list[int] = field(default_factory=list)
+
+    def sync(self, output: list[int]) -> None:
+        """Brings the matcher to exactly `output` (the session's output before the position to
+        score): rolls back to the longest common prefix with what it followed, consumes the rest."""
+        common = len(self.tokens)
+        if self.tokens != output[:common]:  # the first difference, or the end of the shorter
+            common = next((i for i, (a, b) in enumerate(zip(self.tokens, output)) if a != b),
+                          min(common, len(output)))
+        if common < len(self.tokens):
+            self.matcher.truncate(common)
+            del self.tokens[common:]
+        rest = output[common:]
+        if rest:
+            self.matcher.consume(rest)  # GrammarViolation (FAILED_PRECONDITION): output the grammar forbids
+            self.tokens.extend(rest)
+
+
+@dataclass
 class Session:
     session_id: str
     tokens: list[int]
@@ -63,6 +89,7 @@ class Session:
     last_pass_s: float = 0.0  # and the seconds that pass took
     # a draft's proposals past its accepted tokens, with the q of each (draft_service.engine.Drafted)
     drafted: Any = None
+    grammar: Any = None  # structured output: the SessionGrammar following its output (WorkerEngine.grammar_at)
     closed: bool = False  # set once the session is freed: work still running for it stops
     # who may use it (worker servicers check both: specdec/worker/server.py): the secret
     # OpenSession returned, and the opener's certificate identity ("" without mutual TLS)
@@ -118,6 +145,7 @@ class WorkerEngine:
         session_ttl_s: float = 600.0,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         pass_lock: str | None = None,
+        grammar_limits=None,
     ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -159,6 +187,9 @@ class WorkerEngine:
             + ("" if loaded.quantization == "none" else f"+{loaded.quantization}-weights"),
         )
         self._tokenizer_files: dict[str, bytes] | None = None
+        self.grammar_limits = grammar_limits  # specdec.grammar.GrammarLimits; None: its defaults
+        self._grammars = None  # the GrammarCompiler, made at the first structured-output request
+        self._grammars_lock = threading.Lock()
         self.instrument(None, "worker")
         # sessions idle this long are freed: an orchestrator that died cannot close its own
         self.session_ttl_s = session_ttl_s
@@ -464,6 +495,33 @@ class WorkerEngine:
             except BaseException as exc:  # noqa: BLE001 - this caller's error, not the pass's
                 work.future.set_exception(exc)
             row += work.keep
+
+    # ---- structured output -------------------------------------------------------------
+
+    def grammar_at(self, session: Session, params, position: int):
+        """The session's grammar matcher at `position` (its output before it consumed), or None
+        without a grammar. Compiled once per spec (the compiler's cache); a session keeps one
+        matcher and rolls it back with its tokens. Call holding session.lock."""
+        if params.grammar is None:
+            session.grammar = None
+            return None
+        g = session.grammar
+        if g is None or g.spec != params.grammar or g.output_start != params.output_start:
+            g = session.grammar = SessionGrammar(params.grammar, params.output_start,
+                                                 self.grammar_compiler().matcher(params.grammar))
+        g.sync(session.tokens[params.output_start:position])
+        return g.matcher
+
+    def grammar_compiler(self):
+        """The GrammarCompiler for this worker's tokenizer (wrapping a 150k vocabulary takes ~1 s:
+        done once, at the first request with a grammar)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from specdec.grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.info.eos_token_ids,
+                                                 self.grammar_limits)
+            return self._grammars
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer as files, so an orchestrator can load it without the model."""

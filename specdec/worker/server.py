@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec.errors import ServiceError, Unavailable
+from specdec.grammar import GrammarLimits
 from specdec.grpc_server import ServerParts, build_server, serve_until_signalled
 from specdec.telemetry import Telemetry
 from specdec.v1 import common_pb2
@@ -48,7 +49,7 @@ class WorkerRole:
                             quantization=config.quantization, head_rows=config.draft_vocab, role=config.role)
         return self.engine_class(loaded, max_sessions=config.max_sessions, max_cached_tokens=config.max_cached_tokens,
                                  session_ttl_s=config.session_ttl_s, max_batch_tokens=config.max_batch_tokens,
-                                 pass_lock=config.pass_lock)
+                                 pass_lock=config.pass_lock, grammar_limits=GrammarLimits.from_config(config))
 
 
 class EngineSlot:

@@ -185,14 +185,16 @@ def test_a_coupled_request_keeps_its_seeds_output_across_a_target_failover(worke
 
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_a_controlled_request_keeps_its_output_across_a_failover(workers, prompt, target_engine, role):
-    """Penalties and logit_bias count the prompt and output from output_start: a worker that takes
-    the session over mid-request (its prompt: everything so far) applies them as before."""
-    from specdec.protocol import SamplingParams
-    from tests.orchestrator.test_decoding_controls import reference as controlled_reference
+    """Penalties, logit_bias and a grammar count the output from output_start: a worker that takes
+    the session over mid-request (its prompt: everything so far) applies them as before, its
+    grammar matcher caught up on the output so far."""
+    from specdec.protocol import GrammarSpec, SamplingParams
+    from tests.orchestrator.test_structured_output import reference as controlled_reference
 
     controls = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2, logit_bias={101: 1.5})
+    regex = "[a-z ]{100,200}"
     params = SamplingParams(0.0, **{**controls, "logit_bias": tuple(controls["logit_bias"].items())},
-                            output_start=len(prompt))
+                            output_start=len(prompt), grammar=GrammarSpec("regex", regex))
     expected = controlled_reference(target_engine, prompt, params, 120)
     targets, drafts = ([workers("target"), workers("target")], [workers("draft")]) if role == "target" else \
         ([workers("target")], [workers("draft"), workers("draft")])
@@ -201,7 +203,7 @@ def test_a_controlled_request_keeps_its_output_across_a_failover(workers, prompt
     parts, client = orchestrator_for(targets, drafts)
     try:
         tokens, stats, _ = kill_mid_request(client, prompt, role, {w.address: w for w in (*targets, *drafts)},
-                                            max_new_tokens=120, **controls)
+                                            max_new_tokens=120, structured_output={"regex": regex}, **controls)
         assert stats[f"{role}_failovers"] == 1
         assert tokens == expected[: len(tokens)] and len(tokens) == len(expected)
     finally:

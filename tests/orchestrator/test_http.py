@@ -73,6 +73,33 @@ def test_decoding_controls_through_the_sdk_are_the_grpc_answer(oai, grpc_client,
     assert chat.choices[0].message.content == ref.text
 
 
+def test_structured_output_by_every_name_clients_use(oai, grpc_client, http_stack):
+    """OpenAI's response_format (json_schema, json_object), vLLM's structured_outputs and its
+    guided_* fields: the gRPC answer under the same grammar (exactness and validity:
+    tests/orchestrator/test_structured_output.py)."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    chat = oai.chat.completions.create(
+        model=http_stack["model"], messages=CHAT, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}})
+    ref = grpc_client.generate(messages=CHAT, max_new_tokens=40, temperature=0, structured_output={"json_schema": schema})
+    assert chat.choices[0].message.content == ref.text
+    jsonschema.validate(json.loads(ref.text), schema)
+    for extra, so in (({"structured_outputs": {"regex": "[0-9]{3}"}}, {"regex": "[0-9]{3}"}),
+                      ({"guided_choice": ["red", "blue"]}, {"choice": ["red", "blue"]}),
+                      ({"guided_json": schema}, {"json_schema": schema})):
+        r = oai.completions.create(model=http_stack["model"], prompt=PROMPT, max_tokens=40, temperature=0,
+                                   extra_body=extra)
+        assert r.choices[0].text == grpc_client.generate(prompt=PROMPT, max_new_tokens=40, temperature=0,
+                                                         structured_output=so).text, extra
+    obj = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=60, temperature=0,
+                                      response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
 def test_completion_defaults_to_sixteen_tokens_like_openai(oai, http_stack):
     r = oai.completions.create(model=http_stack["model"], prompt=PROMPT, temperature=0, extra_body={"gamma": 2})
     assert r.usage.completion_tokens <= 16
@@ -184,6 +211,11 @@ BAD = {  # body changes -> (status, param, words in the message)
     "min_tokens": ({"min_tokens": 5}, 400, "min_tokens", "max_new_tokens"),
     "stop_token_ids": ({"stop_token_ids": [10**7]}, 400, "stop_token_ids", "vocabulary"),
     "min_p": ({"min_p": 2}, 400, "min_p", "min_p"),
+    "response_format": ({"response_format": {"type": "xml"}}, 400, "response_format", "json_schema"),
+    "schema": ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, 400,
+               "response_format", "json_schema"),
+    "regex": ({"structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs", "regex"),
+    "two constraints": ({"guided_regex": "a", "guided_choice": ["b"]}, 400, "structured_outputs", "one output"),
     "token id": ({"prompt": [10**7]}, 400, "prompt", "vocabulary"),
     # values beyond what the decoder or the wire can hold (they were 500s)
     "seed beyond uint64": ({"seed": 2**64}, 400, "seed", "seed"),

@@ -44,6 +44,10 @@ FIELDS = {
     "response_format": VALUE, "tools": VALUE, "logit_bias": st.one_of(VALUE, st.dictionaries(TEXT, FLOATS, max_size=3)),
     "presence_penalty": FLOATS, "frequency_penalty": FLOATS, "repetition_penalty": FLOATS, "min_p": FLOATS,
     "min_tokens": INTS, "stop_token_ids": st.one_of(st.lists(INTS, max_size=3), VALUE), "ignore_eos": VALUE,
+    "structured_outputs": st.one_of(VALUE, st.fixed_dictionaries({}, optional={
+        "regex": st.one_of(TEXT, VALUE), "choice": st.one_of(st.lists(TEXT, max_size=3), VALUE),
+        "json": VALUE, "grammar": st.one_of(TEXT, VALUE)})),
+    "guided_regex": st.one_of(TEXT, VALUE), "guided_choice": VALUE, "guided_json": VALUE, "guided_grammar": VALUE,
 }
 
 

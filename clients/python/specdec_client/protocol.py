@@ -74,6 +74,25 @@ SAMPLING_MODES = {"rejection": orchestrator_pb2.SAMPLING_MODE_REJECTION, "couple
 SAMPLING_MODE_NAMES = {code: name for name, code in SAMPLING_MODES.items()}
 
 
+STRUCTURED_OUTPUTS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def _structured_output(msg: orchestrator_pb2.StructuredOutput, spec: dict) -> None:
+    """{"json_schema": dict or JSON text} | {"json_object": True} | {"regex": str} |
+    {"choice": [str, ...]} | {"grammar": Lark or GBNF text}: exactly one key."""
+    if len(spec) != 1 or next(iter(spec)) not in STRUCTURED_OUTPUTS:
+        raise InvalidArgument(f"structured_output takes exactly one of {', '.join(STRUCTURED_OUTPUTS)}")
+    (kind, value), = spec.items()
+    if kind == "json_schema" and not isinstance(value, str):
+        import json
+
+        value = json.dumps(value)
+    if kind == "choice":
+        msg.choice.choices.extend(value)
+    else:
+        setattr(msg, kind, value)
+
+
 def request_to_proto(
     prompt: str | None = None,
     *,
@@ -82,6 +101,7 @@ def request_to_proto(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     logit_bias: dict[int, float] | None = None,
+    structured_output: dict | None = None,
     **scalars,
 ) -> orchestrator_pb2.GenerateRequest:
     """The request message; scalars left None take the server's defaults. Values protobuf
@@ -95,6 +115,8 @@ def request_to_proto(
         req = orchestrator_pb2.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids))
         for token, bias in (logit_bias or {}).items():
             req.logit_bias[int(token)] = bias
+        if structured_output:
+            _structured_output(req.structured_output, structured_output)
         if prompt is not None:
             req.prompt = prompt
         if messages is not None:
