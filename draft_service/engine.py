@@ -74,8 +74,7 @@ class DraftEngine(WorkerEngine):
         super().__init__(*args, **kwargs)
         # drafting ahead: one job per session at most, each mostly waiting for its passes
         self._ahead = ThreadPoolExecutor(max_workers=max(1, self.max_sessions), thread_name_prefix="ahead")
-        self.forced_tokens = True  # structured output: tokens the grammar forces are proposed with no pass
-        self.forced_made = 0  # tokens so proposed
+        self.forced_made = 0  # structured output: tokens proposed with no pass (the grammar forced them)
         self.ahead_made = self.ahead_taken = 0  # tokens drafted ahead, and those a later call took
 
     def instrument(self, telemetry, role: str) -> None:
@@ -156,6 +155,8 @@ class DraftEngine(WorkerEngine):
                 first = end + made - drafted.start
                 picks = [(session.tokens[drafted.start + i], drafted.probs[i], drafted.confidence[i])
                          for i in range(first, min(drafted.end - drafted.start, first + gamma - made))]
+            if not picks:  # nothing the draft could propose (a grammar beyond its head): the call ends
+                return
             elapsed = (time.perf_counter() - t0) / len(picks)
             for token, probs, confidence in picks:
                 made += 1
@@ -182,8 +183,8 @@ class DraftEngine(WorkerEngine):
         """One pass, holding session.lock: appends the next proposals (at most `left`) to the
         session and to `drafted`; returns how many. `made`: proposals of the call so far."""
         base = len(session.tokens)
-        grammar = self.grammar_at(session, drafted.params, base)
-        forced = self._forced(grammar, left)
+        grammar = self.grammar_at(session, drafted.params, base) if drafted.options.grammar else None
+        forced = self._forced(grammar, left) if drafted.options.forced_tokens else []
         if forced:  # the grammar allows one token at each: q is a point mass there, no pass needed
             session.tokens.extend(forced)
             drafted.probs.extend([None] * len(forced))
@@ -197,6 +198,9 @@ class DraftEngine(WorkerEngine):
                                                     made, base, session.tokens, grammar))
         # the tokens are the prefix, the guesses the draft took, and its last proposal, which stays
         # uncached until the next pass; the cache holds no guess it refused
+        if not picks:  # the grammar allows nothing the draft's head scores here: no proposal
+            session.truncate(base)
+            return 0
         if guess:
             session.truncate(base + len(picks) - 1)
         session.tokens.append(picks[-1][0])
@@ -216,6 +220,8 @@ class DraftEngine(WorkerEngine):
                         return
                     self.grow(session, len(session.tokens) + 1)
                     n = self._draft_pass(session, drafted, horizon - len(session.tokens), MAX_GAMMA, "ahead")
+                    if not n:
+                        return
                     version = session.version
                     self.ahead_made += n
                     self._ahead_counter.add(n, {"outcome": "made"})
@@ -227,9 +233,9 @@ class DraftEngine(WorkerEngine):
             log.exception("drafting ahead for session %s failed", session.session_id)
 
     def _forced(self, grammar, left: int) -> list[int]:
-        """The tokens the grammar forces next (at most `left`, ending at an EOS), when
-        self.forced_tokens is on: proposed without a forward pass."""
-        if grammar is None or not self.forced_tokens:
+        """The tokens the grammar forces next (at most `left`, ending at an EOS): proposed without
+        a forward pass."""
+        if grammar is None:
             return []
         forced = grammar.forced_tokens()[:left]
         eos = next((i for i, t in enumerate(forced) if t in self.info.eos_token_ids), None)
@@ -250,6 +256,8 @@ class DraftEngine(WorkerEngine):
         picks = []
         for j in range(logits.shape[0]):
             row = logits[j]
+            if grammar is not None and not bool(torch.isfinite(row).any()):
+                return picks  # every token the grammar allows lies past the draft's head (--draft-vocab)
             if params.greedy:
                 token, probs = int(row.argmax()), None
                 confidence = float(torch.softmax(row, -1)[token]) if options.p_min > 0 else 1.0

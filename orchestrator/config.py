@@ -62,6 +62,12 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--draft-ahead", int, 0, "tokens a model draft keeps drafting past each round's drafts while the target "
          "verifies; the next round takes them when the round kept every draft. Pays only where the draft has "
          "cores (or a GPU) of its own (0: off)"),
+    Flag("--draft-grammar", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
+         help="structured output: the draft masks its proposals by the request's grammar (off: for ablations; "
+              "the output is the same)"),
+    Flag("--draft-forced-tokens", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
+         help="structured output: the draft proposes the tokens a grammar forces without a forward pass (off: for "
+              "ablations; the output is the same)"),
     Flag("--worker-timeout", float, 120.0, "deadline of each call to a worker (prefill, verify, ...)",
          field="worker_timeout_s"),
     Flag("--draft-timeout", float, 10.0,
@@ -129,6 +135,8 @@ class OrchestratorConfig(ServedConfig):
     draft_min: int = FLAGS.default("draft_min")
     draft_lookup: int = FLAGS.default("draft_lookup")
     draft_ahead: int = FLAGS.default("draft_ahead")
+    draft_grammar: bool = FLAGS.default("draft_grammar")
+    draft_forced_tokens: bool = FLAGS.default("draft_forced_tokens")
     worker_timeout_s: float = FLAGS.default("worker_timeout_s")
     draft_timeout_s: float = FLAGS.default("draft_timeout_s")
     startup_timeout_s: float = FLAGS.default("startup_timeout_s")
@@ -155,7 +163,8 @@ class OrchestratorConfig(ServedConfig):
 
     @property
     def draft_options(self) -> DraftOptions:
-        return DraftOptions(self.draft_p_min, self.draft_min, self.draft_lookup, self.draft_ahead)
+        return DraftOptions(self.draft_p_min, self.draft_min, self.draft_lookup, self.draft_ahead, self.draft_grammar,
+                            self.draft_forced_tokens)
 
     @property
     def worker_tls(self) -> ClientTls:

@@ -38,6 +38,7 @@ from orchestrator.placement import Placement
 from orchestrator.pool import WorkerPool, pair_pools
 from orchestrator.rounds import RequestState, run_round
 from orchestrator.steps import StepLoops
+from orchestrator import tools
 from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
 from specdec.errors import Cancelled, InvalidArgument, ServiceError
@@ -104,6 +105,7 @@ class SpeculativeDecoder:
         self.grammar_limits = grammar_limits  # specdec.grammar.GrammarLimits (the --grammar-* flags); None: defaults
         self._grammars = None
         self._grammars_lock = threading.Lock()
+        threading.Thread(target=self.grammar_compiler, name="grammar-compiler", daemon=True).start()
 
     def close(self) -> None:
         """Stops the step loops (requests still in them fail UNAVAILABLE)."""
@@ -143,7 +145,8 @@ class SpeculativeDecoder:
             self._check_text_fits(sum(len(str(m.get("content", ""))) + len(str(m.get("role", "")))
                                       for m in request.messages))
             try:
-                text = self.tokenizer.apply_chat_template(list(request.messages), tokenize=False,
+                text = self.tokenizer.apply_chat_template(tools.template_messages(list(request.messages)),
+                                                          tools=list(request.tools) or None, tokenize=False,
                                                           add_generation_prompt=True)
             except Exception as exc:  # jinja2 errors: e.g. a template that demands alternating roles
                 raise InvalidArgument(f"the chat template refused these messages: {exc}") from None
@@ -209,6 +212,16 @@ class SpeculativeDecoder:
             raise InvalidArgument(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
                                   f"[0, {self.target_info.vocab_size})")
         params.check_vocabulary(self.target_info.vocab_size)
+        if request.tools or request.tool_choice is not None:
+            if request.messages is None:
+                raise InvalidArgument("tools need a chat (messages), not a prompt")
+            tools.check_tools(request.tools, request.tool_choice)
+            constraint = tools.grammar(request.tools, request.tool_choice)
+            if constraint is not None:
+                if params.grammar is not None:
+                    raise InvalidArgument("tool_choice required or a named tool constrains the output already; "
+                                          "drop structured_output")
+                params = replace(params, grammar=constraint)
         if params.grammar is not None:  # the engine's refusal now, before any worker holds a session
             self.grammar_compiler().compile(params.grammar)
         # what the controls need of the prompt and the model: where the output starts (penalties,
@@ -219,7 +232,7 @@ class SpeculativeDecoder:
     def grammar_compiler(self):
         """A GrammarCompiler for the target's tokenizer (specdec/grammar.py): the orchestrator
         compiles a request's grammar once to refuse a bad one with the engine's reason; the
-        workers compile their own (each caches by spec). Made at the first grammar request."""
+        workers compile their own (each caches by spec). Made at start-up, in the background."""
         with self._grammars_lock:
             if self._grammars is None:
                 from specdec.grammar import GrammarCompiler
@@ -245,7 +258,7 @@ class SpeculativeDecoder:
             ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs or ())
         return GenerationResult("".join(text), ids, chunk.finish_reason, chunk.stats.to_dict(),
-                                logprobs if request.logprobs else None)
+                                logprobs if request.logprobs else None, chunk.tool_calls)
 
     def generate_stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
         t_start = time.perf_counter()
@@ -281,7 +294,17 @@ class SpeculativeDecoder:
                 stats.prefill_s = time.perf_counter() - t0
             self.metrics.record_prefill(stats.prefill_s)
             first_token_s = None
+            calling = bool(request.tools) and request.tool_choice != "none"
+            text = []  # with tools: the whole text, parsed for calls at the end
             for chunk in self._rounds(placement, prompt, request, params, generator, stats, ctx):
+                if calling:
+                    text.append(chunk.text_delta)
+                    if chunk.finish_reason is not None:
+                        calls = tools.parse("".join(text))[1]
+                        if calls:
+                            chunk.tool_calls = [{"id": c.id, "type": "function",
+                                                 "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+                            chunk.finish_reason = "tool_calls"
                 if first_token_s is None and chunk.token_ids:
                     first_token_s = time.perf_counter() - t_start
                     self.metrics.record_first_token(first_token_s)

@@ -45,7 +45,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
 from orchestrator.admission import Admission, CallDeadline, client_key
+from orchestrator import tools
 from orchestrator.decoder import MAX_MESSAGES, MAX_STOP_STRINGS
+from orchestrator.tools import MAX_TOOLS
 from orchestrator.detokenizer import token_bytes
 from specdec.errors import ServiceError
 from specdec.protocol import (MAX_GAMMA, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, GenerationChunk,
@@ -61,7 +63,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # a chat's message count and its stop strings have the decoder's own limits.
 MAX_PROMPT_IDS = 1 << 20
 MAX_CONTENT_PARTS = 1 << 12
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "stop_token": "stop", "length": "length"}
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "stop_token": "stop", "length": "length",
+                  "tool_calls": "tool_calls"}
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -92,8 +95,9 @@ HTTP_STATUS = {  # gRPC status of a ServiceError -> (HTTP status, OpenAI error t
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 # the decoder's messages name its own fields; a client of this door knows them by OpenAI's names
-PARAM_NAMES = [("json_schema", "response_format"), ("json_object", "response_format"), ("regex", "structured_outputs"),
-               ("choice", "structured_outputs"), ("grammar", "structured_outputs"),
+PARAM_NAMES = [("tool_choice", "tool_choice"), ("tools", "tools"), ("json_schema", "response_format"),
+               ("json_object", "response_format"), ("regex", "structured_outputs"), ("choice", "structured_outputs"),
+               ("grammar", "structured_outputs"),
                *((name, name) for name in ("logit_bias", "stop_token_ids", "min_tokens", "min_p", "repetition_penalty",
                                            "frequency_penalty", "presence_penalty")),
                ("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
@@ -349,10 +353,34 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def to_dict(self, index: int) -> dict:
+        """As chat templates take it; a developer message is a system one."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text(index)}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -371,21 +399,25 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list | None = None
+    tools: Annotated[list[dict], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # accepted; "required" allows several calls either way
 
     def to_generation(self) -> GenerationRequest:
         self.check_supported()
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
-        if self.tools:
-            raise OpenAIError(400, "tools: not supported", param="tools")
         if not self.messages:
             raise OpenAIError(400, "messages: at least one message is required", param="messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-                    for i, m in enumerate(self.messages)]
+        messages = [m.to_dict(i) for i, m in enumerate(self.messages)]
         max_new = self.max_completion_tokens or self.max_tokens  # None: as many as fit
+        if self.tool_choice is not None and not isinstance(self.tool_choice, str) and \
+                not isinstance((self.tool_choice.get("function") or {}).get("name"), str):
+            raise OpenAIError(400, "tool_choice: none, auto, required or {'type': 'function', 'function': "
+                                   "{'name': ...}}", param="tool_choice")
         return GenerationRequest(messages=messages, max_new_tokens=max_new, **self.generation_kwargs(),
-                                 logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0)
+                                 logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0,
+                                 tools=tuple(self.tools or ()), tool_choice=self.tool_choice)
 
 
 class TokenizeRequest(_Body):
@@ -601,7 +633,8 @@ class FrontDoor:
         token = _bearer(dict(request.scope["headers"])) if self._tokens else None
         chunks = self._chunks(generation, call, client_key(token, f"http:{request.client.host if request.client else ''}"))
         first = await self._first(chunks)
-        answer = Answer(chat, self.model_name, self.slot.get().tokenizer if generation.logprobs else None)
+        answer = Answer(chat, self.model_name, self.slot.get().tokenizer if generation.logprobs else None,
+                        calling=chat and bool(generation.tools) and generation.tool_choice != "none")
         if not body.stream:
             if first.finish_reason:
                 await chunks.aclose()
@@ -615,9 +648,11 @@ class FrontDoor:
 class Answer:
     """Chunks -> OpenAI response bodies: one whole object, or server-sent events."""
 
-    def __init__(self, chat: bool, model: str, tokenizer=None):
-        """tokenizer: the request asked for logprobs (token strings come from it)."""
+    def __init__(self, chat: bool, model: str, tokenizer=None, calling: bool = False):
+        """tokenizer: the request asked for logprobs (token strings come from it); calling: the
+        model may call tools (a stream holds their blocks back)."""
         self.chat, self.model, self.tokenizer = chat, model, tokenizer
+        self.held = tools.HeldText() if calling else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._text_offset = 0  # completions' logprobs.text_offset, across chunks
@@ -664,8 +699,10 @@ class Answer:
         text = "".join(c.text_delta for c in chunks)
         finish = FINISH_REASONS.get(last.finish_reason, last.finish_reason)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self.logprobs(chunks), "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if last.tool_calls:  # the calls' blocks leave the content (OpenAI's shape)
+                message = {"role": "assistant", "content": tools.parse(text)[0], "tool_calls": last.tool_calls}
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs(chunks), "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": self.logprobs(chunks), "finish_reason": finish}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
@@ -680,7 +717,15 @@ class Answer:
     def _choice(self, chunk: GenerationChunk, first: bool) -> dict:
         finish = FINISH_REASONS.get(chunk.finish_reason, chunk.finish_reason) if chunk.finish_reason else None
         if self.chat:
-            delta = {"role": "assistant", "content": chunk.text_delta} if first else {"content": chunk.text_delta}
+            text = chunk.text_delta
+            if self.held is not None:  # tools: a call's block is held back, sent as tool_calls at the end
+                text = self.held.add(text)
+                if chunk.finish_reason is not None:
+                    rest, calls = self.held.finish()
+                    text += rest
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            if chunk.tool_calls:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(chunk.tool_calls)]
             return {"index": 0, "delta": delta, "logprobs": self.logprobs([chunk]), "finish_reason": finish}
         return {"index": 0, "text": chunk.text_delta, "logprobs": self.logprobs([chunk]), "finish_reason": finish}
 

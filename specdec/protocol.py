@@ -26,7 +26,8 @@ from specdec.v1 import common_pb2, draft_pb2, orchestrator_pb2
 from specdec_client.protocol import (CLIENT_MAX_MESSAGE_BYTES, FINISH_NAMES, FINISH_REASONS,  # noqa: F401
                                      REQUEST_SCALARS, SAMPLING_MODE_NAMES, SAMPLING_MODES, GenerationChunk,
                                      GenerationResult, TokenLogprob, chunk_from_proto, message_options,
-                                     request_to_proto, result_from_proto, stats_from_proto)
+                                     request_to_proto, result_from_proto, stats_from_proto, tool_call_from_proto,
+                                     tool_call_to_proto)
 
 MAX_GAMMA = 16  # most drafts per round a request may ask for
 DEFAULT_GAMMA = 4
@@ -369,6 +370,10 @@ class DraftOptions:
     min_drafts: int = 1
     lookup: int = 0
     ahead: int = 0
+    # structured output, for ablations: the draft ignores the grammar (q unmasked), or runs a pass
+    # even for the tokens it forces; the output is the same either way
+    grammar: bool = True
+    forced_tokens: bool = True
 
     def validate(self) -> "DraftOptions":
         if not 0.0 <= self.p_min <= 1.0 or not math.isfinite(self.p_min):
@@ -383,11 +388,13 @@ class DraftOptions:
 
     def to_proto(self) -> draft_pb2.DraftOptions:
         return draft_pb2.DraftOptions(p_min=self.p_min, min_drafts=self.min_drafts, lookup=self.lookup,
-                                      ahead=self.ahead)
+                                      ahead=self.ahead, skip_grammar=not self.grammar,
+                                      skip_forced_tokens=not self.forced_tokens)
 
     @classmethod
     def from_proto(cls, msg: draft_pb2.DraftOptions) -> "DraftOptions":
-        return cls(msg.p_min, msg.min_drafts or 1, msg.lookup, msg.ahead)
+        return cls(msg.p_min, msg.min_drafts or 1, msg.lookup, msg.ahead, not msg.skip_grammar,
+                   not msg.skip_forced_tokens)
 
 
 @dataclass
@@ -510,6 +517,9 @@ class GenerationRequest:
     stop_token_ids: Sequence[int] = ()  # generation also ends after one of these (finish "stop_token")
     ignore_eos: bool = False  # generation does not end at EOS
     structured_output: GrammarSpec | None = None  # the output follows this grammar
+    # chat only: OpenAI-shaped function tools, shown by the chat template (orchestrator/tools.py)
+    tools: Sequence[dict] = ()
+    tool_choice: str | dict | None = None  # "none", "auto" (the default with tools), "required" or a name
 
     @property
     def sampling(self) -> SamplingParams:
@@ -595,7 +605,7 @@ def request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationReque
     if which == "prompt":
         kwargs["prompt"] = msg.prompt
     elif which == "chat":
-        kwargs["messages"] = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+        kwargs["messages"] = [_message(m) for m in msg.chat.messages]
     elif which == "tokens":
         kwargs["token_ids"] = list(msg.tokens.token_ids)
     for name in REQUEST_SCALARS[:-1]:
@@ -607,7 +617,28 @@ def request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationReque
         kwargs["sampling_mode"] = SAMPLING_MODE_NAMES[msg.sampling_mode]
     return GenerationRequest(**kwargs, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                              logit_bias=dict(msg.logit_bias) or None,
-                             structured_output=GrammarSpec.from_structured_output(msg.structured_output))
+                             structured_output=GrammarSpec.from_structured_output(msg.structured_output),
+                             tools=tuple(_tool(t) for t in msg.tools), tool_choice=msg.tool_choice or None)
+
+
+def _message(m: orchestrator_pb2.ChatMessage) -> dict:
+    """A chat message as chat templates take it (OpenAI's shape)."""
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [tool_call_from_proto(c) for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _tool(t: orchestrator_pb2.Tool) -> dict:
+    import json
+
+    try:
+        parameters = json.loads(t.parameters_json) if t.parameters_json else {"type": "object"}
+    except ValueError as exc:
+        raise InvalidArgument(f"tools: {t.name[:64]}'s parameters_json is not JSON: {exc}") from None
+    return {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": parameters}}
 
 
 def stats_to_proto(stats: GenerationStats) -> orchestrator_pb2.GenerationStats:
@@ -621,6 +652,7 @@ def chunk_to_proto(chunk: GenerationChunk) -> orchestrator_pb2.GenerateChunk:
         finish_reason=FINISH_REASONS.get(chunk.finish_reason, 0),
         stats=stats_to_proto(chunk.stats) if chunk.stats is not None else None,
         logprobs=[lp.to_proto() for lp in chunk.logprobs or ()],
+        tool_calls=[tool_call_to_proto(c) for c in chunk.tool_calls or ()],
     )
 
 
@@ -629,4 +661,5 @@ def result_to_proto(text: str, token_ids: list[int], last: GenerationChunk,
     return orchestrator_pb2.GenerateResponse(text=text, token_ids=token_ids,
                                              finish_reason=FINISH_REASONS[last.finish_reason],
                                              stats=stats_to_proto(last.stats),
-                                             logprobs=[lp.to_proto() for lp in logprobs or ()])
+                                             logprobs=[lp.to_proto() for lp in logprobs or ()],
+                                             tool_calls=[tool_call_to_proto(c) for c in last.tool_calls or ()])

@@ -8,6 +8,8 @@
   specdec bench-tracing / specdec loadtest                             telemetry cost / load with faults
   specdec bench-serve                                                  throughput and latency against concurrency
   specdec bench-ahead                                                  drafting ahead on split cores vs target alone
+  specdec bench-anchor --llama-server PATH                             beside llama.cpp's server on the same GGUF files
+  specdec bench-structured                                             JSON-schema output: speedup, draft mask, forced tokens
 """
 
 from __future__ import annotations
@@ -148,6 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     ba = sub.add_parser("bench-ahead", help="drafting ahead, draft and target on cores of their own, side by side")
     bench_ahead.add_arguments(ba)
     ba.set_defaults(func=bench_ahead.cmd_bench_ahead)
+
+    from specdec_tools import bench_anchor
+
+    an = sub.add_parser("bench-anchor", help="this project beside llama.cpp's own server on the same GGUF files")
+    bench_anchor.add_arguments(an)
+    an.set_defaults(func=bench_anchor.cmd_bench_anchor)
+
+    from specdec_tools import bench_structured
+
+    bst = sub.add_parser("bench-structured", help="structured output: speculation with and without a schema, ablated")
+    bench_structured.add_arguments(bst)
+    bst.set_defaults(func=bench_structured.cmd_bench_structured)
 
     a = parser.parse_args(argv)
     return a.func(a)

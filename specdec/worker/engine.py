@@ -188,8 +188,11 @@ class WorkerEngine:
         )
         self._tokenizer_files: dict[str, bytes] | None = None
         self.grammar_limits = grammar_limits  # specdec.grammar.GrammarLimits; None: its defaults
-        self._grammars = None  # the GrammarCompiler, made at the first structured-output request
+        self._grammars = None  # the GrammarCompiler (wrapping a 150k vocabulary takes ~1 s) ...
         self._grammars_lock = threading.Lock()
+        # ... made now, off the request path: a first grammar request would wait for it, and its
+        # round's time would tell the gamma policy that drafting is slow
+        threading.Thread(target=self.grammar_compiler, name="grammar-compiler", daemon=True).start()
         self.instrument(None, "worker")
         # sessions idle this long are freed: an orchestrator that died cannot close its own
         self.session_ttl_s = session_ttl_s
@@ -513,8 +516,7 @@ class WorkerEngine:
         return g.matcher
 
     def grammar_compiler(self):
-        """The GrammarCompiler for this worker's tokenizer (wrapping a 150k vocabulary takes ~1 s:
-        done once, at the first request with a grammar)."""
+        """The GrammarCompiler for this worker's tokenizer (made once, at start-up)."""
         with self._grammars_lock:
             if self._grammars is None:
                 from specdec.grammar import GrammarCompiler

@@ -100,6 +100,41 @@ def test_structured_output_by_every_name_clients_use(oai, grpc_client, http_stac
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
 
 
+def test_tool_calls_in_openais_shape_whole_and_streamed(oai, http_stack):
+    """tools + tool_choice through the SDK: message.tool_calls with JSON arguments that validate,
+    finish_reason tool_calls; streamed, the call comes as a tool_calls delta and no block leaks
+    into the content; a tool answer in the history is accepted (tests/orchestrator/test_tools.py
+    has the exactness)."""
+    import jsonschema
+    from tests.orchestrator.test_tools import TOOLS
+
+    weather = TOOLS[0]["function"]
+    r = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=200, temperature=0,
+                                    tools=list(TOOLS), tool_choice={"type": "function",
+                                                                    "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (c,) = choice.message.tool_calls
+    assert c.type == "function" and c.function.name == "get_weather" and c.id.startswith("call_")
+    jsonschema.validate(json.loads(c.function.arguments), weather["parameters"])
+    stream = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=200, temperature=0,
+                                         tools=list(TOOLS), tool_choice={"type": "function",
+                                                                         "function": {"name": "get_time"}}, stream=True)
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls and "<tool_call>" not in content
+    assert all(t.function.name in ("get_weather", "get_time") for t in calls)
+    history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [c.model_dump()]},
+               {"role": "tool", "content": "21 C", "tool_call_id": c.id}]
+    after = oai.chat.completions.create(model=http_stack["model"], messages=history, max_tokens=4, temperature=0,
+                                        tools=list(TOOLS))
+    assert after.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
 def test_completion_defaults_to_sixteen_tokens_like_openai(oai, http_stack):
     r = oai.completions.create(model=http_stack["model"], prompt=PROMPT, temperature=0, extra_body={"gamma": 2})
     assert r.usage.completion_tokens <= 16

@@ -179,12 +179,13 @@ def test_structured_output_is_exact_under_concurrency_over_grpc(client, target_e
         assert r.token_ids == reference(target_engine, PROMPT, params_for(SPECS[kind])), (kind, gamma)
 
 
-@pytest.mark.parametrize("draft", ["n-gram", "lookup and drafting ahead", "the target itself"])
+@pytest.mark.parametrize("draft", ["n-gram", "lookup and drafting ahead", "the target itself", "an unmasked draft"])
 def test_structured_output_is_exact_whatever_the_draft(target_engine, draft_engine, draft):
     made = {
         "n-gram": lambda: (NgramDraft(), DraftOptions()),
         "lookup and drafting ahead": lambda: (draft_engine, DraftOptions(lookup=3, ahead=6)),
         "the target itself": lambda: (DraftEngine(target_engine.loaded), DraftOptions()),
+        "an unmasked draft": lambda: (draft_engine, DraftOptions(grammar=False)),
     }[draft]()
     decoder = SpeculativeDecoder(target_engine, made[0], target_engine.tokenizer, draft_options=made[1])
     for kind in ("json_schema", "grammar"):
@@ -201,8 +202,8 @@ def test_forced_tokens_cost_no_draft_pass_and_change_nothing(target_engine, draf
     runs = {}
     for forced in (True, False):
         draft = DraftEngine(draft_engine.loaded)
-        draft.forced_tokens = forced
-        decoder = SpeculativeDecoder(target_engine, draft, target_engine.tokenizer)
+        decoder = SpeculativeDecoder(target_engine, draft, target_engine.tokenizer,
+                                     draft_options=DraftOptions(forced_tokens=forced))
         passes = []
         run = draft.run
         draft.run = lambda *a, **k: (passes.append(1), run(*a, **k))[1]
@@ -228,3 +229,19 @@ def test_bad_specs_are_invalid_argument_and_leave_nothing_behind(client, target_
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.message, err.value.message
     assert target_engine.describe().open_sessions == 0 and draft_engine.describe().open_sessions == 0
     assert client.generate(token_ids=PROMPT, max_new_tokens=2, temperature=0).finish_reason == "length"
+
+
+def test_a_draft_whose_head_holds_no_allowed_token_stops_proposing(target_engine, model_dirs):
+    """A draft that scores only the first 80 ids (--draft-vocab) where the grammar allows only ids
+    past them ([x-z] are 87-89): it cannot propose there, so its call ends (it used to propose id
+    0, which its own grammar then refused); the output is still the target's."""
+    from specdec.modeling import load_model
+
+    restricted = DraftEngine(load_model(str(model_dirs["draft"]), dtype="float64", head_rows=80, role="draft"))
+    decoder = SpeculativeDecoder(target_engine, restricted, target_engine.tokenizer,
+                                 draft_options=DraftOptions(forced_tokens=False))
+    spec = GrammarSpec("regex", "([a-c][x-z]){6}")
+    r = decoder.generate(request(spec, 4))
+    assert r.token_ids == reference(target_engine, PROMPT, params_for(spec)) and re.fullmatch("([a-c][x-z]){6}", r.text)
+    assert r.stats["drafted_tokens"] > 0
+    restricted.close()

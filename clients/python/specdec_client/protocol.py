@@ -7,6 +7,7 @@ chunk_from_proto turn the answers into GenerationResult and GenerationChunk. The
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -45,10 +46,11 @@ class TokenLogprob:
 class GenerationChunk:
     text_delta: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "length", "eos", "stop_string" or "stop_token" on the last chunk
+    finish_reason: str | None = None  # "length", "eos", "stop_string", "stop_token" or "tool_calls" on the last chunk
     # on the last chunk: a dict on the client side (the server's own chunks carry GenerationStats)
     stats: Any = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    tool_calls: list[dict] | None = None  # the last chunk, with tools: OpenAI-shaped calls
 
 
 @dataclass
@@ -58,6 +60,9 @@ class GenerationResult:
     finish_reason: str
     stats: dict
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    # with tools: the calls the model made, OpenAI-shaped:
+    # {"id": ..., "type": "function", "function": {"name": ..., "arguments": JSON text}}
+    tool_calls: list[dict] | None = None
 
 
 FINISH_REASONS = {
@@ -65,6 +70,7 @@ FINISH_REASONS = {
     "eos": orchestrator_pb2.FINISH_REASON_EOS,
     "stop_string": orchestrator_pb2.FINISH_REASON_STOP_STRING,
     "stop_token": orchestrator_pb2.FINISH_REASON_STOP_TOKEN,
+    "tool_calls": orchestrator_pb2.FINISH_REASON_TOOL_CALLS,
 }
 FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
 REQUEST_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "logprobs", "top_logprobs",
@@ -84,8 +90,6 @@ def _structured_output(msg: orchestrator_pb2.StructuredOutput, spec: dict) -> No
         raise InvalidArgument(f"structured_output takes exactly one of {', '.join(STRUCTURED_OUTPUTS)}")
     (kind, value), = spec.items()
     if kind == "json_schema" and not isinstance(value, str):
-        import json
-
         value = json.dumps(value)
     if kind == "choice":
         msg.choice.choices.extend(value)
@@ -102,6 +106,8 @@ def request_to_proto(
     stop_token_ids: Sequence[int] = (),
     logit_bias: dict[int, float] | None = None,
     structured_output: dict | None = None,
+    tools: Sequence[dict] = (),
+    tool_choice: str | dict | None = None,
     **scalars,
 ) -> orchestrator_pb2.GenerateRequest:
     """The request message; scalars left None take the server's defaults. Values protobuf
@@ -120,9 +126,16 @@ def request_to_proto(
         if prompt is not None:
             req.prompt = prompt
         if messages is not None:
-            req.chat.messages.extend(orchestrator_pb2.ChatMessage(role=m["role"], content=m["content"])
-                                     for m in messages)
+            req.chat.messages.extend(orchestrator_pb2.ChatMessage(
+                role=m["role"], content=m.get("content") or "", tool_call_id=m.get("tool_call_id") or "",
+                tool_calls=[tool_call_to_proto(c) for c in m.get("tool_calls") or ()]) for m in messages)
             req.chat.SetInParent()
+        for tool in tools:  # OpenAI's shape: {"type": "function", "function": {"name", "description", "parameters"}}
+            fn = tool.get("function", tool)
+            req.tools.add(name=fn["name"], description=fn.get("description", ""),
+                          parameters_json=json.dumps(fn["parameters"]) if fn.get("parameters") else "")
+        if tool_choice is not None:
+            req.tool_choice = tool_choice if isinstance(tool_choice, str) else tool_choice["function"]["name"]
         if token_ids is not None:
             req.tokens.token_ids.extend(token_ids)
             req.tokens.SetInParent()
@@ -138,6 +151,18 @@ def request_to_proto(
     return req
 
 
+def tool_call_to_proto(call: dict) -> orchestrator_pb2.ToolCall:
+    """An OpenAI-shaped call ({"id", "function": {"name", "arguments"}}) as a ToolCall."""
+    fn = call["function"]
+    args = fn.get("arguments", "{}")
+    return orchestrator_pb2.ToolCall(id=call.get("id", ""), name=fn["name"],
+                                     arguments_json=args if isinstance(args, str) else json.dumps(args))
+
+
+def tool_call_from_proto(msg: orchestrator_pb2.ToolCall) -> dict:
+    return {"id": msg.id, "type": "function", "function": {"name": msg.name, "arguments": msg.arguments_json}}
+
+
 def stats_from_proto(msg: orchestrator_pb2.GenerationStats) -> dict:
     return {f.name: list(getattr(msg, f.name)) if f.is_repeated else getattr(msg, f.name)
             for f in msg.DESCRIPTOR.fields}
@@ -147,9 +172,11 @@ def chunk_from_proto(msg: orchestrator_pb2.GenerateChunk) -> GenerationChunk:
     last = msg.HasField("stats")
     return GenerationChunk(msg.text_delta, list(msg.token_ids), FINISH_NAMES.get(msg.finish_reason) if last else None,
                            stats_from_proto(msg.stats) if last else None,
-                           [TokenLogprob.from_proto(lp) for lp in msg.logprobs] or None)
+                           [TokenLogprob.from_proto(lp) for lp in msg.logprobs] or None,
+                           [tool_call_from_proto(c) for c in msg.tool_calls] or None)
 
 
 def result_from_proto(msg: orchestrator_pb2.GenerateResponse) -> GenerationResult:
     return GenerationResult(msg.text, list(msg.token_ids), FINISH_NAMES.get(msg.finish_reason, ""),
-                            stats_from_proto(msg.stats), [TokenLogprob.from_proto(lp) for lp in msg.logprobs] or None)
+                            stats_from_proto(msg.stats), [TokenLogprob.from_proto(lp) for lp in msg.logprobs] or None,
+                            [tool_call_from_proto(c) for c in msg.tool_calls] or None)

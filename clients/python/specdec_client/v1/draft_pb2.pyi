@@ -28,16 +28,20 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[DraftOptions, _Mapping]] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class DraftOptions(_message.Message):
-    __slots__ = ("p_min", "min_drafts", "lookup", "ahead")
+    __slots__ = ("p_min", "min_drafts", "lookup", "ahead", "skip_grammar", "skip_forced_tokens")
     P_MIN_FIELD_NUMBER: _ClassVar[int]
     MIN_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    SKIP_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     p_min: float
     min_drafts: int
     lookup: int
     ahead: int
-    def __init__(self, p_min: _Optional[float] = ..., min_drafts: _Optional[int] = ..., lookup: _Optional[int] = ..., ahead: _Optional[int] = ...) -> None: ...
+    skip_grammar: bool
+    skip_forced_tokens: bool
+    def __init__(self, p_min: _Optional[float] = ..., min_drafts: _Optional[int] = ..., lookup: _Optional[int] = ..., ahead: _Optional[int] = ..., skip_grammar: _Optional[bool] = ..., skip_forced_tokens: _Optional[bool] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("index", "token_id", "probs", "compute_s", "batch_rows", "pass_s")

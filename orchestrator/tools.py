@@ -1,0 +1,163 @@
+"""Tool calls in chat: the tools' grammar for tool_choice required or a named function, and the
+model's own tool-call blocks parsed out of its text.
+
+The format is the one the default pair's chat template (Qwen2.5) teaches its model, shared by
+Hermes-style templates: each call is
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Lisbon"}}
+    </tool_call>
+
+tool_choice "auto": the model decides; blocks it writes become OpenAI tool_calls (finish reason
+"tool_calls") and the rest stays content. "required" and a named function constrain the output to
+such blocks through structured output (specdec/grammar.py): the JSON in each must name a tool and
+validate against its parameters' schema. "none": the tools are shown to the template and the text
+is left as it is. Owns no model and no session: the decoder calls it before and after a request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from specdec.errors import InvalidArgument
+from specdec.grammar import JSON_LAYOUT
+from specdec.protocol import GrammarSpec
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CHOICES = ("none", "auto", "required")
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+MAX_TOOLS = 128
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+def check_tools(tools, tool_choice) -> None:
+    """INVALID_ARGUMENT for tools or a tool_choice OpenAI's API would refuse."""
+    if len(tools) > MAX_TOOLS:
+        raise InvalidArgument(f"tools: at most {MAX_TOOLS}, got {len(tools)}")
+    names = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise InvalidArgument(f"tools[{i}]: must be {{'type': 'function', 'function': {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise InvalidArgument(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise InvalidArgument(f"tools[{i}].function.parameters must be a JSON Schema object")
+        names.add(name)
+    if tool_choice is not None and tool_choice not in CHOICES and named(tool_choice) not in names:
+        raise InvalidArgument(f"tool_choice must be none, auto, required or a function among the tools; got "
+                              f"{str(tool_choice)[:80]}")
+    if tool_choice not in (None, "none") and not tools:
+        raise InvalidArgument("tool_choice needs tools")
+
+
+def named(tool_choice) -> str | None:
+    """The function a tool_choice names ({"type": "function", "function": {"name": ...}}, or the name)."""
+    if isinstance(tool_choice, dict):
+        return (tool_choice.get("function") or {}).get("name")
+    return tool_choice if isinstance(tool_choice, str) and tool_choice not in CHOICES else None
+
+
+def grammar(tools, tool_choice) -> GrammarSpec | None:
+    """The output grammar for tool_choice required (one or more calls to any tool) or a named
+    function (one call to it); None for auto and none."""
+    name = named(tool_choice)
+    if tool_choice != "required" and name is None:
+        return None
+    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    variants = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                  "arguments": f.get("parameters") or {"type": "object"}},
+                 "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    schema = {**({"anyOf": variants} if len(variants) > 1 else variants[0]), "x-guidance": JSON_LAYOUT}
+    call = f'call: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
+    return GrammarSpec("grammar", ("start: call\n" if name else 'start: call ("\\n" call)*\n') + call)
+
+
+def _split(text: str) -> tuple[list[tuple[int, int]], list[ToolCall]]:
+    """The spans of text outside the tool-call blocks, and the calls those blocks hold (a block
+    whose JSON is not {"name": str, "arguments": ...} is not a call: it stays text)."""
+    calls, spans, last = [], [], 0
+    for m in _BLOCK.finditer(text):
+        try:
+            body = json.loads(m.group(1))
+            name, arguments = body["name"], body.get("arguments", {})
+            if not isinstance(name, str):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        spans.append((last, m.start()))
+        last = m.end()
+        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments))
+    spans.append((last, len(text)))
+    return spans, calls
+
+
+def parse(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls): the model's <tool_call> blocks become calls; the text outside them,
+    stripped, is the content (None when nothing is left)."""
+    spans, calls = _split(text)
+    if not calls:
+        return text or None, []
+    return "".join(text[a:b] for a, b in spans).strip() or None, calls
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI-shaped chat history for a Hugging Face chat template: an assistant's tool_calls with
+    their arguments as objects (OpenAI sends JSON text; templates write them with tojson)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _object(c["function"])}}
+                                     for c in calls]}
+        out.append(m)
+    return out
+
+
+def _object(function: dict):
+    args = function.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+class HeldText:
+    """A stream's content with tool-call blocks held back: text before a block goes out as it
+    comes; from an opening tag on (or a tail that could begin one) it waits for the end."""
+
+    def __init__(self):
+        self.sent = 0
+        self.text = ""
+
+    def add(self, delta: str) -> str:
+        self.text += delta
+        cut = self.text.find(OPEN, self.sent)
+        if cut < 0:  # hold back a tail that could be the start of an opening tag
+            cut = len(self.text)
+            for k in range(min(len(OPEN) - 1, len(self.text) - self.sent), 0, -1):
+                if OPEN.startswith(self.text[-k:]):
+                    cut = len(self.text) - k
+                    break
+        out, self.sent = self.text[self.sent : max(cut, self.sent)], max(cut, self.sent)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The content not sent yet (outside the blocks), and the calls."""
+        spans, calls = _split(self.text)
+        rest = "".join(self.text[max(a, self.sent) : b] for a, b in spans if b > self.sent)
+        return (rest.rstrip() if calls else rest), calls
