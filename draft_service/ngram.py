@@ -47,6 +47,9 @@ class NgramDraft:
             self._sessions[session_id] = list(token_ids)
         return len(token_ids), 0.0
 
+    def fork_session(self, session_id: str, parent_id: str, token_ids: list[int]) -> tuple[int, float]:
+        return self.open_session(session_id, token_ids)  # nothing to copy: the tokens are the session
+
     def _tokens(self, session_id: str) -> list[int]:
         tokens = self._sessions.get(session_id)
         if tokens is None:

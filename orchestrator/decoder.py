@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import tempfile
 import threading
 import time
@@ -52,6 +53,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: the detokenizer holds back that much text each round
 MAX_MESSAGES = 1024
 MAX_ROLE_CHARS = 64
+MAX_N = 16  # choices per request
 
 
 def load_tokenizer_from(target: TargetWorker):
@@ -202,6 +204,8 @@ class SpeculativeDecoder:
             raise InvalidArgument("top_logprobs needs logprobs")
         if request.gamma > 0 and self.drafts is None:
             raise InvalidArgument("this orchestrator has no draft worker; use gamma 0")
+        if not 1 <= request.n <= MAX_N:
+            raise InvalidArgument(f"n (choices) must lie in [1, {MAX_N}], got {request.n}")
         if not 0 <= request.min_tokens <= request.max_new_tokens:
             raise InvalidArgument(f"min_tokens must lie in [0, max_new_tokens = {request.max_new_tokens}], "
                                   f"got {request.min_tokens}")
@@ -252,15 +256,26 @@ class SpeculativeDecoder:
         return self.seeded_sampling if request.seed is not None else "rejection"
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
-        text, ids, logprobs = [], [], []
+        """The whole answer; with n > 1, choice 0's, with every choice in `choices`."""
+        parts: dict[int, tuple[list, list, list, list]] = {}  # index -> text, ids, logprobs, [last chunk]
         for chunk in self.generate_stream(request):
+            text, ids, logprobs, last = parts.setdefault(chunk.index, ([], [], [], []))
             text.append(chunk.text_delta)
             ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs or ())
-        return GenerationResult("".join(text), ids, chunk.finish_reason, chunk.stats.to_dict(),
-                                logprobs if request.logprobs else None, chunk.tool_calls)
+            if chunk.finish_reason is not None:
+                last.append(chunk)
+        results = [GenerationResult("".join(text), ids, last[0].finish_reason, last[0].stats.to_dict(),
+                                    logprobs if request.logprobs else None, last[0].tool_calls)
+                   for _, (text, ids, logprobs, last) in sorted(parts.items())]
+        if len(results) > 1:
+            results[0].choices = results
+        return results[0]
 
     def generate_stream(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        """The request's chunks as its rounds make them; with n > 1, the chunks of its n choices
+        (GenerationChunk.index) as each makes them, every choice with its own sessions forked from
+        one prefill (Placement.fork) and its own seed (choice_seed)."""
         t_start = time.perf_counter()
         operation = "chat" if request.messages is not None else "text_completion"
         span = self.tracer.start_span(f"{operation} {self.target_info.model_name}", attributes={
@@ -269,9 +284,10 @@ class SpeculativeDecoder:
             t.GEN_AI_TOP_P: request.top_p, t.GEN_AI_TOP_K: request.top_k, t.GAMMA: request.gamma,
         })
         ctx = trace.set_span_in_context(span)
-        session_id = uuid.uuid4().hex
-        placement = Placement(session_id, self.targets, self.drafts if request.gamma > 0 else None, self.tracer,
-                              self._prefill_pool)
+        drafts = self.drafts if request.gamma > 0 else None
+        n = request.n if 1 <= request.n <= MAX_N else 1  # validate() refuses others, before any placement
+        placements = [Placement(uuid.uuid4().hex, self.targets, drafts, self.tracer, self._prefill_pool)
+                      for _ in range(n)]
         try:
             prompt = self.encode(request)
             if request.max_new_tokens is None:  # as many as fit the context and this server's limit
@@ -280,27 +296,36 @@ class SpeculativeDecoder:
             params = self.validate(request, len(prompt))
             span.set_attribute(t.GEN_AI_MAX_TOKENS, request.max_new_tokens)
             seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            generator = torch.Generator().manual_seed(seed)
             mode = self.sampling_mode(request)
-            if mode == "coupled":  # the workers draw each token from (seed, position): specdec/sampling.py
-                params = replace(params, coupling_seed=seed % 2**64)
             # an attribute is a signed 64-bit integer: a seed past 2**63 - 1 shows as the same 64 bits, signed
-            span.set_attributes({t.SESSION_ID: session_id, t.GEN_AI_SEED: seed if seed < 2**63 else seed - 2**64,
+            span.set_attributes({t.SESSION_ID: placements[0].session_id,
+                                 t.GEN_AI_SEED: seed if seed < 2**63 else seed - 2**64,
                                  t.GEN_AI_INPUT_TOKENS: len(prompt)})
-            stats = GenerationStats(prompt_tokens=len(prompt), gamma=request.gamma, sampling=mode, seed=seed % 2**64)
             with self.tracer.start_as_current_span("prefill", context=ctx):
                 t0 = time.perf_counter()
-                placement.open(prompt)
-                stats.prefill_s = time.perf_counter() - t0
-            self.metrics.record_prefill(stats.prefill_s)
+                placements[0].open(prompt)
+                for placement in placements[1:]:  # the other choices copy the prompt's caches
+                    placement.fork(placements[0], prompt)
+                prefill_s = time.perf_counter() - t0
+            self.metrics.record_prefill(prefill_s)
+            streams, all_stats = [], []
+            for i, placement in enumerate(placements):
+                seed_i = choice_seed(seed, i)
+                stats = GenerationStats(prompt_tokens=len(prompt), gamma=request.gamma, sampling=mode, seed=seed_i,
+                                        prefill_s=prefill_s)
+                params_i = replace(params, coupling_seed=seed_i) if mode == "coupled" else params
+                all_stats.append(stats)
+                streams.append(self._rounds(placement, prompt, request, params_i,
+                                            torch.Generator().manual_seed(seed_i), stats, ctx))
             first_token_s = None
             calling = bool(request.tools) and request.tool_choice != "none"
-            text = []  # with tools: the whole text, parsed for calls at the end
-            for chunk in self._rounds(placement, prompt, request, params, generator, stats, ctx):
+            text = [[] for _ in range(n)]  # with tools: each choice's whole text, parsed for calls at the end
+            for chunk in streams[0] if n == 1 else _merged(streams):
+                stats = all_stats[chunk.index]
                 if calling:
-                    text.append(chunk.text_delta)
+                    text[chunk.index].append(chunk.text_delta)
                     if chunk.finish_reason is not None:
-                        calls = tools.parse("".join(text))[1]
+                        calls = tools.parse("".join(text[chunk.index]))[1]
                         if calls:
                             chunk.tool_calls = [{"id": c.id, "type": "function",
                                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
@@ -310,7 +335,8 @@ class SpeculativeDecoder:
                     self.metrics.record_first_token(first_token_s)
                 if chunk.stats is not None:
                     span.set_attributes({
-                        t.GEN_AI_OUTPUT_TOKENS: stats.generated_tokens, t.GEN_AI_FINISH_REASONS: [chunk.finish_reason],
+                        t.GEN_AI_OUTPUT_TOKENS: sum(s.generated_tokens for s in all_stats),
+                        t.GEN_AI_FINISH_REASONS: [chunk.finish_reason],
                         t.GEN_AI_RESPONSE_MODEL: self.target_info.model_name, t.ROUNDS: stats.rounds,
                         t.DRAFTED: stats.drafted_tokens, t.ACCEPTED: stats.accepted_tokens,
                         t.ACCEPTANCE_RATE: stats.acceptance_rate, t.WIRE_BYTES: stats.wire_bytes,
@@ -328,6 +354,7 @@ class SpeculativeDecoder:
             self._failed(span, ServiceError(f"{type(exc).__name__}: {exc}", grpc.StatusCode.INTERNAL))
             raise
         finally:
+            placement = placements[0]
             span.set_attributes({
                 **({t.TARGET_ADDRESS: placement.target.address} if placement.target else {}),
                 **({t.DRAFT_ADDRESS: placement.draft.address} if placement.draft else {}),
@@ -336,7 +363,8 @@ class SpeculativeDecoder:
                 **({t.DRAFT_MODEL: self.draft_info.model_name} if self.draft_info and request.gamma > 0 else {}),
             })
             with self.tracer.start_as_current_span("close", context=ctx):
-                placement.close()
+                for placement in placements:
+                    placement.close()
             span.end()
 
     def _failed(self, span, exc: ServiceError) -> None:
@@ -364,3 +392,49 @@ class SpeculativeDecoder:
             self.metrics.record_round(rnd.gamma, rnd.num_accepted, rnd.draft_s, rnd.verify_s, rnd.sampling_s,
                                       rnd.wire_bytes)
             yield rnd.chunk
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed, as an unsigned 64-bit integer: the request's seed for choice 0 (so n
+    = 1 is unchanged), then steps of the golden ratio (a Weyl sequence, as splitmix64 steps)."""
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**64
+
+
+def _merged(streams: list[Iterator[GenerationChunk]]) -> Iterator[GenerationChunk]:
+    """The chunks of several choices' streams as they come, each tagged with its choice's index.
+    Each stream runs on a thread of its own (a choice in the step loop waits for its step); a
+    failure of one ends all; leaving early (the client went away) ends each within one round."""
+    out: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def run(index: int, stream: Iterator[GenerationChunk]) -> None:
+        try:
+            for chunk in stream:
+                chunk.index = index
+                out.put(chunk)
+                if stop.is_set():
+                    break
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            out.put(exc)
+        finally:
+            stream.close()
+            out.put(None)
+
+    threads = [threading.Thread(target=t.run_in_context, args=(t.current_context(), run, i, s), daemon=True,
+                                name=f"choice-{i}") for i, s in enumerate(streams)]
+    for thread in threads:
+        thread.start()
+    running = len(threads)
+    try:
+        while running:
+            item = out.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()

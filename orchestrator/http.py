@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validat
 
 from orchestrator.admission import Admission, CallDeadline, client_key
 from orchestrator import tools
-from orchestrator.decoder import MAX_MESSAGES, MAX_STOP_STRINGS
+from orchestrator.decoder import MAX_MESSAGES, MAX_N, MAX_STOP_STRINGS
 from orchestrator.tools import MAX_TOOLS
 from orchestrator.detokenizer import token_bytes
 from specdec.errors import ServiceError
@@ -234,8 +234,8 @@ class _Common(_Body):
     user: str | None = None
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise OpenAIError(400, "n: only n=1 is supported (send n requests instead)", param="n")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise OpenAIError(400, f"n: must lie in [1, {MAX_N}], got {self.n}", param="n")
 
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI's logit_bias: token ids as strings (JSON keys) to a bias in [-100, 100]."""
@@ -271,6 +271,8 @@ class _Common(_Body):
             kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
         if self.ignore_eos:
             kwargs["ignore_eos"] = True
+        if self.n is not None:
+            kwargs["n"] = self.n
         spec = self.grammar()
         if spec is not None:
             kwargs["structured_output"] = spec
@@ -514,6 +516,7 @@ class FrontDoor:
                 put(_END)
 
         self._pool.submit(produce)
+        finished = 0
         try:
             while True:
                 item = await queue.get()
@@ -522,7 +525,8 @@ class FrontDoor:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finish_reason:
+                finished += item.finish_reason is not None
+                if finished == generation.n:  # every choice has ended
                     return
         finally:
             call.gone.set()
@@ -634,9 +638,9 @@ class FrontDoor:
         chunks = self._chunks(generation, call, client_key(token, f"http:{request.client.host if request.client else ''}"))
         first = await self._first(chunks)
         answer = Answer(chat, self.model_name, self.slot.get().tokenizer if generation.logprobs else None,
-                        calling=chat and bool(generation.tools) and generation.tool_choice != "none")
+                        calling=chat and bool(generation.tools) and generation.tool_choice != "none", n=generation.n)
         if not body.stream:
-            if first.finish_reason:
+            if first.finish_reason and generation.n == 1:
                 await chunks.aclose()
                 return answer.whole([first])
             return answer.whole([first, *await self._collect(request, chunks, call)])
@@ -648,11 +652,11 @@ class FrontDoor:
 class Answer:
     """Chunks -> OpenAI response bodies: one whole object, or server-sent events."""
 
-    def __init__(self, chat: bool, model: str, tokenizer=None, calling: bool = False):
+    def __init__(self, chat: bool, model: str, tokenizer=None, calling: bool = False, n: int = 1):
         """tokenizer: the request asked for logprobs (token strings come from it); calling: the
-        model may call tools (a stream holds their blocks back)."""
-        self.chat, self.model, self.tokenizer = chat, model, tokenizer
-        self.held = tools.HeldText() if calling else None
+        model may call tools (a stream holds their blocks back); n: choices."""
+        self.chat, self.model, self.tokenizer, self.n = chat, model, tokenizer, n
+        self.held = {i: tools.HeldText() for i in range(n)} if calling else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._text_offset = 0  # completions' logprobs.text_offset, across chunks
@@ -690,24 +694,34 @@ class Answer:
                 "text_offset": offsets}
 
     @staticmethod
-    def usage(stats) -> dict:
-        return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-                "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+    def usage(*stats) -> dict:
+        """Every choice's tokens; the prompt once (the choices share its prefill)."""
+        completion = sum(s.generated_tokens for s in stats)
+        return {"prompt_tokens": stats[0].prompt_tokens, "completion_tokens": completion,
+                "total_tokens": stats[0].prompt_tokens + completion}
 
     def whole(self, chunks: list[GenerationChunk]) -> dict:
-        last = chunks[-1]
-        text = "".join(c.text_delta for c in chunks)
-        finish = FINISH_REASONS.get(last.finish_reason, last.finish_reason)
-        if self.chat:
-            message = {"role": "assistant", "content": text}
-            if last.tool_calls:  # the calls' blocks leave the content (OpenAI's shape)
-                message = {"role": "assistant", "content": tools.parse(text)[0], "tool_calls": last.tool_calls}
-            choice = {"index": 0, "message": message, "logprobs": self.logprobs(chunks), "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self.logprobs(chunks), "finish_reason": finish}
+        by_choice: dict[int, list[GenerationChunk]] = {}
+        for c in chunks:
+            by_choice.setdefault(c.index, []).append(c)
+        choices, lasts = [], []
+        for index, mine in sorted(by_choice.items()):
+            last = mine[-1]
+            lasts.append(last)
+            text = "".join(c.text_delta for c in mine)
+            finish = FINISH_REASONS.get(last.finish_reason, last.finish_reason)
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                if last.tool_calls:  # the calls' blocks leave the content (OpenAI's shape)
+                    message = {"role": "assistant", "content": tools.parse(text)[0], "tool_calls": last.tool_calls}
+                choices.append({"index": index, "message": message, "logprobs": self.logprobs(mine),
+                                "finish_reason": finish})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": self.logprobs(mine), "finish_reason": finish})
+        stats = [last.stats for last in lasts]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(last.stats),
-                "specdec": last.stats.to_dict()}
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage(*stats),
+                "specdec": stats[0].to_dict() if len(stats) == 1 else [s.to_dict() for s in stats]}
 
     def _event(self, choices: list, **extra) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -719,32 +733,35 @@ class Answer:
         if self.chat:
             text = chunk.text_delta
             if self.held is not None:  # tools: a call's block is held back, sent as tool_calls at the end
-                text = self.held.add(text)
+                held = self.held[chunk.index]
+                text = held.add(text)
                 if chunk.finish_reason is not None:
-                    rest, calls = self.held.finish()
-                    text += rest
+                    text += held.finish()[0]
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             if chunk.tool_calls:
                 delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(chunk.tool_calls)]
-            return {"index": 0, "delta": delta, "logprobs": self.logprobs([chunk]), "finish_reason": finish}
-        return {"index": 0, "text": chunk.text_delta, "logprobs": self.logprobs([chunk]), "finish_reason": finish}
+            return {"index": chunk.index, "delta": delta, "logprobs": self.logprobs([chunk]), "finish_reason": finish}
+        return {"index": chunk.index, "text": chunk.text_delta, "logprobs": self.logprobs([chunk]),
+                "finish_reason": finish}
 
     async def events(self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk],
                      include_usage: bool) -> AsyncIterator[str]:
-        chunk, is_first = first, True
+        chunk, started, finished = first, set(), []
         try:
             while True:
                 last = chunk.finish_reason is not None
                 extra = {"specdec": chunk.stats.to_dict()} if last and chunk.stats is not None else {}
                 if include_usage:
                     extra["usage"] = None  # OpenAI: every chunk has usage null but the last
-                yield self._event([self._choice(chunk, is_first)], **extra)
-                is_first = False
+                yield self._event([self._choice(chunk, chunk.index not in started)], **extra)
+                started.add(chunk.index)
                 if last:
-                    break
+                    finished.append(chunk.stats)
+                    if len(finished) == self.n:
+                        break
                 chunk = await rest.__anext__()
             if include_usage:
-                yield self._event([], usage=self.usage(chunk.stats))
+                yield self._event([], usage=self.usage(*finished))
         except StopAsyncIteration:  # the producer ended without a final chunk: not expected
             pass
         except ServiceError as exc:  # after the stream began: an error event, then [DONE]

@@ -82,12 +82,32 @@ class Placement:
             else:
                 self.draft_failed(error, prompt)
 
-    def _try_open(self, member: Member, tokens: list[int]) -> ServiceError | None:
-        """Opens our session there; a worker fault is returned (for failover), others raised."""
+    def fork(self, parent: "Placement", prompt: list[int]) -> None:
+        """Places this request's sessions (another choice of the same prompt) on the parent's
+        workers as copies of its sessions, with no prefill; where a parent's worker no longer takes
+        sessions, elsewhere by a prefill as `open` does."""
+        self.target = self._acquire(self.targets, prefer=parent.target)
+        if self.drafts is not None:
+            try:
+                self.draft = self._acquire(self.drafts, prefer=parent.draft)
+            except Unavailable as exc:
+                self._drop_draft(exc)
+        for member in [m for m in (self.target, self.draft) if m is not None]:
+            same = member is (parent.target if member is self.target else parent.draft) and member in parent._open
+            error = self._try_open(member, prompt, parent.session_id if same else None)
+            if error is not None:
+                (self.target_failed if member is self.target else self.draft_failed)(error, prompt)
+
+    def _try_open(self, member: Member, tokens: list[int], fork_of: str | None = None) -> ServiceError | None:
+        """Opens our session there (a copy of session fork_of, which it holds); a worker fault is
+        returned (for failover), others raised."""
         if member is self.draft and self.lazy_draft:
             tokens = tokens[:1]  # no pass: the first Propose catches up from here
         try:
-            member.worker.open_session(self.session_id, tokens)
+            if fork_of is not None:
+                member.worker.fork_session(self.session_id, fork_of, tokens)
+            else:
+                member.worker.open_session(self.session_id, tokens)
         except ServiceError as exc:
             if not is_worker_fault(exc):
                 raise
@@ -97,8 +117,8 @@ class Placement:
             self.draft_synced = len(tokens)
         return None
 
-    def _acquire(self, pool: WorkerPool, exclude=()) -> Member:
-        member = pool.acquire(exclude)
+    def _acquire(self, pool: WorkerPool, exclude=(), prefer: Member | None = None) -> Member:
+        member = pool.acquire(exclude, prefer)
         self._held.append((pool, member))
         return member
 

@@ -238,14 +238,15 @@ class WorkerPool:
 
     # ---- placement -----------------------------------------------------------------------
 
-    def acquire(self, exclude: Iterable[str] = ()) -> Member:
-        """The least-loaded serving member (not in exclude), now holding one more session of ours."""
+    def acquire(self, exclude: Iterable[str] = (), prefer: Member | None = None) -> Member:
+        """The least-loaded serving member (not in exclude), or `prefer` while it serves (the
+        choices of one request share its prompt's cache there), now holding one more session of ours."""
         exclude = set(exclude)
         with self._lock:
             serving = [m for m in self._members.values() if m.state == SERVING and m.address not in exclude]
             if not serving:
                 raise Unavailable(f"no {self.role} worker is serving: {self.summary()}")
-            member = min(serving, key=lambda m: (m.load, m.placed))
+            member = prefer if prefer in serving else min(serving, key=lambda m: (m.load, m.placed))
             member.active += 1
             member.placed += 1
             return member

@@ -111,6 +111,12 @@ class _RemoteWorker:
         self._secrets[session_id] = r.session_secret
         return r.length, r.compute_s
 
+    def fork_session(self, session_id: str, parent_id: str, token_ids: list[int]) -> tuple[int, float]:
+        r = self._call(self._stub.OpenSession, common_pb2.OpenSessionRequest(
+            session_id=session_id, token_ids=token_ids, fork_of=parent_id, fork_secret=self.secret(parent_id)))
+        self._secrets[session_id] = r.session_secret
+        return r.length, r.compute_s
+
     def secret(self, session_id: str) -> bytes:
         return self._secrets.get(session_id, b"")
 

@@ -9,7 +9,7 @@ from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.pool import parse_entries
 from specdec.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError, Unavailable
 from specdec.security import TokenSet, bearer_token
-from specdec.protocol import chunk_to_proto, request_from_proto, result_to_proto
+from specdec.protocol import choice_of, chunk_to_proto, request_from_proto, result_to_proto
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 class DecoderSlot:
@@ -47,11 +47,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         deadline = CallDeadline(context, self.request_timeout_s)
         with self.admission.slot(deadline, self._client(context)):
             stream = decoder.generate_stream(request_from_proto(request))
-            text, ids, logprobs = [], [], []
+            choices: dict[int, tuple[list, list, list, list]] = {}  # index -> text, ids, logprobs, [last chunk]
             for chunk in stream:
+                text, ids, logprobs, last = choices.setdefault(chunk.index, ([], [], [], []))
                 text.append(chunk.text_delta)
                 ids.extend(chunk.token_ids)
                 logprobs.extend(chunk.logprobs or ())
+                if chunk.finish_reason is not None:
+                    last.append(chunk)
                 if not context.is_active():  # the client left: stop within one round
                     stream.close()
                     raise Cancelled("the client cancelled the request")
@@ -61,7 +64,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     except DeadlineExceeded:
                         stream.close()
                         raise
-        return result_to_proto("".join(text), ids, chunk, logprobs)
+        answers = {i: result_to_proto("".join(text), ids, last[0], logprobs)
+                   for i, (text, ids, logprobs, last) in sorted(choices.items())}
+        response = answers[0]
+        if len(answers) > 1:
+            response.choices.extend(choice_of(i, a) for i, a in answers.items())
+        return response
 
     def GenerateStream(self, request, context):
         decoder = self.slot.get()

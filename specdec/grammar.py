@@ -96,7 +96,8 @@ class CacheInfo:
 class CompiledGrammar:
     """A spec compiled for one tokenizer; `matcher()` starts a session at the grammar's beginning."""
 
-    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher, compiler: "GrammarCompiler", compile_ms: float):
+    def __init__(self, spec: GrammarSpec, template: llguidance.LLMatcher, compiler: "GrammarCompiler",
+                 compile_ms: float):
         self.spec = spec
         self.compile_ms = compile_ms
         self._template = template  # never advanced: sessions get copies (microseconds; lexer states shared)
@@ -121,7 +122,8 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.limits = limits or GrammarLimits()
         self._engine_limits = self.limits.engine_limits()
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(self.eos_token_ids))
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                       eos_token=list(self.eos_token_ids))
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._hits = self._misses = 0
@@ -223,7 +225,7 @@ class Matcher:
         self._consumed = 0
         self._eos_after_stop = 0  # EOS ids consumed once the grammar was complete: the engine did not record them
         self._words = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)  # one packed mask per row
-        self._bias: torch.Tensor | None = None  # int32 [rows, vocab_size], for apply
+        self._bias: np.ndarray | None = None  # int32 [rows, vocab_size], for apply
 
     @property
     def consumed(self) -> int:
@@ -288,7 +290,7 @@ class Matcher:
         """Set the logits of the tokens forbidden next to -inf, in place. logits: float [vocab_size]."""
         assert logits.shape == (self.vocab_size,), f"logits {tuple(logits.shape)} != ({self.vocab_size},)"
         self._fill(0)
-        logits.add_(self._bias_rows(1, logits.device)[0])
+        _add(logits, self._bias_rows(1)[0])
 
     def draft_masks(self, draft_tokens: Sequence[int]) -> torch.Tensor:
         """The masks a verify pass over k drafts needs: bool [n, vocab_size], row i the allowed tokens after
@@ -301,7 +303,7 @@ class Matcher:
         masked (rows from n on are left as they were)."""
         assert logits.shape == (len(draft_tokens) + 1, self.vocab_size), f"logits {tuple(logits.shape)}"
         n = self._fill_drafts(draft_tokens)
-        logits[:n].add_(self._bias_rows(n, logits.device))
+        _add(logits[:n], self._bias_rows(n))
         return n
 
     # ---------------------------------------------------------------- internals
@@ -361,13 +363,23 @@ class Matcher:
         bits = np.unpackbits(self._words[:rows].view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
         return torch.from_numpy(bits).view(torch.bool)
 
-    def _bias_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+    def _bias_rows(self, rows: int) -> np.ndarray:
         """float32 [rows, vocab_size]: 0 where allowed, -inf where forbidden. Branch-free: a forbidden bit
-        times 0xFF800000 is -inf's bit pattern (5-15x cheaper than masked_fill_ on a 151,936-wide row)."""
+        times 0xFF800000 is -inf's bit pattern (3-15x cheaper than masked_fill_ on a 151,936-wide row)."""
         if self._bias is None or self._bias.shape[0] < rows:
-            self._bias = torch.empty((max(rows, 1), self.vocab_size), dtype=torch.int32)
+            self._bias = np.empty((rows, self.vocab_size), dtype=np.int32)
         forbidden = np.unpackbits(np.invert(self._words[:rows]).view(np.uint8), axis=1, count=self.vocab_size,
                                   bitorder="little")
         bias = self._bias[:rows]
-        bias.copy_(torch.from_numpy(forbidden)).mul_(_NEG_INF_BITS)
-        return bias.view(torch.float32).to(device)
+        np.multiply(forbidden, np.int32(_NEG_INF_BITS), out=bias, casting="unsafe")
+        return bias.view(np.float32)
+
+
+def _add(logits: torch.Tensor, bias: np.ndarray) -> None:
+    """logits += bias in place. CPU float32/float64 rows go through numpy: one thread, no OpenMP region,
+    which on a loaded 2-core machine cost ~8 ms for each 150k-element torch op (the whole apply: ~40 us)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        rows = logits.detach().numpy()  # shares memory, views included
+        np.add(rows, bias, out=rows)
+    else:
+        logits.add_(torch.from_numpy(bias).to(logits.device))

@@ -520,6 +520,7 @@ class GenerationRequest:
     # chat only: OpenAI-shaped function tools, shown by the chat template (orchestrator/tools.py)
     tools: Sequence[dict] = ()
     tool_choice: str | dict | None = None  # "none", "auto" (the default with tools), "required" or a name
+    n: int = 1  # choices: each decodes from the one prefill with its own seed (orchestrator/decoder.py, choice_seed)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -653,6 +654,7 @@ def chunk_to_proto(chunk: GenerationChunk) -> orchestrator_pb2.GenerateChunk:
         stats=stats_to_proto(chunk.stats) if chunk.stats is not None else None,
         logprobs=[lp.to_proto() for lp in chunk.logprobs or ()],
         tool_calls=[tool_call_to_proto(c) for c in chunk.tool_calls or ()],
+        index=chunk.index,
     )
 
 
@@ -663,3 +665,10 @@ def result_to_proto(text: str, token_ids: list[int], last: GenerationChunk,
                                              stats=stats_to_proto(last.stats),
                                              logprobs=[lp.to_proto() for lp in logprobs or ()],
                                              tool_calls=[tool_call_to_proto(c) for c in last.tool_calls or ()])
+
+
+def choice_of(index: int, answer: orchestrator_pb2.GenerateResponse) -> orchestrator_pb2.Choice:
+    """One choice of a request with n > 1, from the answer that choice alone would get."""
+    return orchestrator_pb2.Choice(index=index, text=answer.text, token_ids=answer.token_ids,
+                                   finish_reason=answer.finish_reason, stats=answer.stats, logprobs=answer.logprobs,
+                                   tool_calls=answer.tool_calls)

@@ -13,6 +13,7 @@ target_service/engine.py; gRPC lives in specdec/worker/server.py and the roles' 
 
 from __future__ import annotations
 
+import copy
 import hmac
 import logging
 import secrets
@@ -300,6 +301,33 @@ class WorkerEngine:
                 raise
         finally:
             session.lock.release()
+        return len(session.tokens), time.perf_counter() - t0
+
+    def fork_session(self, session_id: str, parent_id: str, token_ids: list[int], owner: str = "",
+                     secret: bytes | None = None) -> tuple[int, float]:
+        """Opens session_id as a copy of parent_id (its tokens and KV cache): one prefill serves a
+        request's n choices. token_ids must be the parent's tokens (FAILED_PRECONDITION otherwise).
+        secret: the parent's (a gRPC caller must know it and be its owner); None in-process."""
+        check_session_id(session_id)
+        if self.draining:
+            raise Unavailable("this worker is shutting down; open the session on another worker")
+        if secret is not None:
+            self.authorize(parent_id, secret, owner)
+        parent = self.session(parent_id)
+        t0 = time.perf_counter()
+        with parent.lock:
+            if parent.tokens != list(token_ids):
+                raise FailedPrecondition(f"session {parent_id} holds other tokens than the fork asks for")
+            with torch.inference_mode():
+                cache = copy.deepcopy(parent.cache)
+            session = Session(session_id, list(parent.tokens), cache, owner=owner)
+        with self._sessions_lock:
+            if session_id in self._sessions:
+                raise AlreadyExists(f"session {session_id} is already open")
+            if len(self._sessions) >= self.max_sessions:
+                raise ResourceExhausted(f"this worker already holds its maximum of {self.max_sessions} sessions")
+            self._check_capacity(len(session.tokens), locked=True)
+            self._sessions[session_id] = session
         return len(session.tokens), time.perf_counter() - t0
 
     def truncate(self, session_id: str, length: int) -> int:

@@ -121,7 +121,12 @@ class SessionRpcs:
 
     def OpenSession(self, request, context):
         engine = self.slot.get()
-        length, compute_s = engine.open_session(request.session_id, list(request.token_ids), peer_identity(context))
+        if request.fork_of:
+            length, compute_s = engine.fork_session(request.session_id, request.fork_of, list(request.token_ids),
+                                                    peer_identity(context), request.fork_secret)
+        else:
+            length, compute_s = engine.open_session(request.session_id, list(request.token_ids),
+                                                    peer_identity(context))
         return common_pb2.OpenSessionResponse(length=length, compute_s=compute_s,
                                               session_secret=engine.secret_of(request.session_id))
 

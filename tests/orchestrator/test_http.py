@@ -135,6 +135,27 @@ def test_tool_calls_in_openais_shape_whole_and_streamed(oai, http_stack):
     assert after.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
+def test_n_choices_whole_and_streamed_with_usage_over_all(oai, grpc_client, http_stack):
+    """n = 3 sampled with a seed: three choices with their indexes, each the gRPC answer of the
+    same request (choice i's seed is derived from the request's), usage counting every choice
+    and the prompt once; streamed, each choice's deltas say their index and end with a finish."""
+    kw = dict(max_tokens=10, temperature=1.0, seed=11, n=3)
+    r = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, **kw)
+    ref = grpc_client.generate(messages=CHAT, max_new_tokens=10, temperature=1.0, seed=11, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [c.text for c in ref.choices]
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in ref.choices)
+    assert r.usage.prompt_tokens == ref.stats["prompt_tokens"]
+    texts, finished = {}, set()
+    for chunk in oai.completions.create(model=http_stack["model"], prompt=PROMPT, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    whole = oai.completions.create(model=http_stack["model"], prompt=PROMPT, **kw)
+    assert finished == {0, 1, 2} and [texts[i] for i in range(3)] == [c.text for c in whole.choices]
+
+
 def test_completion_defaults_to_sixteen_tokens_like_openai(oai, http_stack):
     r = oai.completions.create(model=http_stack["model"], prompt=PROMPT, temperature=0, extra_body={"gamma": 2})
     assert r.usage.completion_tokens <= 16
@@ -229,7 +250,7 @@ def test_models_tokenize_and_health(http_stack, grpc_client):
 
 
 BAD = {  # body changes -> (status, param, words in the message)
-    "n": ({"n": 2}, 400, "n", "n=1"),
+    "n": ({"n": 17}, 400, "n", "[1, 16]"),
     "temperature": ({"temperature": -1}, 400, "temperature", "temperature"),
     "top_p": ({"top_p": 0}, 400, "top_p", "top_p"),
     "max_tokens zero": ({"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
@@ -304,7 +325,7 @@ def test_sdk_raises_its_own_error_classes(oai, http_stack):
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
     with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=http_stack["model"], messages=CHAT, n=3)
+        oai.chat.completions.create(model=http_stack["model"], messages=CHAT, n=0)
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model=http_stack["model"], messages=[{"role": "robot", "content": "x"}])

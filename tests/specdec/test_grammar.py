@@ -180,7 +180,7 @@ def test_apply_sets_exactly_the_forbidden_logits_to_minus_inf(tok, compiler):
     m = compiler.matcher(SCHEMA_SPEC)
     m.consume(_ids(tok, DOC[:20]))
     mask = m.allowed_mask()
-    for dtype in (torch.float32, torch.float64):
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):  # numpy for the first two, torch for the last
         logits = torch.randn(m.vocab_size, dtype=dtype)
         expected = logits.masked_fill(~mask, float("-inf"))
         m.apply(logits)
@@ -206,7 +206,8 @@ def test_truncate_then_consume_again_gives_identical_masks(tok, compiler):
     reference = _masks_along(m, ids)
     assert m.consumed == len(ids)
     rng = random.Random(2)
-    for length in [len(ids), len(ids) - 1, len(ids) - 2, len(ids) - 3, 0] + rng.sample(range(len(ids)), min(8, len(ids))):
+    lengths = [len(ids), len(ids) - 1, len(ids) - 2, len(ids) - 3, 0] + rng.sample(range(len(ids)), min(8, len(ids)))
+    for length in lengths:
         m.truncate(length)
         m.truncate(length)  # idempotent: a retried call does not drop twice
         assert m.consumed == length

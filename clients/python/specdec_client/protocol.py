@@ -51,6 +51,7 @@ class GenerationChunk:
     stats: Any = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
     tool_calls: list[dict] | None = None  # the last chunk, with tools: OpenAI-shaped calls
+    index: int = 0  # the choice it belongs to (a request with n > 1)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class GenerationResult:
     # with tools: the calls the model made, OpenAI-shaped:
     # {"id": ..., "type": "function", "function": {"name": ..., "arguments": JSON text}}
     tool_calls: list[dict] | None = None
+    choices: list["GenerationResult"] | None = None  # n > 1: every choice, in index order (this one is choice 0)
 
 
 FINISH_REASONS = {
@@ -73,7 +75,7 @@ FINISH_REASONS = {
     "tool_calls": orchestrator_pb2.FINISH_REASON_TOOL_CALLS,
 }
 FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
-REQUEST_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "logprobs", "top_logprobs",
+REQUEST_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "logprobs", "top_logprobs", "n",
                    "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "min_tokens", "ignore_eos",
                    "sampling_mode")
 SAMPLING_MODES = {"rejection": orchestrator_pb2.SAMPLING_MODE_REJECTION, "coupled": orchestrator_pb2.SAMPLING_MODE_COUPLED}
@@ -173,10 +175,12 @@ def chunk_from_proto(msg: orchestrator_pb2.GenerateChunk) -> GenerationChunk:
     return GenerationChunk(msg.text_delta, list(msg.token_ids), FINISH_NAMES.get(msg.finish_reason) if last else None,
                            stats_from_proto(msg.stats) if last else None,
                            [TokenLogprob.from_proto(lp) for lp in msg.logprobs] or None,
-                           [tool_call_from_proto(c) for c in msg.tool_calls] or None)
+                           [tool_call_from_proto(c) for c in msg.tool_calls] or None, msg.index)
 
 
-def result_from_proto(msg: orchestrator_pb2.GenerateResponse) -> GenerationResult:
+def result_from_proto(msg) -> GenerationResult:
+    """A GenerateResponse (or one of its Choices) as a GenerationResult."""
     return GenerationResult(msg.text, list(msg.token_ids), FINISH_NAMES.get(msg.finish_reason, ""),
                             stats_from_proto(msg.stats), [TokenLogprob.from_proto(lp) for lp in msg.logprobs] or None,
-                            [tool_call_from_proto(c) for c in msg.tool_calls] or None)
+                            [tool_call_from_proto(c) for c in msg.tool_calls] or None,
+                            [result_from_proto(c) for c in msg.choices] if getattr(msg, "choices", None) else None)
