@@ -44,7 +44,7 @@ from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
 from specdec.errors import Cancelled, InvalidArgument, ServiceError
 from specdec.protocol import (MAX_GAMMA, MAX_TOP_LOGPROBS, DraftOptions, GenerationChunk, GenerationRequest, GenerationResult, GenerationStats,
-                              MAX_STOP_TOKEN_IDS, RequestLimits, SAMPLING_MODES, SamplingParams)
+                              LOGPROBS_MODES, MAX_STOP_TOKEN_IDS, RequestLimits, SAMPLING_MODES, SamplingParams)
 from specdec.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -204,6 +204,8 @@ class SpeculativeDecoder:
             raise InvalidArgument("top_logprobs needs logprobs")
         if request.gamma > 0 and self.drafts is None:
             raise InvalidArgument("this orchestrator has no draft worker; use gamma 0")
+        if request.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidArgument(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {request.logprobs_mode!r}")
         if not 1 <= request.n <= MAX_N:
             raise InvalidArgument(f"n (choices) must lie in [1, {MAX_N}], got {request.n}")
         if not 0 <= request.min_tokens <= request.max_new_tokens:

@@ -224,6 +224,8 @@ class _Common(_Body):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
+    # vLLM's names (raw_logprobs, processed_logprobs) and this server's (raw, processed)
+    logprobs_mode: Literal["raw", "processed", "raw_logprobs", "processed_logprobs"] | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -273,6 +275,8 @@ class _Common(_Body):
             kwargs["ignore_eos"] = True
         if self.n is not None:
             kwargs["n"] = self.n
+        if self.logprobs_mode is not None:
+            kwargs["logprobs_mode"] = self.logprobs_mode.removesuffix("_logprobs")
         spec = self.grammar()
         if spec is not None:
             kwargs["structured_output"] = spec

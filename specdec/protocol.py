@@ -47,6 +47,7 @@ WORKER_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI's API allows
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ class SamplingParams:
     min_tokens: int = 0  # the stop tokens are masked at the first min_tokens output positions ...
     stop_token_ids: tuple[int, ...] = ()  # ... these (EOS unless ignore_eos, and the request's stop_token_ids)
     grammar: GrammarSpec | None = None  # structured output: output positions masked by the grammar's state
+    processed_logprobs: bool = False  # logprobs of the distribution a token was chosen from, not the raw model's
 
     @property
     def greedy(self) -> bool:
@@ -212,7 +214,8 @@ class SamplingParams:
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty, min_p=self.min_p,
             logit_bias_token_ids=[t for t, _ in self.logit_bias], logit_bias_values=[b for _, b in self.logit_bias],
             output_start=self.output_start, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
-            grammar=self.grammar.to_proto() if self.grammar is not None else None)
+            grammar=self.grammar.to_proto() if self.grammar is not None else None,
+            processed_logprobs=self.processed_logprobs)
 
     @classmethod
     def from_proto(cls, msg: common_pb2.SamplingParams) -> "SamplingParams":
@@ -225,7 +228,8 @@ class SamplingParams:
             frequency_penalty=msg.frequency_penalty, presence_penalty=msg.presence_penalty,
             logit_bias=tuple(zip(msg.logit_bias_token_ids, msg.logit_bias_values)), output_start=msg.output_start,
             min_tokens=msg.min_tokens, stop_token_ids=tuple(msg.stop_token_ids),
-            grammar=GrammarSpec.from_proto(msg.grammar).validate() if msg.HasField("grammar") else None)
+            grammar=GrammarSpec.from_proto(msg.grammar).validate() if msg.HasField("grammar") else None,
+            processed_logprobs=msg.processed_logprobs)
         if 0 <= msg.temperature < GREEDY_BELOW:
             return cls(temperature=0.0, **controls).validate()
         return cls(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p,
@@ -440,6 +444,8 @@ class Verification:
         p = self.probs[position].prob_of(token_id)
         if p <= 0:
             return -math.inf
+        if params.processed_logprobs:  # the distribution the token was drawn from
+            return math.log(p)
         if not self.raw_log_norms:
             return params.temperature * math.log(p) + self.logprob_bases[position]
         from specdec.sampling import raw_logit  # torch: only the orchestrator's side reads distributions
@@ -521,6 +527,7 @@ class GenerationRequest:
     tools: Sequence[dict] = ()
     tool_choice: str | dict | None = None  # "none", "auto" (the default with tools), "required" or a name
     n: int = 1  # choices: each decodes from the one prefill with its own seed (orchestrator/decoder.py, choice_seed)
+    logprobs_mode: str = "raw"  # or "processed": the distribution each token was chosen from (LOGPROBS_MODES)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -533,7 +540,8 @@ class GenerationRequest:
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                               min_p=self.min_p, logit_bias=tuple(sorted((int(t), float(b)) for t, b in bias.items())),
                               min_tokens=self.min_tokens,
-                              grammar=self.structured_output.validate() if self.structured_output else None)
+                              grammar=self.structured_output.validate() if self.structured_output else None,
+                              processed_logprobs=self.logprobs_mode == "processed")
 
 
 @dataclass(frozen=True)

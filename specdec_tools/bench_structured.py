@@ -10,6 +10,8 @@ prompts that ask for a JSON record; each row is the same prompts:
   schema, gamma 0 / schema, gamma 4      response_format json_schema
   schema, gamma 4, draft unmasked        --draft-grammar off
   schema, gamma 4, forced tokens drafted --draft-forced-tokens off
+  tools auto / required, gamma 0 and 4   four tool-using chats, tool_choice auto (the model's own
+                                         <tool_call> blocks, parsed) and required (constrained)
 
 The grammar's own cost (consume + mask per generated token, on the target's tokenizer, in this
 process) is set against the mean round time of the schema, gamma 4 row.
@@ -57,6 +59,23 @@ TASKS = [
 ]
 
 
+def _tool(name: str, description: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}}}
+
+
+TOOLS = [
+    _tool("get_weather", "Current weather in a city", {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}),
+    _tool("convert_currency", "Convert an amount between currencies",
+          {"amount": {"type": "number"}, "source": {"type": "string"}, "target": {"type": "string"}}),
+    _tool("search_flights", "Find flights", {"origin": {"type": "string"}, "destination": {"type": "string"},
+                                             "date": {"type": "string"}}),
+    _tool("set_timer", "Start a countdown timer", {"minutes": {"type": "integer"}}),
+]
+TOOL_TASKS = ["What's the weather in Lisbon right now, in celsius?", "How much is 250 US dollars in euros?",
+              "Find me a flight from Paris to Rome on 2026-07-01.", "Set a timer for 12 minutes."]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", default="docs/benchmarks/structured-output", help="where README.md and results.json go")
@@ -86,19 +105,24 @@ def cmd_bench_structured(a) -> int:
         clients = {"main": Client(stack.address, timeout_s=1800), "unmasked": Client(unmasked, timeout_s=1800),
                    "unforced": Client(unforced, timeout_s=1800)}
         setups = [
-            ("free, gamma 0", "main", 0, False), ("free, gamma 4", "main", 4, False),
-            ("schema, gamma 0", "main", 0, True), ("schema, gamma 4", "main", 4, True),
-            ("schema, gamma 4, draft unmasked", "unmasked", 4, True),
-            ("schema, gamma 4, forced tokens drafted", "unforced", 4, True),
+            ("free, gamma 0", "main", 0, "free"), ("free, gamma 4", "main", 4, "free"),
+            ("schema, gamma 0", "main", 0, "schema"), ("schema, gamma 4", "main", 4, "schema"),
+            ("schema, gamma 4, draft unmasked", "unmasked", 4, "schema"),
+            ("schema, gamma 4, forced tokens drafted", "unforced", 4, "schema"),
+            ("tools auto, gamma 0", "main", 0, "auto"), ("tools auto, gamma 4", "main", 4, "auto"),
+            ("tools required, gamma 0", "main", 0, "required"), ("tools required, gamma 4", "main", 4, "required"),
         ]
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
         for name in clients:  # warm-up: compile caches, first passes
             clients[name].generate(messages=[{"role": "user", "content": "hi"}], max_new_tokens=4, temperature=0,
                                    structured_output={"json_schema": PERSON})
-        for name, which, gamma, constrained in setups:
+        for name, which, gamma, kind in setups:
             generated = rounds = drafted = accepted = 0
             valid, seconds, outs = 0, 0.0, []
-            for prompt, schema in TASKS:
-                kw = {"structured_output": {"json_schema": schema}} if constrained else {}
+            tasks = TASKS if kind in ("free", "schema") else [(prompt, None) for prompt in TOOL_TASKS]
+            for prompt, schema in tasks:
+                kw = ({"structured_output": {"json_schema": schema}} if kind == "schema" else
+                      {"tools": TOOLS, "tool_choice": kind} if kind in ("auto", "required") else {})
                 t0 = time.perf_counter()
                 r = clients[which].generate(messages=[{"role": "user", "content": prompt}],
                                             max_new_tokens=a.max_new_tokens, temperature=0, gamma=gamma, **kw)
@@ -108,7 +132,12 @@ def cmd_bench_structured(a) -> int:
                 drafted += r.stats["drafted_tokens"]
                 accepted += r.stats["accepted_tokens"]
                 try:
-                    jsonschema.validate(json.loads(r.text), schema)
+                    if schema is not None:
+                        jsonschema.validate(json.loads(r.text), schema)
+                    else:  # a tool row: at least one call, every call's arguments valid
+                        assert r.tool_calls
+                        for c in r.tool_calls:
+                            jsonschema.validate(json.loads(c["function"]["arguments"]), params[c["function"]["name"]])
                     valid += 1
                 except Exception:  # noqa: BLE001 - counted, not raised
                     pass
@@ -116,7 +145,7 @@ def cmd_bench_structured(a) -> int:
             rows[name] = {"tokens": generated, "seconds": seconds, "tok_s": generated / seconds, "rounds": rounds,
                           "drafted": drafted,
                           "acceptance": accepted / drafted if drafted else 0.0, "valid": valid,
-                          "round_ms": 1e3 * seconds / rounds}
+                          "round_ms": 1e3 * seconds / rounds, "prompts": len(tasks)}
             outputs[name] = outs
             print(f"{name}: {rows[name]}", flush=True)
         for c in clients.values():
@@ -149,11 +178,12 @@ def cmd_bench_structured(a) -> int:
 
     free = rows["free, gamma 4"]["tok_s"] / rows["free, gamma 0"]["tok_s"]
     constrained = g4["tok_s"] / rows["schema, gamma 0"]["tok_s"]
-    lines = ["| setup | tok/s | speedup vs its gamma 0 | acceptance | ms/round | valid JSON |", "|---|---|---|---|---|---|"]
+    lines = ["| setup | tok/s | speedup vs its gamma 0 | acceptance | ms/round | valid JSON / calls |",
+             "|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        base = rows["schema, gamma 0" if name.startswith("schema") else "free, gamma 0"]["tok_s"]
+        base = rows[name.split(",")[0] + ", gamma 0"]["tok_s"]
         lines.append(f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | {r['acceptance']:.3f} | "
-                     f"{r['round_ms']:.1f} | {r['valid']}/{len(TASKS)} |")
+                     f"{r['round_ms']:.1f} | {r['valid']}/{r['prompts']} |")
     summary = (f"\nSpeculation's speedup: {constrained:.2f}x with the schema, {free:.2f}x without. "
                f"Grammar cost: {mask_us:.0f} us per token (consume + mask, mean of {len(per_token)}), compile "
                f"{statistics.fmean(compile_ms):.1f} ms per schema (first use; cached after); at "

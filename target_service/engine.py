@@ -72,15 +72,18 @@ class TargetEngine(WorkerEngine):
         if params.controlled:  # a copy only when the raw logits are still wanted (logprobs)
             logits = apply_controls(logits.float() if top_logprobs is None else logits.float().clone(), params,
                                     tokens, first, grammar)
+        dists = None  # the processed distributions (sampling): p per position
         if params.coupled:
-            chosen = [coupled_choice(process_logits(row, params, self.vocab_size), params.coupling_seed, first + i)
-                      for i, row in enumerate(logits)]
+            dists = [process_logits(row, params, self.vocab_size) for row in logits]
+            chosen = [coupled_choice(d, params.coupling_seed, first + i) for i, d in enumerate(dists)]
             choice, probs = torch.tensor(chosen, device=logits.device), None
         else:
             choice = logits.argmax(dim=-1) if params.greedy or top_logprobs is not None else None
-            probs = None if params.greedy else [process_logits(row, params, self.vocab_size) for row in logits]
+            probs = dists = None if params.greedy else [process_logits(row, params, self.vocab_size) for row in logits]
         bases = top = norms = None
-        if top_logprobs is not None:
+        if top_logprobs is not None and params.processed_logprobs:
+            bases, top = _processed_logprobs(logits, dists, choice, top_logprobs)
+        elif top_logprobs is not None:
             logprobs = torch.log_softmax(raw.float(), dim=-1)  # [gamma + 1, vocab]: the raw model's
             if params.deterministic:  # the only token the round can emit at each position: its raw log-probability
                 bases = logprobs.gather(-1, choice[:, None])[:, 0].tolist()
@@ -101,3 +104,19 @@ class TargetEngine(WorkerEngine):
                 values, indices = logprobs.topk(min(top_logprobs, logprobs.shape[-1]), dim=-1)
                 top = list(zip(indices.tolist(), values.tolist()))
         return (choice.tolist() if params.deterministic else None), probs, bases, top, norms
+
+
+def _processed_logprobs(logits, dists, choice, k: int):
+    """logprobs_mode "processed": the log-probabilities of the distribution each position's token
+    is chosen from: greedy, the log-softmax of the controlled logits; sampling, log p (after
+    temperature, min_p, top-k, top-p; -inf off its support). -> (each position's chosen token's,
+    the k most likely per position, or None)."""
+    if dists is None:  # greedy
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+    else:
+        logprobs = torch.stack([d.dense() for d in dists]).log()
+    bases = logprobs.gather(-1, choice[:, None])[:, 0].tolist()
+    if not k:
+        return bases, None
+    values, indices = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return bases, list(zip(indices.tolist(), values.tolist()))

@@ -248,6 +248,34 @@ def test_logprobs_stay_the_raw_models_under_controls(decoder, target_engine):
             tokens.append(lp.token_id)
 
 
+def test_processed_logprobs_are_those_of_the_distribution_each_token_was_drawn_from(decoder, target_engine):
+    """logprobs_mode "processed" (vLLM's processed_logprobs): greedy, the log-softmax of the
+    controlled logits; sampled (coupled and rejection), log p after temperature, min_p and top-k."""
+    controls = CONTROLS["all at once"]
+    for kw in (dict(temperature=0.0), dict(temperature=0.8, seed=3, top_k=5, min_p=0.05),
+               dict(temperature=0.8, seed=3, top_k=5, sampling_mode="rejection")):
+        req = request(4, logprobs=True, top_logprobs=3, logprobs_mode="processed", **controls, **kw)
+        params = params_of(decoder, req, PROMPT)
+        r = decoder.generate(req)
+        tokens = list(PROMPT)
+        for lp in r.logprobs:
+            with torch.inference_mode():
+                logits = target_engine.model(torch.tensor([tokens]), logits_to_keep=1).logits[0, -1]
+            controlled = apply_controls(logits[None].float().clone(), params, tokens, len(tokens))[0]
+            want = torch.log_softmax(controlled, -1) if params.greedy else \
+                process_logits(controlled, params, target_engine.vocab_size).dense().log()
+            assert lp.logprob == pytest.approx(float(want[lp.token_id]), abs=1e-4), kw
+            assert [t for t, _ in lp.top] == want.topk(3).indices.tolist()
+            tokens.append(lp.token_id)
+        raw = decoder.generate(replace(req, logprobs_mode="raw"))
+        assert raw.token_ids == r.token_ids or "rejection" in kw.values()
+        if not params.greedy:
+            assert any(a.logprob != pytest.approx(b.logprob, abs=1e-3) for a, b in zip(raw.logprobs, r.logprobs))
+    with pytest.raises(ServiceError) as err:
+        decoder.generate(request(2, logprobs=True, logprobs_mode="logits"))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "logprobs_mode" in err.value.message
+
+
 # ---- stop tokens, ignore_eos, min_tokens ------------------------------------------------------
 
 

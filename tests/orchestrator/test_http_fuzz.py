@@ -48,6 +48,7 @@ FIELDS = {
         "regex": st.one_of(TEXT, VALUE), "choice": st.one_of(st.lists(TEXT, max_size=3), VALUE),
         "json": VALUE, "grammar": st.one_of(TEXT, VALUE)})),
     "guided_regex": st.one_of(TEXT, VALUE), "guided_choice": VALUE, "guided_json": VALUE, "guided_grammar": VALUE,
+    "logprobs_mode": st.one_of(st.sampled_from(["raw", "processed_logprobs"]), VALUE),
 }
 
 
