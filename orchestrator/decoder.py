@@ -89,6 +89,7 @@ class SpeculativeDecoder:
         self.draft_info = self.drafts.wait_for_member(0).info if self.drafts is not None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_from(first_target.worker)
         self.eos = frozenset(self.target_info.eos_token_ids)
+        self._tool_tags = tools.tag_ids(self.tokenizer)  # <tool_call> as one token, where the model has one
         self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
         self.max_context = min(i.max_context for i in (self.target_info, self.draft_info) if i is not None)
         # prefilling both at once hides the draft's prefill when the workers have their own
@@ -222,7 +223,8 @@ class SpeculativeDecoder:
             if request.messages is None:
                 raise InvalidArgument("tools need a chat (messages), not a prompt")
             tools.check_tools(request.tools, request.tool_choice)
-            constraint = tools.grammar(request.tools, request.tool_choice)
+            constraint = tools.grammar(request.tools, request.tool_choice, self._tool_tags,
+                                       parallel=request.parallel_tool_calls)
             if constraint is not None:
                 if params.grammar is not None:
                     raise InvalidArgument("tool_choice required or a named tool constrains the output already; "
@@ -321,13 +323,14 @@ class SpeculativeDecoder:
                                             torch.Generator().manual_seed(seed_i), stats, ctx))
             first_token_s = None
             calling = bool(request.tools) and request.tool_choice != "none"
+            names = {tool["function"]["name"] for tool in request.tools} if calling else None
             text = [[] for _ in range(n)]  # with tools: each choice's whole text, parsed for calls at the end
             for chunk in streams[0] if n == 1 else _merged(streams):
                 stats = all_stats[chunk.index]
                 if calling:
                     text[chunk.index].append(chunk.text_delta)
                     if chunk.finish_reason is not None:
-                        calls = tools.parse("".join(text[chunk.index]))[1]
+                        calls = tools.parse("".join(text[chunk.index]), names)[1]
                         if calls:
                             chunk.tool_calls = [{"id": c.id, "type": "function",
                                                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls]

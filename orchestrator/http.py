@@ -407,7 +407,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Annotated[list[dict], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # accepted; "required" allows several calls either way
+    parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
 
     def to_generation(self) -> GenerationRequest:
         self.check_supported()
@@ -423,7 +423,8 @@ class ChatCompletionRequest(_Common):
                                    "{'name': ...}}", param="tool_choice")
         return GenerationRequest(messages=messages, max_new_tokens=max_new, **self.generation_kwargs(),
                                  logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0,
-                                 tools=tuple(self.tools or ()), tool_choice=self.tool_choice)
+                                 tools=tuple(self.tools or ()), tool_choice=self.tool_choice,
+                                 parallel_tool_calls=self.parallel_tool_calls is not False)
 
 
 class TokenizeRequest(_Body):
@@ -717,7 +718,8 @@ class Answer:
             if self.chat:
                 message = {"role": "assistant", "content": text}
                 if last.tool_calls:  # the calls' blocks leave the content (OpenAI's shape)
-                    message = {"role": "assistant", "content": tools.parse(text)[0], "tool_calls": last.tool_calls}
+                    names = {c["function"]["name"] for c in last.tool_calls}
+                message = {"role": "assistant", "content": tools.parse(text, names)[0], "tool_calls": last.tool_calls}
                 choices.append({"index": index, "message": message, "logprobs": self.logprobs(mine),
                                 "finish_reason": finish})
             else:

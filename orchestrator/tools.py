@@ -69,9 +69,20 @@ def named(tool_choice) -> str | None:
     return tool_choice if isinstance(tool_choice, str) and tool_choice not in CHOICES else None
 
 
-def grammar(tools, tool_choice) -> GrammarSpec | None:
-    """The output grammar for tool_choice required (one or more calls to any tool) or a named
-    function (one call to it); None for auto and none."""
+def tag_ids(tokenizer) -> tuple[int, int] | None:
+    """The token ids of <tool_call> and </tool_call> where the tokenizer has each as one added token
+    (Qwen2.5: 151657, 151658), else None. A grammar must name such tokens by id: llguidance treats
+    added tokens as special, so a literal "<tool_call>" in the grammar would have to be spelled out
+    in ordinary tokens, which the model never does."""
+    vocab = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    ids = vocab.get(OPEN), vocab.get(CLOSE)
+    return ids if None not in ids else None
+
+
+def grammar(tools, tool_choice, tags: tuple[int, int] | None = None, parallel: bool = True) -> GrammarSpec | None:
+    """The output grammar for tool_choice required (one or more calls to any tool; one when not
+    parallel) or a named function (one call to it); None for auto and none. tags: tag_ids of the
+    tokenizer."""
     name = named(tool_choice)
     if tool_choice != "required" and name is None:
         return None
@@ -80,8 +91,9 @@ def grammar(tools, tool_choice) -> GrammarSpec | None:
                                                   "arguments": f.get("parameters") or {"type": "object"}},
                  "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     schema = {**({"anyOf": variants} if len(variants) > 1 else variants[0]), "x-guidance": JSON_LAYOUT}
-    call = f'call: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
-    return GrammarSpec("grammar", ("start: call\n" if name else 'start: call ("\\n" call)*\n') + call)
+    open_, close = (f"<[{tags[0]}]>", f"<[{tags[1]}]>") if tags else (json.dumps(OPEN), json.dumps(CLOSE))
+    call = f'call: {open_} "\\n" %json {json.dumps(schema)} "\\n" {close}'
+    return GrammarSpec("grammar", ("start: call\n" if name or not parallel else 'start: call ("\\n" call)*\n') + call)
 
 
 def _split(text: str) -> tuple[list[tuple[int, int]], list[ToolCall]]:
@@ -104,13 +116,39 @@ def _split(text: str) -> tuple[list[tuple[int, int]], list[ToolCall]]:
     return spans, calls
 
 
-def parse(text: str) -> tuple[str | None, list[ToolCall]]:
+_FENCED = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
+
+
+def parse(text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
     """(content, calls): the model's <tool_call> blocks become calls; the text outside them,
-    stripped, is the content (None when nothing is left)."""
+    stripped, is the content (None when nothing is left). names: the request's tools; given, an
+    answer that is nothing but a JSON call (or a list of them) to one of them, bare or in a ```json
+    fence, is taken as calls too (small models often write that instead of the tags)."""
     spans, calls = _split(text)
-    if not calls:
-        return text or None, []
-    return "".join(text[a:b] for a, b in spans).strip() or None, calls
+    if calls:
+        return "".join(text[a:b] for a, b in spans).strip() or None, calls
+    if names:
+        bare = _bare_calls(text, names)
+        if bare:
+            return None, bare
+    return text or None, []
+
+
+def _bare_calls(text: str, names: set[str]) -> list[ToolCall]:
+    fenced = _FENCED.fullmatch(text)
+    try:
+        body = json.loads(fenced.group(1) if fenced else text)
+    except ValueError:
+        return []
+    items = body if isinstance(body, list) else [body]
+    calls = []
+    for item in items:
+        if not (isinstance(item, dict) and item.get("name") in names and set(item) <= {"name", "arguments"}):
+            return []
+        arguments = item.get("arguments", {})
+        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", item["name"], arguments))
+    return calls
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

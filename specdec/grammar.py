@@ -273,7 +273,14 @@ class Matcher:
         (a draft needs no forward pass for them). Empty when more than one token is allowed."""
         if self._stopped():
             return list(self.eos_token_ids) if len(self.eos_token_ids) == 1 else []
-        return self._m.compute_ff_tokens()
+        # the engine tokenizes the forced bytes with the tokenizer, which may pick an added token
+        # (Qwen's <tool_call>) that the grammar, spelling the text out, does not accept: keep the
+        # prefix the grammar takes
+        forced = self._m.compute_ff_tokens()
+        taken = self._m.try_consume_tokens(forced) if forced else 0
+        if taken and not self._m.rollback(taken):
+            self._raise_if_broken()
+        return forced[:taken]
 
     def fill_bitmask(self) -> np.ndarray:
         """The packed mask of the next position: int32 [ceil(vocab_size / 32)], a view of a buffer the next

@@ -526,6 +526,7 @@ class GenerationRequest:
     # chat only: OpenAI-shaped function tools, shown by the chat template (orchestrator/tools.py)
     tools: Sequence[dict] = ()
     tool_choice: str | dict | None = None  # "none", "auto" (the default with tools), "required" or a name
+    parallel_tool_calls: bool = True  # False: tool_choice required makes exactly one call
     n: int = 1  # choices: each decodes from the one prefill with its own seed (orchestrator/decoder.py, choice_seed)
     logprobs_mode: str = "raw"  # or "processed": the distribution each token was chosen from (LOGPROBS_MODES)
 

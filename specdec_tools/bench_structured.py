@@ -100,6 +100,7 @@ def cmd_bench_structured(a) -> int:
     unforced = stack.add_orchestrator("--draft-forced-tokens", "off")
     rows: dict[str, dict] = {}
     outputs: dict[str, list] = {}
+    texts: dict[str, list] = {}  # what each row answered (results.json): to see why an answer is invalid
     with stack:
         stack.wait_until_ready(1800)
         clients = {"main": Client(stack.address, timeout_s=1800), "unmasked": Client(unmasked, timeout_s=1800),
@@ -142,6 +143,7 @@ def cmd_bench_structured(a) -> int:
                 except Exception:  # noqa: BLE001 - counted, not raised
                     pass
                 outs.append(r.token_ids)
+                texts.setdefault(name, []).append({"text": r.text, "tool_calls": r.tool_calls})
             rows[name] = {"tokens": generated, "seconds": seconds, "tok_s": generated / seconds, "rounds": rounds,
                           "drafted": drafted,
                           "acceptance": accepted / drafted if drafted else 0.0, "valid": valid,
@@ -195,6 +197,6 @@ def cmd_bench_structured(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"rows": rows, "mask_us_per_token": mask_us,
                                                   "compile_ms": compile_ms, "round_share": share,
-                                                  "outputs_identical": same}, indent=1))
+                                                  "outputs_identical": same, "answers": texts}, indent=1))
     (out / "table.md").write_text(table + "\n")
     return 0

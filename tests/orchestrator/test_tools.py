@@ -42,6 +42,15 @@ def test_parse_takes_calls_out_of_the_text_and_leaves_the_rest():
     assert json.loads(calls[0].arguments) == {"city": "Paris", "unit": "c"} and calls[0].id.startswith("call_")
     assert tools.parse("no calls here") == ("no calls here", [])
     assert tools.parse(call("not json"))[1] == []  # a block that is not a call stays text
+    # what small models write instead of the tags (Qwen2.5-Coder-1.5B does, measured): a call as the
+    # whole answer, bare or fenced, to one of the request's tools
+    fenced = '```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```'
+    content, calls = tools.parse(fenced, {"get_time"})
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
+    assert tools.parse('[{"name": "get_time"}, {"name": "get_weather", "arguments": {}}]', {"get_time", "get_weather"})[1]
+    assert tools.parse(fenced, {"get_weather"})[1] == []  # not one of the tools: text
+    assert tools.parse(fenced)[1] == []  # no names given (tool_choice none): text
+    assert tools.parse('{"name": "get_time", "arguments": {}, "extra": 1}', {"get_time"})[1] == []
 
 
 def test_held_text_streams_the_content_and_holds_back_the_blocks():
@@ -76,6 +85,12 @@ def test_required_and_named_choices_give_valid_calls_exactly_the_targets(decoder
         if choice != "required":
             name = choice if isinstance(choice, str) else choice["function"]["name"]
             assert [c["function"]["name"] for c in r.tool_calls] == [name]
+
+
+def test_parallel_tool_calls_false_makes_required_one_call():
+    spec = tools.grammar(TOOLS, "required", parallel=False)
+    assert spec.text.startswith("start: call\n")
+    assert tools.grammar(TOOLS, "required").text.startswith('start: call ("\\n" call)*')
 
 
 def test_auto_parses_the_models_own_blocks_over_grpc(client):
@@ -142,3 +157,28 @@ def test_tools_and_the_call_history_cross_the_wire():
     assert r.messages == history and r.tool_choice == "get_weather"
     assert [(t["function"]["name"], t["function"]["parameters"]) for t in r.tools] == \
         [(t["function"]["name"], t["function"]["parameters"]) for t in TOOLS]
+
+
+def test_a_tokenizer_with_tool_call_tokens_gets_them_in_the_grammar():
+    """Qwen2.5's tokenizer has <tool_call> and </tool_call> as added tokens, which llguidance
+    treats as special: the grammar names them by id, so the model's own tokens match, and the
+    forced tokens the engine offers are always ones the grammar accepts."""
+    from specdec.grammar import GrammarCompiler
+    from specdec_tools.testing.tiny_models import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.add_tokens([tools.OPEN, tools.CLOSE])
+    tags = tools.tag_ids(tok)
+    assert tags == (tok.convert_tokens_to_ids(tools.OPEN), tok.convert_tokens_to_ids(tools.CLOSE))
+    assert tools.tag_ids(build_tokenizer()) is None
+    compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    by_id = compiler.matcher(tools.grammar(TOOLS, "get_time", tags))
+    assert by_id.forced_tokens()[0] == tags[0]
+    ids = tok.encode(call('{"name": "get_time", "arguments": {"zone": "CET"}}'), add_special_tokens=False)
+    assert ids[0] == tags[0] and ids[-1] == tags[1]
+    by_id.consume(ids)
+    assert by_id.is_accepting()
+    literal = compiler.matcher(tools.grammar(TOOLS, "get_time"))  # spelled out: the added token is not it
+    forced = literal.forced_tokens()
+    literal.consume(forced)  # whatever it offers, it takes
+    assert tags[0] not in forced

@@ -77,7 +77,7 @@ FINISH_REASONS = {
 FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
 REQUEST_SCALARS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "logprobs", "top_logprobs", "n",
                    "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "min_tokens", "ignore_eos",
-                   "logprobs_mode", "sampling_mode")
+                   "logprobs_mode", "parallel_tool_calls", "sampling_mode")
 SAMPLING_MODES = {"rejection": orchestrator_pb2.SAMPLING_MODE_REJECTION, "coupled": orchestrator_pb2.SAMPLING_MODE_COUPLED}
 SAMPLING_MODE_NAMES = {code: name for name, code in SAMPLING_MODES.items()}
 

@@ -56,7 +56,7 @@ class TokenInput(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "tokens", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "stop", "logprobs", "top_logprobs", "sampling_mode", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "structured_output", "tools", "tool_choice", "n", "logprobs_mode")
+    __slots__ = ("prompt", "chat", "tokens", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "gamma", "stop", "logprobs", "top_logprobs", "sampling_mode", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "structured_output", "tools", "tool_choice", "n", "logprobs_mode", "parallel_tool_calls")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatInput
     tokens: TokenInput
@@ -116,7 +117,8 @@ class GenerateRequest(_message.Message):
     tool_choice: str
     n: int
     logprobs_mode: str
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., sampling_mode: _Optional[_Union[SamplingMode, str]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ...) -> None: ...
+    parallel_tool_calls: bool
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., sampling_mode: _Optional[_Union[SamplingMode, str]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., n: _Optional[int] = ..., logprobs_mode: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class Tool(_message.Message):
     __slots__ = ("name", "description", "parameters_json")
