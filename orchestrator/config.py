@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from orchestrator.pool import parse_entries
 from specdec.flags import Flag, FlagTable, ServedConfig, connection_flags, log_level_flag, reflection_flag, tls_flags
-from specdec.grammar import grammar_flags
+from specdec.grammar import GrammarConfig, grammar_flags
 from specdec.errors import InvalidArgument
 from specdec.protocol import DraftOptions
 from specdec.security import ClientTls
@@ -104,7 +104,7 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
 
 
 @dataclass(frozen=True)
-class OrchestratorConfig(ServedConfig):
+class OrchestratorConfig(ServedConfig, GrammarConfig):
     target: str  # target workers: HOST:PORT[,HOST:PORT...]; a name may resolve to many
     draft: str | None = None  # draft workers, the same way; None serves gamma 0 only
     host: str = FLAGS.default("host")
@@ -122,14 +122,6 @@ class OrchestratorConfig(ServedConfig):
     gamma_policy: str = FLAGS.default("gamma_policy")
     step_loop: bool = FLAGS.default("step_loop")
     seeded_sampling: str = FLAGS.default("seeded_sampling")
-    # structured output (specdec/grammar.py, GrammarLimits): what one request's grammar may cost
-    grammar_cache_size: int = FLAGS.default("grammar_cache_size")
-    grammar_max_chars: int = FLAGS.default("grammar_max_chars")
-    grammar_max_grammar_size: int = FLAGS.default("grammar_max_grammar_size")
-    grammar_initial_lexer_fuel: int = FLAGS.default("grammar_initial_lexer_fuel")
-    grammar_step_lexer_fuel: int = FLAGS.default("grammar_step_lexer_fuel")
-    grammar_step_max_items: int = FLAGS.default("grammar_step_max_items")
-    grammar_max_lexer_states: int = FLAGS.default("grammar_max_lexer_states")
     batched_wire: bool = FLAGS.default("batched_wire")
     draft_p_min: float = FLAGS.default("draft_p_min")
     draft_min: int = FLAGS.default("draft_min")

@@ -70,6 +70,20 @@ class GrammarLimits:
             max_lexer_states=self.max_lexer_states, verbose_errors=False)
 
 
+@dataclass(frozen=True, kw_only=True)
+class GrammarConfig:
+    """The grammar_* fields of a service's config (the flags of grammar_flags), for GrammarLimits.from_config;
+    orchestrator and worker configs derive from it."""
+
+    grammar_cache_size: int = GrammarLimits.cache_size
+    grammar_max_chars: int = GrammarLimits.max_chars
+    grammar_max_grammar_size: int = GrammarLimits.max_grammar_size
+    grammar_initial_lexer_fuel: int = GrammarLimits.initial_lexer_fuel
+    grammar_step_lexer_fuel: int = GrammarLimits.step_lexer_fuel
+    grammar_step_max_items: int = GrammarLimits.step_max_items
+    grammar_max_lexer_states: int = GrammarLimits.max_lexer_states
+
+
 def grammar_flags() -> list[Flag]:
     """The flags a worker takes for its GrammarCompiler (config fields grammar_*; see GrammarLimits)."""
     d = GrammarLimits()

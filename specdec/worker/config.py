@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.flags import Flag, FlagTable, ServedConfig, connection_flags, log_level_flag, reflection_flag, tls_flags
-from specdec.grammar import grammar_flags
+from specdec.grammar import GrammarConfig, grammar_flags
 
 FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--model", required=True,
@@ -46,7 +46,7 @@ FLAGS = FlagTable("SPECDEC_{role}", [
 
 
 @dataclass(frozen=True)
-class WorkerConfig(ServedConfig):
+class WorkerConfig(ServedConfig, GrammarConfig):
     role: str  # "draft" or "target"
     model: str
     host: str = FLAGS.default("host")
@@ -63,14 +63,6 @@ class WorkerConfig(ServedConfig):
     max_workers: int = FLAGS.default("max_workers")
     max_batch_tokens: int = FLAGS.default("max_batch_tokens")
     pass_lock: str | None = None  # workers sharing cores lock this file around each pass
-    # structured output (specdec/grammar.py, GrammarLimits): what one request's grammar may cost
-    grammar_cache_size: int = FLAGS.default("grammar_cache_size")
-    grammar_max_chars: int = FLAGS.default("grammar_max_chars")
-    grammar_max_grammar_size: int = FLAGS.default("grammar_max_grammar_size")
-    grammar_initial_lexer_fuel: int = FLAGS.default("grammar_initial_lexer_fuel")
-    grammar_step_lexer_fuel: int = FLAGS.default("grammar_step_lexer_fuel")
-    grammar_step_max_items: int = FLAGS.default("grammar_step_max_items")
-    grammar_max_lexer_states: int = FLAGS.default("grammar_max_lexer_states")
     log_level: str = FLAGS.default("log_level")
     tls_cert: str | None = None  # serve TLS with this PEM certificate chain ...
     tls_key: str | None = None  # ... and key

@@ -48,19 +48,23 @@ def params_of(decoder: SpeculativeDecoder, request: GenerationRequest, prompt: l
 
 def reference(target_engine, prompt: list[int], params: SamplingParams, n: int = NEW, stops=frozenset(),
               eos: bool = True) -> list[int]:
-    """Plain target decoding under the controls: greedy argmax, or the coupled seed's choice."""
+    """Plain target decoding under the controls (a grammar's mask included: a matcher follows the
+    output): greedy argmax, or the coupled seed's choice."""
     tokens = list(prompt)
     ends = set(stops) | (set(target_engine.info.eos_token_ids) if eos else set())
+    matcher = target_engine.grammar_compiler().matcher(params.grammar) if params.grammar is not None else None
     for _ in range(n):
         with torch.inference_mode():
             logits = target_engine.model(torch.tensor([tokens]), logits_to_keep=1).logits[0, -1]
-        logits = apply_controls(logits[None].float().clone(), params, tokens, len(tokens))[0]
+        logits = apply_controls(logits[None].float().clone(), params, tokens, len(tokens), matcher)[0]
         if params.greedy:
             token = int(logits.argmax())
         else:
             token = coupled_choice(process_logits(logits, params, target_engine.vocab_size), params.coupling_seed,
                                    len(tokens))
         tokens.append(token)
+        if matcher is not None:
+            matcher.consume([token])
         if token in ends:
             break
     return tokens[len(prompt):]

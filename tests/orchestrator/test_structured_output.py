@@ -4,8 +4,8 @@ exact whatever gamma, batch or draft, and valid.
 Both workers mask every output position they score by the grammar's state after the output before
 it (specdec/grammar.py, applied first in specdec/sampling.py's apply_controls); the draft proposes
 the tokens the grammar forces without a forward pass. The definition the service must meet is
-computed here from the target model alone: one pass per token, its logits masked by a matcher that
-follows the output, then the argmax or the seed's Gumbel-max choice.
+computed from the target model alone (test_decoding_controls.reference): one pass per token, its
+logits masked by a matcher that follows the output, then the argmax or the seed's Gumbel-max choice.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import itertools
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import grpc
 import jsonschema
@@ -26,7 +25,7 @@ from draft_service.ngram import NgramDraft
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
 from specdec.protocol import DraftOptions, GenerationRequest, GrammarSpec, SamplingParams
-from specdec.sampling import apply_controls, coupled_choice, process_logits
+from tests.orchestrator.test_decoding_controls import reference  # the target alone, under its controls
 from tests.orchestrator.test_sampled_distribution import PROMPT, assert_matches
 
 SCHEMA = {
@@ -47,26 +46,6 @@ SPECS = {
     "grammar": GrammarSpec("grammar", 'start: "(" item ("," item)* ")"\nitem: "x" | "yy" | "zzz"'),
 }
 NEW = 80
-
-
-def reference(target_engine, prompt: list[int], params: SamplingParams, n: int = NEW) -> list[int]:
-    """Plain target decoding under the grammar (and any other control)."""
-    matcher = target_engine.grammar_compiler().matcher(params.grammar)
-    tokens, eos = list(prompt), set(target_engine.info.eos_token_ids)
-    for _ in range(n):
-        with torch.inference_mode():
-            logits = target_engine.model(torch.tensor([tokens]), logits_to_keep=1).logits[0, -1]
-        logits = apply_controls(logits[None].float().clone(), params, tokens, len(tokens), matcher)[0]
-        if params.greedy:
-            token = int(logits.argmax())
-        else:
-            token = coupled_choice(process_logits(logits, params, target_engine.vocab_size), params.coupling_seed,
-                                   len(tokens))
-        tokens.append(token)
-        matcher.consume([token])
-        if token in eos:
-            break
-    return tokens[len(prompt):]
 
 
 def params_for(spec: GrammarSpec, temperature: float = 0.0, seed: int | None = None, **kw) -> SamplingParams:
@@ -97,7 +76,7 @@ def decoder(target_engine, draft_engine):
 @pytest.mark.parametrize("kind", list(SPECS))
 def test_greedy_structured_output_is_the_targets_whatever_gamma_and_valid(decoder, target_engine, kind):
     spec = SPECS[kind]
-    expected = reference(target_engine, PROMPT, params_for(spec))
+    expected = reference(target_engine, PROMPT, params_for(spec), NEW)
     assert expected[-1] in target_engine.info.eos_token_ids, "the reference must complete its grammar"
     for gamma in (0, 1, 2, 3, 5, 8):
         r = decoder.generate(request(spec, gamma))
@@ -111,7 +90,7 @@ def test_greedy_structured_output_is_the_targets_whatever_gamma_and_valid(decode
 def test_coupled_structured_output_is_the_seeds_whatever_gamma(decoder, target_engine, kind):
     spec = SPECS[kind]
     for seed in (0, 5):
-        expected = reference(target_engine, PROMPT, params_for(spec, 1.0, seed))
+        expected = reference(target_engine, PROMPT, params_for(spec, 1.0, seed), NEW)
         for gamma in (0, 3, 8):
             r = decoder.generate(request(spec, gamma, temperature=1.0, seed=seed))
             assert r.stats["sampling"] == "coupled" and r.token_ids == expected, (kind, seed, gamma)
@@ -134,7 +113,6 @@ def test_grammar_masked_sampling_follows_the_targets_masked_distribution_over_gr
     """Rejection sampling under a regex (gamma 2, a draft unlike the target): the outputs follow the
     target's distribution masked by the grammar at each position (chi-square over 1,600 seeds), and
     the unmasked-then-filtered distribution fails the same test (the negative control)."""
-    spec = GrammarSpec("regex", "[a-c]{2}")
     tok = target_engine.tokenizer
     letters = [tok.convert_tokens_to_ids(c) for c in "abc"]
     eos = target_engine.info.eos_token_ids[0]
@@ -176,7 +154,7 @@ def test_structured_output_is_exact_under_concurrency_over_grpc(client, target_e
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, jobs))
     for (kind, gamma), r in zip(jobs, results):
-        assert r.token_ids == reference(target_engine, PROMPT, params_for(SPECS[kind])), (kind, gamma)
+        assert r.token_ids == reference(target_engine, PROMPT, params_for(SPECS[kind]), NEW), (kind, gamma)
 
 
 @pytest.mark.parametrize("draft", ["n-gram", "lookup and drafting ahead", "the target itself", "an unmasked draft"])
@@ -190,7 +168,7 @@ def test_structured_output_is_exact_whatever_the_draft(target_engine, draft_engi
     decoder = SpeculativeDecoder(target_engine, made[0], target_engine.tokenizer, draft_options=made[1])
     for kind in ("json_schema", "grammar"):
         r = decoder.generate(request(SPECS[kind], 4))
-        assert r.token_ids == reference(target_engine, PROMPT, params_for(SPECS[kind])), (draft, kind)
+        assert r.token_ids == reference(target_engine, PROMPT, params_for(SPECS[kind]), NEW), (draft, kind)
         if draft == "the target itself":
             assert r.stats["acceptance_rate"] == 1.0
 
@@ -242,6 +220,7 @@ def test_a_draft_whose_head_holds_no_allowed_token_stops_proposing(target_engine
                                  draft_options=DraftOptions(forced_tokens=False))
     spec = GrammarSpec("regex", "([a-c][x-z]){6}")
     r = decoder.generate(request(spec, 4))
-    assert r.token_ids == reference(target_engine, PROMPT, params_for(spec)) and re.fullmatch("([a-c][x-z]){6}", r.text)
+    assert r.token_ids == reference(target_engine, PROMPT, params_for(spec), NEW)
+    assert re.fullmatch("([a-c][x-z]){6}", r.text)
     assert r.stats["drafted_tokens"] > 0
     restricted.close()
