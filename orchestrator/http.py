@@ -643,7 +643,8 @@ class FrontDoor:
         chunks = self._chunks(generation, call, client_key(token, f"http:{request.client.host if request.client else ''}"))
         first = await self._first(chunks)
         answer = Answer(chat, self.model_name, self.slot.get().tokenizer if generation.logprobs else None,
-                        calling=chat and bool(generation.tools) and generation.tool_choice != "none", n=generation.n)
+                        calling=chat and bool(generation.tools) and generation.tool_choice != "none", n=generation.n,
+                        names={t["function"]["name"] for t in generation.tools} or None)
         if not body.stream:
             if first.finish_reason and generation.n == 1:
                 await chunks.aclose()
@@ -657,11 +658,13 @@ class FrontDoor:
 class Answer:
     """Chunks -> OpenAI response bodies: one whole object, or server-sent events."""
 
-    def __init__(self, chat: bool, model: str, tokenizer=None, calling: bool = False, n: int = 1):
+    def __init__(self, chat: bool, model: str, tokenizer=None, calling: bool = False, n: int = 1,
+                 names: set[str] | None = None):
         """tokenizer: the request asked for logprobs (token strings come from it); calling: the
-        model may call tools (a stream holds their blocks back); n: choices."""
+        model may call tools (a stream holds their blocks back; names: the tools, for bare JSON
+        calls); n: choices."""
         self.chat, self.model, self.tokenizer, self.n = chat, model, tokenizer, n
-        self.held = {i: tools.HeldText() for i in range(n)} if calling else None
+        self.held = {i: tools.HeldText(names) for i in range(n)} if calling else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._text_offset = 0  # completions' logprobs.text_offset, across chunks
@@ -717,9 +720,10 @@ class Answer:
             finish = FINISH_REASONS.get(last.finish_reason, last.finish_reason)
             if self.chat:
                 message = {"role": "assistant", "content": text}
-                if last.tool_calls:  # the calls' blocks leave the content (OpenAI's shape)
+                if last.tool_calls:  # the calls leave the content (OpenAI's shape)
                     names = {c["function"]["name"] for c in last.tool_calls}
-                message = {"role": "assistant", "content": tools.parse(text, names)[0], "tool_calls": last.tool_calls}
+                    message = {"role": "assistant", "content": tools.parse(text, names)[0],
+                               "tool_calls": last.tool_calls}
                 choices.append({"index": index, "message": message, "logprobs": self.logprobs(mine),
                                 "finish_reason": finish})
             else:

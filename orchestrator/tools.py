@@ -175,15 +175,20 @@ def _object(function: dict):
 
 
 class HeldText:
-    """A stream's content with tool-call blocks held back: text before a block goes out as it
-    comes; from an opening tag on (or a tail that could begin one) it waits for the end."""
+    """A stream's content with tool calls held back: text before a block goes out as it comes; from
+    an opening tag on (or a tail that could begin one) it waits for the end. names (tool_choice
+    auto): an answer that so far could be a bare JSON call (it starts with {, [ or a ``` fence)
+    waits for the end too, and goes out as content only if it was not one."""
 
-    def __init__(self):
+    def __init__(self, names: set[str] | None = None):
         self.sent = 0
         self.text = ""
+        self.names = names
 
     def add(self, delta: str) -> str:
         self.text += delta
+        if self.names and self.sent == 0 and self.text.lstrip()[:1] in ("", "{", "[", "`"):
+            return ""  # maybe a bare call: decided at the end
         cut = self.text.find(OPEN, self.sent)
         if cut < 0:  # hold back a tail that could be the start of an opening tag
             cut = len(self.text)
@@ -197,5 +202,9 @@ class HeldText:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content not sent yet (outside the blocks), and the calls."""
         spans, calls = _split(self.text)
+        if not calls and self.names and self.sent == 0:
+            calls = _bare_calls(self.text, self.names)
+            if calls:
+                return "", calls
         rest = "".join(self.text[max(a, self.sent) : b] for a, b in spans if b > self.sent)
         return (rest.rstrip() if calls else rest), calls

@@ -61,6 +61,12 @@ def test_held_text_streams_the_content_and_holds_back_the_blocks():
         rest, calls = held.finish()
         assert sent + rest == "Sure." or (sent + rest).rstrip() == "Sure.", (size, sent, rest)
         assert "<tool" not in sent and [c.name for c in calls] == ["get_time"]
+    bare = '```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```'
+    for text, content, n in ((bare, "", 1), ("{not a call}", "{not a call}", 0)):
+        held = tools.HeldText({"get_time"})  # auto: what may be a bare call waits for the end
+        sent = "".join(held.add(text[i : i + 5]) for i in range(0, len(text), 5))
+        rest, calls = held.finish()
+        assert sent == "" and rest == content and len(calls) == n
     held = tools.HeldText()  # a tail that could begin a tag waits; one that never becomes one goes out at the end
     assert held.add("a <b") == "a <b" and held.add(" <tool") == " " and held.finish() == ("<tool", [])
 
