@@ -292,6 +292,7 @@ class SpeculativeDecoder:
         n = request.n if 1 <= request.n <= MAX_N else 1  # validate() refuses others, before any placement
         placements = [Placement(uuid.uuid4().hex, self.targets, drafts, self.tracer, self._prefill_pool)
                       for _ in range(n)]
+        streams: list[Iterator[GenerationChunk]] = []
         try:
             prompt = self.encode(request)
             if request.max_new_tokens is None:  # as many as fit the context and this server's limit
@@ -312,7 +313,7 @@ class SpeculativeDecoder:
                     placement.fork(placements[0], prompt)
                 prefill_s = time.perf_counter() - t0
             self.metrics.record_prefill(prefill_s)
-            streams, all_stats = [], []
+            all_stats = []
             for i, placement in enumerate(placements):
                 seed_i = choice_seed(seed, i)
                 stats = GenerationStats(prompt_tokens=len(prompt), gamma=request.gamma, sampling=mode, seed=seed_i,
@@ -359,6 +360,8 @@ class SpeculativeDecoder:
             self._failed(span, ServiceError(f"{type(exc).__name__}: {exc}", grpc.StatusCode.INTERNAL))
             raise
         finally:
+            for stream in streams:  # leave the step loop (waiting for the step) before the sessions close
+                stream.close()
             placement = placements[0]
             span.set_attributes({
                 **({t.TARGET_ADDRESS: placement.target.address} if placement.target else {}),

@@ -194,7 +194,9 @@ def test_round_robin_over_two_orchestrators_survives_one_stopping(stack, client,
             assert counts[survivor] == before[survivor], "the cut stream was silently restarted elsewhere"
             go.set()
             stopper.join(30)
-            wait_for(lambda: target_engine.describe().open_sessions == 0, 30, "the cut request's session closed")
+            # both workers' sessions, before the victim's worker pools stop (the draft's close comes second)
+            wait_for(lambda: target_engine.describe().open_sessions == 0 and draft_engine.describe().open_sessions == 0,
+                     30, "the cut request's sessions closed")
             parts[victim].stop(None)  # the rest of it: its worker pools
 
             # one orchestrator gone: every call still succeeds, on the other one

@@ -92,10 +92,10 @@ def test_baseline_records_every_field_of_the_protos(buf_installed):
 
 BREAKING_CHANGES = {
     # name: (file, old text, new text, the rule buf must report)
-    "field renumbered": ("orchestrator.proto", "optional uint64 seed = 8;", "optional uint64 seed = 27;",
+    "field renumbered": ("orchestrator.proto", "optional uint64 seed = 8;", "optional uint64 seed = 999;",
                          "FIELD_NO_DELETE"),
     "field renumbered, old number reserved": ("orchestrator.proto", "optional uint64 seed = 8;",
-                                              "reserved 8;\n  optional uint64 seed = 27;", "FIELD_NO_DELETE"),
+                                              "reserved 8;\n  optional uint64 seed = 999;", "FIELD_NO_DELETE"),
     "two fields swap numbers": ("orchestrator.proto",
                                 "uint32 drafted_tokens = 4;\n  // Drafts accepted over all rounds.\n"
                                 "  uint32 accepted_tokens = 5;",
