@@ -333,8 +333,7 @@ class SpeculativeDecoder:
                     if chunk.finish_reason is not None:
                         calls = tools.parse("".join(text[chunk.index]), names)[1]
                         if calls:
-                            chunk.tool_calls = [{"id": c.id, "type": "function",
-                                                 "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+                            chunk.tool_calls = [c.as_openai() for c in calls]
                             chunk.finish_reason = "tool_calls"
                 if first_token_s is None and chunk.token_ids:
                     first_token_s = time.perf_counter() - t_start

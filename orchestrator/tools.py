@@ -38,6 +38,15 @@ class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
+    @classmethod
+    def new(cls, name: str, arguments) -> "ToolCall":
+        """A call with a fresh id; arguments as the model wrote them (an object, or JSON text)."""
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return cls(f"call_{uuid.uuid4().hex[:24]}", name, text)
+
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
 
 def check_tools(tools, tool_choice) -> None:
     """INVALID_ARGUMENT for tools or a tool_choice OpenAI's API would refuse."""
@@ -110,8 +119,7 @@ def _split(text: str) -> tuple[list[tuple[int, int]], list[ToolCall]]:
             continue
         spans.append((last, m.start()))
         last = m.end()
-        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments))
+        calls.append(ToolCall.new(name, arguments))
     spans.append((last, len(text)))
     return spans, calls
 
@@ -145,9 +153,7 @@ def _bare_calls(text: str, names: set[str]) -> list[ToolCall]:
     for item in items:
         if not (isinstance(item, dict) and item.get("name") in names and set(item) <= {"name", "arguments"}):
             return []
-        arguments = item.get("arguments", {})
-        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", item["name"], arguments))
+        calls.append(ToolCall.new(item["name"], item.get("arguments", {})))
     return calls
 
 

@@ -12,6 +12,7 @@ wire. It owns no model, no server and no session state.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import warnings
@@ -64,8 +65,6 @@ class GrammarSpec:
 
     def validate(self, max_chars: int | None = None) -> "GrammarSpec":
         """Structural checks that need no engine; the engine's own come at compile. Raises InvalidArgument."""
-        import json
-
         if self.kind not in GRAMMAR_KINDS:
             raise InvalidArgument(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}; got {self.kind!r}")
         if not isinstance(self.text, str):
@@ -107,8 +106,6 @@ class GrammarSpec:
     @classmethod
     def from_structured_output(cls, msg: orchestrator_pb2.StructuredOutput) -> "GrammarSpec | None":
         """The client's oneof (orchestrator.proto StructuredOutput) as a spec; None when unset."""
-        import json
-
         form = msg.WhichOneof("format")
         if form is None or (form == "json_object" and not msg.json_object):
             return None
@@ -642,8 +639,6 @@ def _message(m: orchestrator_pb2.ChatMessage) -> dict:
 
 
 def _tool(t: orchestrator_pb2.Tool) -> dict:
-    import json
-
     try:
         parameters = json.loads(t.parameters_json) if t.parameters_json else {"type": "object"}
     except ValueError as exc:
