@@ -1,5 +1,6 @@
 """The CPU defaults of issue 21, ablated side by side in one run: the target's kernel (fp16
-weights vs int8-rows) x OpenMP's idle threads (PASSIVE vs a bounded spin, GOMP_SPINCOUNT).
+weights vs int8-rows) x OpenMP's idle threads (PASSIVE vs a bounded spin, GOMP_SPINCOUNT); then
+int8-rows on fbgemm vs the native AVX2 kernel (specdec/csrc/int8_rows.c), and the draft's kernel.
 
 Each setup starts the three services as `make run` does (specdec_tools.stack.ProcessStack, the
 default pair, draft vocabulary 32k), then times 4 of `specdec bench`'s prompts, greedy, 48 new
@@ -20,18 +21,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SETUPS = {  # name: (--quantize, OpenMP environment)
-    "fp16, PASSIVE (before)": ("fp16", {"OMP_WAIT_POLICY": "PASSIVE"}),
-    "fp16, spin": ("fp16", {"GOMP_SPINCOUNT": "200000"}),
-    "int8-rows, PASSIVE": ("auto", {"OMP_WAIT_POLICY": "PASSIVE"}),
-    "int8-rows, spin (default)": ("auto", {"GOMP_SPINCOUNT": "200000"}),
+SPIN = {"GOMP_SPINCOUNT": "200000"}
+FBGEMM = {**SPIN, "SPECDEC_NATIVE_KERNELS": "0"}
+SETUPS = {  # name: (--quantize, environment, more draft flags)
+    "fp16, PASSIVE (before)": ("fp16", {"OMP_WAIT_POLICY": "PASSIVE", "SPECDEC_NATIVE_KERNELS": "0"}, ()),
+    "fp16, spin": ("fp16", FBGEMM, ()),
+    "int8-rows, PASSIVE": ("auto", {"OMP_WAIT_POLICY": "PASSIVE", "SPECDEC_NATIVE_KERNELS": "0"}, ()),
+    "int8-rows, spin": ("auto", FBGEMM, ()),
+    # the native kernel: target only, then the draft on it too
+    "int8-rows native, draft int8": ("auto", SPIN, ("--quantize", "int8")),
+    "int8-rows native, draft int8-rows native": ("auto", SPIN, ("--quantize", "int8-rows")),
 }
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--setups", default="all", help="comma-separated names of SETUPS, or all")
+    p.add_argument("--setups", default="all", help="names of SETUPS separated by semicolons (they hold commas), or all")
     a = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -45,16 +51,17 @@ def main() -> int:
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True), add_special_tokens=False).input_ids
                for p in PROMPTS[:4]]
-    names = list(SETUPS) if a.setups == "all" else a.setups.split(",")
+    names = list(SETUPS) if a.setups == "all" else [n.strip() for n in a.setups.split(";")]
     print("| setup | 1 client, gamma 0 | 1 client, gamma 4 | 4 clients, gamma 0 | 4 clients, gamma 4 |")
     print("|---|---|---|---|---|")
-    saved = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    saved = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "SPECDEC_NATIVE_KERNELS")}
     for name in names:
-        quantization, env = SETUPS[name]
+        quantization, env, draft_args = SETUPS[name]
         for k in saved:
             os.environ.pop(k, None)
         os.environ.update(env)
-        with ProcessStack(target, draft, quantization=quantization, draft_vocab=DEFAULT_DRAFT_VOCAB) as stack:
+        with ProcessStack(target, draft, quantization=quantization, draft_vocab=DEFAULT_DRAFT_VOCAB,
+                          draft_args=draft_args) as stack:
             stack.wait_until_ready(900)
             with Client(stack.address, timeout_s=900) as client:
                 def run(ids, gamma):

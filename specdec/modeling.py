@@ -41,7 +41,8 @@ QUANTIZATIONS = ("none", "fp16", "int8", "int8-rows")
 
 
 def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str = "target") -> str:
-    """'auto' on CPU (float32 models): int8-rows for a target, int8 for a draft; elsewhere none.
+    """'auto' on CPU (float32 models): int8-rows for a target, and for a draft where the native
+    kernel builds (else int8); elsewhere none.
 
     A target's rows must be independent (a k-row verify pass computing exactly what k single
     steps compute, or speculative output stops being the target's own): int8-rows is (int8 weights
@@ -49,17 +50,26 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
     reads half the bytes of fp16 weights. Measured on the default target, 2 cores (`specdec
     bench-kernels`): a 1-row pass 1.4x faster than fp16 weights, a 9-row pass 1.7x, 17 rows 2.1x;
     greedy text within KL ~0.003 of the fp16 path (README, "Performance on CPU"). `fp16` (fbgemm's
-    fp16-weight kernels, fp32 activations; also row-independent) stays as an option. fbgemm's
+    fp16-weight kernels, fp32 activations; row-independent on AVX-512 CPUs only:
+    kernels.fp16_rows_independent) stays as an option. fbgemm's
     plain `int8` computes one activation scale over all rows of a pass: rows are not independent.
 
     A draft's numerics never change the output (the target verifies every token; q is what the
-    draft really sampled from), so a draft takes plain int8, the fastest at one row (14.6 ms a
-    pass against 17.2 ms for int8-rows and 19.5 ms for fp16 weights, the default draft).
+    draft really sampled from), so a draft takes whichever kernel is fastest at one row: int8-rows
+    where the native kernel builds (specdec/csrc/int8_rows.c: a 1-row pass of the default draft
+    43.9 ms against 45.0 for fbgemm's int8 and 62.7 for int8-rows on fbgemm, 2 rows 46.4 / 58.5 /
+    62.7, on a 2-core AVX2 VM; its 8-bit per-row activations are also closer to the float model
+    than fbgemm's 7-bit per-pass ones, and it leaves torch.ao's deprecated path), else fbgemm's
+    plain int8.
     """
     if name == "auto":
         if device != "cpu" or dtype != torch.float32:
             return "none"
-        return "int8" if role == "draft" else "int8-rows"
+        if role == "draft":
+            from specdec.kernels import native_available
+
+            return "int8-rows" if native_available() else "int8"
+        return "int8-rows"
     if name not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {name!r}; choose one of auto, {', '.join(QUANTIZATIONS)}")
     if name != "none" and (device != "cpu" or dtype != torch.float32):
@@ -68,9 +78,10 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
 
 
 def quantize(model: torch.nn.Module, quantization: str) -> torch.nn.Module:
-    """Every nn.Linear (CPU only) replaced by an fbgemm kernel (specdec/kernels.py): int8-rows
-    (int8 weights, int8 activations per row: rows independent), int8 (one activation scale per
-    pass) or fp16 (fp16 weights, fp32 activations); 'none' returns the model unchanged."""
+    """Every nn.Linear (CPU only) replaced by a kernel of specdec/kernels.py: int8-rows (int8
+    weights, int8 activations per row: rows independent; the native AVX2 kernel where it builds,
+    else fbgemm), int8 (fbgemm, one activation scale per pass) or fp16 (fbgemm, fp16 weights,
+    fp32 activations); 'none' returns the model unchanged."""
     if quantization == "none":
         return model
     from specdec.kernels import replace_linears
@@ -179,6 +190,13 @@ def load_model(
     if head_rows:
         restrict_output_head(model, head_rows)
     quantize(model, quantization)
+    if quantization == "fp16" and role == "target":
+        from specdec.kernels import fp16_rows_independent
+
+        if not fp16_rows_independent():
+            log.warning("--quantize fp16: fbgemm's fp16 GEMM is not row-independent on this CPU (no AVX-512), so "
+                        "a verify pass is not bitwise k single steps and speculative greedy output can differ "
+                        "from gamma 0 on near-ties; int8-rows is exact here")
     if not device_map and device == "cpu":
         own_memory(model, torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)

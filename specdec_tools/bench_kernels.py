@@ -17,6 +17,7 @@ Writes table.md to --out.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -50,11 +51,28 @@ def _pass(model, cache, tokens: list[int], start: int, keep: int):
                  logits_to_keep=torch.tensor(list(range(n - keep, n)))).logits[0]
 
 
+def _load(path: str, mode: str, a: argparse.Namespace):
+    """`mode` is a --quantize value, or int8-rows-fbgemm: int8-rows without its native kernel (the
+    ablation of specdec/csrc/int8_rows.c)."""
+    from specdec.modeling import load_model
+
+    if mode != "int8-rows-fbgemm":
+        return load_model(path, quantization=mode, head_rows=a.draft_vocab, role=a.role)
+    before = os.environ.get("SPECDEC_NATIVE_KERNELS")
+    os.environ["SPECDEC_NATIVE_KERNELS"] = "0"
+    try:
+        return load_model(path, quantization="int8-rows", head_rows=a.draft_vocab, role=a.role)
+    finally:
+        if before is None:
+            del os.environ["SPECDEC_NATIVE_KERNELS"]
+        else:
+            os.environ["SPECDEC_NATIVE_KERNELS"] = before
+
+
 def cmd_bench_kernels(a: argparse.Namespace) -> int:
     from transformers import DynamicCache
 
     from specdec.model_store import resolve_model
-    from specdec.modeling import load_model
     from specdec.worker.batching import use_ragged_attention
     from specdec_tools.bench import PROMPTS
 
@@ -65,7 +83,7 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     modes = [m for m in a.modes.split(",") if m]
     if a.reference and a.reference not in modes:
         modes.append(a.reference)
-    models = {m: load_model(path, quantization=m, head_rows=a.draft_vocab, role=a.role) for m in modes}
+    models = {m: _load(path, m, a) for m in modes}
     tok = next(iter(models.values())).tokenizer
     prefix = tok("def merge(a, b):\n    result = []\n    i = j = 0\n" * 16).input_ids[: a.cached]
     rows_list = (1, 2, 5, 9, 17)

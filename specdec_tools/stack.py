@@ -50,10 +50,12 @@ class ProcessStack:
 
     def __init__(self, target_dir: str, draft_dir: str, *, device: str = "cpu", dtype: str = "auto",
                  quantization: str = "auto", draft_vocab: int = 0, pass_lock: bool = True,
-                 cores: dict[str, str] | None = None, orchestrator_args: tuple[str, ...] = ()):
+                 cores: dict[str, str] | None = None, orchestrator_args: tuple[str, ...] = (),
+                 draft_args: tuple[str, ...] = ()):
         """cores: {"target": "0", "draft": "1"} pins each worker to CPUs of its own (taskset -c,
         as many OpenMP threads as CPUs) and drops the pass lock: the workers no longer share
-        cores. orchestrator_args: more flags for the orchestrator (e.g. --draft-ahead 4)."""
+        cores. orchestrator_args / draft_args: more flags for the orchestrator (e.g. --draft-ahead
+        4) / the draft worker (e.g. --quantize int8-rows: the last one wins)."""
         self.ports = {name: free_port() for name in ("target", "draft", "orchestrator")}
         self.cores = cores or {}
         pass_lock = pass_lock and not self.cores
@@ -65,7 +67,7 @@ class ProcessStack:
         self.commands = [
             ["target_service", "--model", target_dir, "--port", str(self.ports["target"]), *common],
             ["draft_service", "--model", draft_dir, "--port", str(self.ports["draft"]), *common,
-             "--draft-vocab", str(draft_vocab)],
+             "--draft-vocab", str(draft_vocab), *draft_args],
             ["orchestrator", "--host", "127.0.0.1", "--port", str(self.ports["orchestrator"]), "--prefill",
              "sequential",  # all three share this host's cores
              "--target", f"127.0.0.1:{self.ports['target']}", "--draft", f"127.0.0.1:{self.ports['draft']}",

@@ -20,9 +20,10 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--dtype", default="auto", help="auto, float32, float16, bfloat16, float64"),
     Flag("--device-map", help="accelerate device map, e.g. 'auto' to spread the model over several GPUs"),
     Flag("--quantize", default="auto", field="quantization", choices=["auto", "none", "fp16", "int8", "int8-rows"],
-         help="Linear layers on CPU: auto = int8-rows for a target (int8 weights and per-row activations: rows "
-              "independent) and int8 for a draft; fp16 = fp16 weights (rows independent); int8 = one activation "
-              "scale per pass; none = plain"),
+         help="Linear layers on CPU: auto = int8-rows (int8 weights and per-row activations: rows independent; "
+              "the native AVX2 kernel where it builds, else fbgemm) for a target, and for a draft where the native "
+              "kernel builds (else int8); fp16 = fp16 weights (rows independent with AVX-512 only); int8 = one "
+              "activation scale per pass; none = plain"),
     Flag("--draft-vocab", int, 0, "propose only from the first N token ids (smaller output head; 0 = all)",
          roles=["draft"]),
     Flag("--max-sessions", int, 64),

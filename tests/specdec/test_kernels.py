@@ -12,12 +12,18 @@ import torch
 
 from draft_service.engine import DraftEngine
 from orchestrator.decoder import SpeculativeDecoder
-from specdec.kernels import Int8RowLinear, activation_bits, quantize_rows
+from specdec.kernels import (Fp16Linear, Int8RowLinear, activation_bits, fp16_rows_independent, native_library,
+                             quantize_rows)
 from specdec.modeling import load_model
 from specdec.protocol import GenerationRequest, SamplingParams, VerifyCall
 from target_service.engine import TargetEngine
 
 GREEDY = SamplingParams(temperature=0)
+
+
+BACKENDS = [pytest.param(False, id="fbgemm"),
+            pytest.param(True, id="native", marks=pytest.mark.skipif(
+                native_library() is None, reason="the native kernel needs Linux x86-64 with AVX2 and a C compiler"))]
 
 
 @pytest.fixture(scope="module")
@@ -26,40 +32,80 @@ def linear():
     return torch.nn.Linear(256, 384)
 
 
-def test_rows_are_independent_bit_for_bit(linear):
-    m = Int8RowLinear(linear)
+@pytest.mark.parametrize("native", BACKENDS)
+def test_rows_are_independent_bit_for_bit(linear, native):
+    m = Int8RowLinear(linear, native=native)
+    assert m.backend == ("native" if native else "fbgemm")
     for rows in (2, 3, 5, 9, 17, 33):
         x = torch.randn(rows, 256) * torch.logspace(-2, 1, rows)[:, None]  # rows of very different scales
         alone = torch.cat([m(x[i:i + 1]) for i in range(rows)])
         assert torch.equal(m(x), alone), rows
 
 
-def test_the_sums_are_exact_integer_sums(linear):
-    """fbgemm's scale for the tensor is 1 and its zero point exact, so the result is the float32
-    epilogue over exact int32 sums of the int8 weights and the per-row int8 activations."""
-    m = Int8RowLinear(linear)
-    x = torch.randn(7, 256)
-    qw, _ = torch.ops.quantized.linear_unpack(m._packed)
-    levels = 127.0 if activation_bits() == 8 else 63.0
+def _weights(m: Int8RowLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's int8 weights [N, K] and float32 scales, read back from its backend's store."""
+    if m.backend == "fbgemm":
+        qw, _ = torch.ops.quantized.linear_unpack(m._packed)
+        return qw.int_repr(), qw.q_per_channel_scales().float()
+    n, k = m.out_features, m.in_features
+    np_, kp = -(-n // 4) * 4, m._columns
+    tiles = m._weight.view(np_ // 4, kp // 32, 4, 32).transpose(1, 2).reshape(np_, kp)
+    return tiles[:n, :k], m._scale
+
+
+@pytest.mark.parametrize("native", BACKENDS)
+@pytest.mark.parametrize("shape", [(256, 384), (100, 70), (1536, 258)])
+def test_the_sums_are_exact_integer_sums(native, shape):
+    """The result is the float32 epilogue over exact int32 sums of the int8 weights and the per-row
+    int8 activations (fbgemm: its scale for the tensor is 1 and its zero point exact; native: the
+    kernel's own sums, any K and N, padded inside)."""
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(*shape)
+    m = Int8RowLinear(linear, native=native)
+    x = torch.randn(7, shape[0])
+    qw, scales = _weights(m)
+    if native:
+        assert torch.equal(qw, torch.round(linear.weight / scales[:, None]).clamp(-127, 127).to(torch.int8))
+    levels = 127.0 if native or activation_bits() == 8 else 63.0
     q = torch.empty_like(x)
     s = quantize_rows(x, levels, out=q)
     assert torch.equal(q, torch.round(x * (levels / x.abs().amax(1, keepdim=True))))  # integers, half to even
     assert q.abs().max() == levels
-    sums = q.double() @ qw.int_repr().double().t()
-    assert (sums.abs() < 2**24).all()  # exact in float32 too
-    expected = (sums.float() * qw.q_per_channel_scales().float()[None, :]) * s + linear.bias
+    sums = q.double() @ qw.double().t()
+    assert (sums.abs() < 2**31).all()
+    expected = (sums.float() * scales[None, :]) * s + linear.bias
     assert torch.equal(m(x), expected)
 
 
-def test_close_to_the_float_linear_any_shape_no_bias():
+def test_native_activations_use_all_8_bits_without_saturating():
+    """Extreme rows and weights (every product 127 x 127, both signs): fbgemm's AVX2 path would
+    saturate its int16 pair sums here; the native kernel's |x| x sign-carrying w pairs cannot."""
+    if native_library() is None:
+        pytest.skip("no native kernel here")
+    lin = torch.nn.Linear(96, 8, bias=False)
+    lin.weight.data.fill_(1.0)
+    lin.weight.data[1::2] = -1.0
+    m = Int8RowLinear(lin, native=True)
+    x = torch.ones(3, 96)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    sums = (x * 127).double() @ (lin.weight.detach() * 127).double().t()  # +-127 x +-127, 96 of them
+    assert sums.abs().max() == 127 * 127 * 96
+    one = torch.tensor(1.0) / 127.0
+    assert torch.equal(m(x), (sums.float() * one) * one)
+
+
+@pytest.mark.parametrize("native", BACKENDS)
+def test_close_to_the_float_linear_any_shape_no_bias(native):
     torch.manual_seed(1)
     plain = torch.nn.Linear(128, 64, bias=False)
-    m = Int8RowLinear(plain)
+    m = Int8RowLinear(plain, native=native)
     x = torch.randn(2, 3, 128)
     y = m(x)
     assert y.shape == (2, 3, 64) and m.bias is None
     assert float((y - plain(x)).norm() / plain(x).norm()) < 0.03
     assert torch.equal(m(torch.zeros(1, 128)), torch.zeros(1, 64))  # an all-zero row: no division by zero
+    assert m(torch.randn(0, 128)).shape == (0, 64)  # no rows
     assert activation_bits() in (7, 8)
 
 
@@ -77,6 +123,8 @@ def _bases(v):
 def test_a_k_row_verify_equals_k_single_steps(model_dirs, int8_rows_target, quantization, k):
     """Whole model, through the worker's own passes: the argmax and the log-probability at every
     position of a k-row verify are bitwise those of k one-row verifies."""
+    if quantization == "fp16" and not fp16_rows_independent():
+        pytest.skip("fbgemm's fp16 GEMM is not row-independent on this CPU (AVX2 only): the worker warns")
     engine = int8_rows_target if quantization == "int8-rows" else _fp16_target(model_dirs)
     prompt, drafts = [5, 9, 14, 20, 31, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48][: k - 1]
     engine.open_session("whole", prompt)
@@ -94,6 +142,16 @@ def test_a_k_row_verify_equals_k_single_steps(model_dirs, int8_rows_target, quan
 
 
 _FP16: dict = {}
+
+
+def test_the_fp16_probe_tells_the_truth():
+    """fp16_rows_independent() (what the worker's warning rests on) agrees with the kernel on other
+    shapes than its own probe's."""
+    torch.manual_seed(4)
+    m = Fp16Linear(torch.nn.Linear(192, 320))
+    x = torch.randn(9, 192)
+    seen = all(torch.equal(m(x[:r]), torch.cat([m(x[i:i + 1]) for i in range(r)])) for r in (2, 3, 9))
+    assert seen == fp16_rows_independent()
 
 
 def _fp16_target(model_dirs):
@@ -126,3 +184,40 @@ def test_speculative_output_equals_gamma_0_on_an_int8_rows_target(int8_rows_targ
         for gamma in (1, 3, 6):
             r = decoder.generate(GenerationRequest(token_ids=prompt, max_new_tokens=24, gamma=gamma, **kw))
             assert r.token_ids == ref, (kw, gamma)
+
+
+def test_a_kernel_that_does_not_build_leaves_int8_rows_on_fbgemm(tmp_path, monkeypatch, caplog):
+    """No working C compiler: native_library says why in the log and gives None, and int8-rows
+    (the draft's auto choice with it) falls back to fbgemm rather than failing the worker."""
+    import specdec.kernels as kernels
+    from specdec.modeling import resolve_quantization
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    build = kernels.native_library.__wrapped__
+    if not (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")):
+        pytest.skip("no AVX2 here: the native kernel is never tried")
+    with caplog.at_level("WARNING"):
+        assert build() is None
+    assert "did not build" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written left behind
+    monkeypatch.setattr(kernels, "native_library", build)
+    m = Int8RowLinear(torch.nn.Linear(64, 32))
+    assert m.backend == "fbgemm"
+    assert resolve_quantization("auto", "cpu", torch.float32, role="draft") == "int8"
+    assert resolve_quantization("auto", "cpu", torch.float32, role="target") == "int8-rows"
+
+
+def test_the_native_kernel_is_built_once_and_reused(tmp_path, monkeypatch):
+    if native_library() is None:
+        pytest.skip("no native kernel here")
+    import specdec.kernels as kernels
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    kernels.native_library.__wrapped__()
+    built = list((tmp_path / "kernels").glob("int8_rows-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setenv("CC", "false")  # a rebuild would fail now
+    assert kernels.native_library.__wrapped__() is not None
+    assert built[0].stat().st_mtime_ns == stamp

@@ -1,0 +1,169 @@
+/* int8 weights (one scale per output channel) x int8 activations (one scale per row), int32 sums,
+ * for x86-64 with AVX2: the native backend of specdec/kernels.py's Int8RowLinear.
+ *
+ * y[m, n] = ((float) sum_k q[m, k] * w[n, k]) * ws[n] * s[m] + bias[n]
+ *
+ * where row m of x is quantized here, on its own: s[m] = max|x[m]| / 127,
+ * q[m, k] = round_half_even(x[m, k] * (127 / max|x[m]|)), exactly as quantize_rows in kernels.py.
+ * The sums are integer sums (exact in any order), and each output's epilogue reads only its own
+ * row and channel: a row's result is the same bits whatever other rows the call holds, so a
+ * verify pass of k positions computes exactly what k one-row steps compute.
+ *
+ * Products: _mm256_maddubs_epi16(|x|, w * sign(x)) sums two u8 x s8 products into int16; with
+ * |x| <= 127 and |w| <= 127 a pair is at most 32258 < 32767, so nothing saturates (fbgemm's
+ * AVX2 path has no such bound on its u8 activations and must drop them to 7 bits).
+ *
+ * Weights are stored in tiles of TILE output channels, interleaved by 32 columns: for each 32 of
+ * the Kp columns (K rounded up to 32), channel 0's 32 bytes, channel 1's, ... so that one tile is
+ * one sequential stream; N is padded to a multiple of TILE, the padding zero (kernels.py's
+ * native_tiles writes this layout).
+ *
+ * Threads: OpenMP over tiles. Built with -fopenmp against the libgomp.so.1 that torch has already
+ * loaded, so these regions run on torch's own thread team.
+ * Build: cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp -fPIC -shared (kernels.py does it once per
+ * source and caches the library).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 4           /* output channels per tile: one accumulator each, per row */
+#define PREFETCH 1024    /* bytes ahead in the tile's stream */
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* One row: q (Kp bytes, zero padded) and the returned scale s = amax / 127. */
+static float quantize_row(const float *x, int64_t K, int64_t Kp, int8_t *q) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        float a = fabsf(x[k]);
+        amax = a > amax ? a : amax;
+    }
+    if (!(amax >= 1e-30f)) amax = 1e-30f;
+    const float inv = 127.0f / amax;
+    int64_t k = 0;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; k + 8 <= K; k += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + k), vinv);
+        v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); /* half to even */
+        int32_t tmp[8];
+        _mm256_storeu_si256((__m256i *)tmp, _mm256_cvtps_epi32(v));
+        for (int j = 0; j < 8; j++) q[k + j] = (int8_t)tmp[j];
+    }
+    for (; k < K; k++) q[k] = (int8_t)nearbyintf(x[k] * inv);
+    memset(q + K, 0, (size_t)(Kp - K));
+    return amax / 127.0f;
+}
+
+#define MAC(acc, ax, xv, wv) \
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, xv)), ones))
+
+/* One quantized row against one tile. */
+static inline void tile_1(const int8_t *q, int64_t Kp, const int8_t *w, int32_t out[TILE]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < Kp; k += 32, w += 32 * TILE) {
+        _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
+        const __m256i x = _mm256_load_si256((const __m256i *)(q + k));
+        const __m256i ax = _mm256_sign_epi8(x, x);
+        MAC(a0, ax, x, _mm256_load_si256((const __m256i *)w));
+        MAC(a1, ax, x, _mm256_load_si256((const __m256i *)(w + 32)));
+        MAC(a2, ax, x, _mm256_load_si256((const __m256i *)(w + 64)));
+        MAC(a3, ax, x, _mm256_load_si256((const __m256i *)(w + 96)));
+    }
+    out[0] = hsum_epi32(a0);
+    out[1] = hsum_epi32(a1);
+    out[2] = hsum_epi32(a2);
+    out[3] = hsum_epi32(a3);
+}
+
+/* Two quantized rows against one tile: each weight vector loaded once for both. The sums are the
+ * same integers tile_1 gives for each row alone. */
+static inline void tile_2(const int8_t *q, const int8_t *r, int64_t Kp, const int8_t *w, int32_t out[2 * TILE]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t k = 0; k < Kp; k += 32, w += 32 * TILE) {
+        _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
+        const __m256i x = _mm256_load_si256((const __m256i *)(q + k));
+        const __m256i ax = _mm256_sign_epi8(x, x);
+        const __m256i z = _mm256_load_si256((const __m256i *)(r + k));
+        const __m256i az = _mm256_sign_epi8(z, z);
+        __m256i v;
+        v = _mm256_load_si256((const __m256i *)w);
+        MAC(a0, ax, x, v);
+        MAC(b0, az, z, v);
+        v = _mm256_load_si256((const __m256i *)(w + 32));
+        MAC(a1, ax, x, v);
+        MAC(b1, az, z, v);
+        v = _mm256_load_si256((const __m256i *)(w + 64));
+        MAC(a2, ax, x, v);
+        MAC(b2, az, z, v);
+        v = _mm256_load_si256((const __m256i *)(w + 96));
+        MAC(a3, ax, x, v);
+        MAC(b3, az, z, v);
+    }
+    out[0] = hsum_epi32(a0);
+    out[1] = hsum_epi32(a1);
+    out[2] = hsum_epi32(a2);
+    out[3] = hsum_epi32(a3);
+    out[4] = hsum_epi32(b0);
+    out[5] = hsum_epi32(b1);
+    out[6] = hsum_epi32(b2);
+    out[7] = hsum_epi32(b3);
+}
+
+static inline void store(float *y, int64_t N, int64_t n0, int64_t nc, const int32_t *sums, const float *ws,
+                         float s, const float *bias) {
+    for (int64_t c = 0; c < nc; c++) {
+        float v = (float)sums[c] * ws[n0 + c];
+        v = v * s;
+        if (bias != NULL) v = v + bias[n0 + c];
+        y[n0 + c] = v;
+    }
+    (void)N;
+}
+
+/* x: float32 [M, K] (rows contiguous); w: tiles as above, 32-byte aligned; ws: float32 [N]; bias:
+ * float32 [N] or NULL; y: float32 [M, N]. Returns 0, or -1 if scratch memory could not be had. */
+int specdec_int8_rows_linear(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t Kp, int64_t N,
+                             const float *ws, const float *bias, float *y, int32_t threads) {
+    int8_t *q = (int8_t *)aligned_alloc(32, (size_t)(M * Kp));
+    float *s = (float *)malloc(sizeof(float) * (size_t)M);
+    if (q == NULL || s == NULL) {
+        free(q);
+        free(s);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) s[m] = quantize_row(x + m * K, K, Kp, q + m * Kp);
+    const int64_t tiles = (N + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * TILE;
+        const int64_t nc = N - n0 < TILE ? N - n0 : TILE;
+        const int8_t *wt = w + n0 * Kp;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+            int32_t sums[2 * TILE];
+            tile_2(q + m * Kp, q + (m + 1) * Kp, Kp, wt, sums);
+            store(y + m * N, N, n0, nc, sums, ws, s[m], bias);
+            store(y + (m + 1) * N, N, n0, nc, sums + TILE, ws, s[m + 1], bias);
+        }
+        if (m < M) {
+            int32_t sums[TILE];
+            tile_1(q + m * Kp, Kp, wt, sums);
+            store(y + m * N, N, n0, nc, sums, ws, s[m], bias);
+        }
+    }
+    free(q);
+    free(s);
+    return 0;
+}
