@@ -137,10 +137,16 @@ def native_library() -> ctypes._CFuncPtr | None:
     path = shipped if shipped.exists() else build_native(cache_root() / "kernels")
     if path is None:
         return None
-    fn = ctypes.CDLL(str(path)).specdec_int8_rows_linear
+    lib = ctypes.CDLL(str(path))
+    fn = lib.specdec_int8_rows_linear
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
     fn.restype = ctypes.c_int
+    int4 = lib.specdec_int4_rows_linear
+    int4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+    int4.restype = ctypes.c_int
+    fn.int4 = int4  # the library's second kernel (Int4RowLinear)
     return fn
 
 
@@ -282,7 +288,126 @@ class Fp16Linear(torch.nn.Module):
         return torch.ops.quantized.linear_dynamic_fp16(x.to(torch.float32), self._packed)
 
 
-KERNELS = {"int8-rows": Int8RowLinear, "int8": Int8Linear, "fp16": Fp16Linear}
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """A flat copy of `t` whose data starts on a 32-byte boundary."""
+    flat = torch.empty(t.numel() * t.element_size() + 32, dtype=torch.uint8)
+    start = (-flat.data_ptr()) % 32
+    return flat[start:start + t.numel() * t.element_size()].view(t.dtype).copy_(t.reshape(-1))
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Affine 4-bit weights per group of 32 columns (K padded to a multiple of 32): u [N, Kp]
+    in 0..15 (uint8), d and m [N, Kp / 32] float32 with w ~ d * u + m, and the share of groups
+    whose values lie on such a grid already.
+
+    Weights dequantized from 4-bit GGUF blocks (Q4_K: 32-column sub-blocks, w = d_j q - m_j)
+    are on a grid of at most 16 evenly spaced values per group, whose ends need not be used.
+    For each group the step is the smallest gap between its values, kept where every value
+    then lies within 0.02 steps (plus float16 rounding) of a grid point of at most 16 levels,
+    so such weights come back as the GGUF's own levels, up to the float16 rounding of the
+    store. Other groups take min..max in 15
+    steps."""
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    kp = -(-k // _COLUMNS) * _COLUMNS
+    if kp != k:  # padded with each row's last weight, on its group's grid (the padding meets zeros)
+        w = torch.cat([w, w[:, k - 1:].expand(n, kp - k)], dim=1)
+    us, ds, los, on_grid = [], [], [], 0
+    for rows in w.split(4096):  # bounded temporaries (the default target's head has 151,936 rows)
+        u, d, lo, fits = _grid_rows(rows.reshape(rows.shape[0], kp // _COLUMNS, _COLUMNS))
+        us.append(u.view(rows.shape[0], kp)), ds.append(d), los.append(lo)
+        on_grid += int(fits.sum())
+    return torch.cat(us), torch.cat(ds).contiguous(), torch.cat(los).contiguous(), on_grid / (n * (kp // _COLUMNS))
+
+
+def _grid_rows(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4_groups for groups g [rows, G, 32]: the step is the smallest gap between a group's
+    sorted values (any two neighbouring levels present give it), checked against every value."""
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    spread = hi - lo
+    slack = (g.abs() + lo.abs()[..., None]) * 2.0 ** -11  # float16 rounding of a value and of the minimum
+    gaps = g.sort(dim=2).values.diff(dim=2)
+    gaps = torch.where(gaps > 4 * slack[..., 1:], gaps, torch.full_like(gaps, float("inf")))  # equal values
+    gap = gaps.amin(dim=2)
+    fits = torch.zeros_like(spread, dtype=torch.bool)
+    d = spread / 15.0  # off any grid: min..max in 15 steps
+    for parts in (1, 2, 3):  # no two neighbouring levels present: the smallest gap is 2 or 3 steps
+        span = torch.round(spread / gap * parts)
+        ok = torch.isfinite(gap) & (span >= 1) & (span <= 15) & ~fits
+        step = torch.where(ok, spread / span.clamp(min=1), torch.ones_like(spread))
+        t = (g - lo[..., None]) / step[..., None]
+        ok &= ((t - torch.round(t)).abs() * step[..., None] <= 0.02 * step[..., None] + slack).all(dim=2)
+        d = torch.where(ok, step, d)
+        fits |= ok
+    d = torch.where(spread > 0, d, torch.ones_like(d))
+    u = torch.round((g - lo[..., None]) / d[..., None]).clamp_(0, 15).to(torch.uint8)
+    return u, d, lo, fits | (spread <= 0)
+
+
+
+class Int4RowLinear(torch.nn.Module):
+    """`--quantize int4-rows`: 4-bit weights, affine per group of 32 columns (half int8-rows'
+    weight bytes), int8 activations per row, integer sums per group and one fixed float order
+    per row: rows bitwise independent, as int8-rows. Native kernel only (specdec/csrc/int8_rows.c)."""
+
+    def __init__(self, linear: torch.nn.Linear, groups: tuple | None = None):
+        """groups: int4_groups(linear.weight), where the caller computed it already."""
+        super().__init__()
+        lib = native_library()
+        if lib is None:
+            raise RuntimeError("int4-rows needs the native kernel (Linux x86-64 with AVX2 and a C compiler)")
+        self._kernel = lib.int4
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else torch.nn.Parameter(
+            linear.bias.detach().to(torch.float32, copy=True), requires_grad=False)
+        u, d, m, _ = groups if groups is not None else int4_groups(linear.weight)
+        n, kp = u.shape
+        groups, np_ = kp // _COLUMNS, -(-n // _TILE) * _TILE
+        self._columns = kp
+        pad = np_ - n
+        u = torch.nn.functional.pad(u, (0, 0, 0, pad))
+        d = torch.nn.functional.pad(d, (0, 0, 0, pad), value=1.0)
+        m = torch.nn.functional.pad(m, (0, 0, 0, pad))
+        g = u.view(np_, groups, 2, 16)
+        packed = (g[:, :, 0] | (g[:, :, 1] << 4)).view(np_ // _TILE, _TILE, groups, 16).transpose(1, 2)
+        self.register_buffer("_weight", _aligned(packed.contiguous().view(torch.int8)), persistent=False)
+        self.register_buffer("_scale", d.view(np_ // _TILE, _TILE, groups).transpose(1, 2).contiguous().view(-1),
+                             persistent=False)
+        self.register_buffer("_offset", m.contiguous().view(-1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        n = rows.shape[0]
+        if n == 0:
+            return rows.new_empty(*shape[:-1], self.out_features)
+        y = torch.empty(n, self.out_features)
+        if self._kernel(rows.data_ptr(), n, self.in_features, self._weight.data_ptr(), self._columns,
+                        self.out_features, self._scale.data_ptr(), self._offset.data_ptr(),
+                        None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                        torch.get_num_threads()) != 0:
+            raise MemoryError("int4-rows: no scratch memory for the quantized rows")
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit weights per 32 columns"
+
+
+ON_GRID = 0.99  # int4-rows: the share of a weight's groups on a 4-bit grid for it to be held in 4 bits
+
+
+def int4_where_on_grid(linear: torch.nn.Linear) -> torch.nn.Module:
+    """`--quantize int4-rows`, per Linear: Int4RowLinear where the weight is already on 4-bit grids
+    (ON_GRID of its groups: weights from Q4_K blocks, whose levels it keeps exactly), else
+    Int8RowLinear (weights from 6-bit blocks, such as the default target's output head and some
+    of its attn_v / ffn_down tensors, would lose to 4 bits). Rows independent either way."""
+    groups = int4_groups(linear.weight)
+    if groups[3] >= ON_GRID:
+        return Int4RowLinear(linear, groups)
+    return Int8RowLinear(linear)
+
+
+KERNELS = {"int8-rows": Int8RowLinear, "int4-rows": int4_where_on_grid, "int8": Int8Linear, "fp16": Fp16Linear}
 
 
 def replace_linears(model: torch.nn.Module, quantization: str) -> torch.nn.Module:

@@ -37,7 +37,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}") from None
 
 
-QUANTIZATIONS = ("none", "fp16", "int8", "int8-rows")
+QUANTIZATIONS = ("none", "fp16", "int8", "int8-rows", "int4-rows")
 
 
 def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str = "target") -> str:
@@ -74,6 +74,12 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
         raise ValueError(f"unknown quantization {name!r}; choose one of auto, {', '.join(QUANTIZATIONS)}")
     if name != "none" and (device != "cpu" or dtype != torch.float32):
         raise ValueError(f"quantization {name!r} needs --device cpu and a float32 model")
+    if name == "int4-rows":
+        from specdec.kernels import native_available
+
+        if not native_available():
+            raise ValueError("quantization 'int4-rows' needs the native kernel (Linux x86-64 with AVX2, a C "
+                             "compiler, SPECDEC_NATIVE_KERNELS not 0)")
     return name
 
 
@@ -174,7 +180,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, device)
     quantization = resolve_quantization(quantization, device, torch_dtype, role)
     load_dtype = torch_dtype
-    if quantization in ("fp16", "int8", "int8-rows") and not device_map and _stored_dtype(path) == "float16":
+    if quantization in ("fp16", "int8", "int8-rows", "int4-rows") and not device_map and _stored_dtype(path) == "float16":
         # Linear weights quantized straight from the float16 store, never a float32 copy of
         # them all at once (one matrix at a time): the same model to the bit
         # (tests/specdec/test_modeling.py), and the target's load peak fell from 10.4 to 8.1 GiB

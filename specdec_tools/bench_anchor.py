@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp's llama-server binary")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"our target model (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"our draft model (default {DEFAULT_DRAFT})")
-    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows"],
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows"],
                    help="our workers' --quantize (default auto: int8-rows for both where the native kernel builds)")
     p.add_argument("--target-gguf", default=None, help="llama.cpp's target (default: the GGUF --target comes from)")
     p.add_argument("--draft-gguf", default=None, help="llama.cpp's draft (default: the GGUF --draft comes from)")

@@ -167,3 +167,115 @@ int specdec_int8_rows_linear(const float *x, int64_t M, int64_t K, const int8_t 
     free(s);
     return 0;
 }
+
+/* ---- int4-rows: 4-bit weights, affine per group of 32 columns, int8 activations per row ------
+ *
+ * w[n, k] ~ d[n, g] * u[n, k] + m[n, g] with u in 0..15 and g = k / 32, so
+ *
+ * y[m, n] = s[m] * sum_g (d[n, g] * (float) sum_{k in g} q[m, k] u[n, k] + m[n, g] * (float) qs[m, g]) + bias[n]
+ *
+ * with qs[m, g] the integer sum of row m's quantized activations over group g. Each integer sum
+ * is exact (|q| <= 127, u <= 15: a vpmaddubsw pair is at most 3810), the float sums run in one
+ * fixed order per row and channel whatever else the call holds: rows are bitwise independent.
+ * Layout: tiles of TILE channels, for each group the TILE channels' 16 bytes (byte j: element j
+ * in the low nibble, element j + 16 in the high one); d as floats [Np / TILE][G][TILE], m as
+ * floats [Np / TILE][TILE][G].
+ */
+
+static inline __m256i unpack_nibbles(const int8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+    return _mm256_set_m128i(hi, lo);
+}
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One quantized row (q: Kp bytes, qs: G floats) against one tile; out: TILE unscaled sums. */
+static inline void tile4_1(const int8_t *q, const float *qs, int64_t G, const int8_t *w, const float *d,
+                           const float *mn, float out[TILE]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t g = 0; g < G; g++, w += 16 * TILE, d += TILE) {
+        _mm_prefetch((const char *)(w + 512), _MM_HINT_T0);
+        const __m256i x = _mm256_load_si256((const __m256i *)(q + 32 * g));
+#define G4(acc, c)                                                                                    \
+    acc = _mm256_fmadd_ps(                                                                            \
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(unpack_nibbles(w + 16 * (c)), x), ones)), \
+        _mm256_broadcast_ss(d + (c)), acc)
+        G4(a0, 0);
+        G4(a1, 1);
+        G4(a2, 2);
+        G4(a3, 3);
+    }
+    /* the groups' offsets: sum_g m[n, g] * qs[g], eight groups at a time, then the rest (mn is
+     * [TILE][G]: each channel's offsets contiguous) */
+    __m256 b0 = _mm256_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+        const __m256 s = _mm256_loadu_ps(qs + g);
+        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), s, b0);
+        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + G + g), s, b1);
+        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 2 * G + g), s, b2);
+        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 3 * G + g), s, b3);
+    }
+    float r0 = hsum_ps(b0), r1 = hsum_ps(b1), r2 = hsum_ps(b2), r3 = hsum_ps(b3);
+    for (; g < G; g++) {
+        r0 = fmaf(mn[g], qs[g], r0);
+        r1 = fmaf(mn[G + g], qs[g], r1);
+        r2 = fmaf(mn[2 * G + g], qs[g], r2);
+        r3 = fmaf(mn[3 * G + g], qs[g], r3);
+    }
+    out[0] = hsum_ps(a0) + r0;
+    out[1] = hsum_ps(a1) + r1;
+    out[2] = hsum_ps(a2) + r2;
+    out[3] = hsum_ps(a3) + r3;
+}
+
+/* x: float32 [M, K]; w: tiles as above (32-byte aligned); d, mn: float32 as above;
+ * bias: float32 [N] or NULL; y: float32 [M, N]. Returns 0, or -1 without scratch memory. */
+int specdec_int4_rows_linear(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t Kp, int64_t N,
+                             const float *d, const float *mn, const float *bias, float *y, int32_t threads) {
+    const int64_t G = Kp / 32;
+    int8_t *q = (int8_t *)aligned_alloc(32, (size_t)(M * Kp));
+    float *s = (float *)malloc(sizeof(float) * (size_t)M);
+    float *qs = (float *)malloc(sizeof(float) * (size_t)(M * G));
+    if (q == NULL || s == NULL || qs == NULL) {
+        free(q);
+        free(s);
+        free(qs);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        s[m] = quantize_row(x + m * K, K, Kp, q + m * Kp);
+        for (int64_t g = 0; g < G; g++) {
+            int32_t t = 0;
+            for (int j = 0; j < 32; j++) t += q[m * Kp + 32 * g + j];
+            qs[m * G + g] = (float)t;
+        }
+    }
+    const int64_t tiles = (N + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * TILE;
+        const int64_t nc = N - n0 < TILE ? N - n0 : TILE;
+        for (int64_t m = 0; m < M; m++) {
+            float sums[TILE];
+            tile4_1(q + m * Kp, qs + m * G, G, w + t * G * 16 * TILE, d + t * G * TILE, mn + t * G * TILE, sums);
+            for (int64_t c = 0; c < nc; c++) {
+                float v = sums[c] * s[m];
+                if (bias != NULL) v = v + bias[n0 + c];
+                y[m * N + n0 + c] = v;
+            }
+        }
+    }
+    free(q);
+    free(s);
+    free(qs);
+    return 0;
+}

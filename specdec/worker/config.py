@@ -19,11 +19,13 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--device", default="cpu", help="cpu, cuda, cuda:1, ..."),
     Flag("--dtype", default="auto", help="auto, float32, float16, bfloat16, float64"),
     Flag("--device-map", help="accelerate device map, e.g. 'auto' to spread the model over several GPUs"),
-    Flag("--quantize", default="auto", field="quantization", choices=["auto", "none", "fp16", "int8", "int8-rows"],
+    Flag("--quantize", default="auto", field="quantization",
+         choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows"],
          help="Linear layers on CPU: auto = int8-rows (int8 weights and per-row activations: rows independent; "
               "the native AVX2 kernel where it builds, else fbgemm) for a target, and for a draft where the native "
-              "kernel builds (else int8); fp16 = fp16 weights (rows independent with AVX-512 only); int8 = one "
-              "activation scale per pass; none = plain"),
+              "kernel builds (else int8); int4-rows = 4-bit weights where they lie on 4-bit grids (Q4_K blocks), "
+              "int8-rows elsewhere (native kernel only); fp16 = fp16 weights (rows independent with AVX-512 "
+              "only); int8 = one activation scale per pass; none = plain"),
     Flag("--draft-vocab", int, 0, "propose only from the first N token ids (smaller output head; 0 = all)",
          roles=["draft"]),
     Flag("--max-sessions", int, 64),

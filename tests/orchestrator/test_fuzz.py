@@ -647,7 +647,10 @@ class SessionModel:
             elif kind == "propose":
                 proposals = list(stub.Propose(req, timeout=CALL_TIMEOUT_S))
                 assert known and req.start <= len(held[sid])
-                assert [p.index for p in proposals] == list(range(req.gamma))
+                # gamma proposals, or fewer ending at an EOS (nothing after it is worth drafting;
+                # a sampled draft meets it by chance: the draws are not seeded here)
+                assert [p.index for p in proposals] == list(range(len(proposals))) and proposals
+                assert len(proposals) == req.gamma or proposals[-1].token_id in self.info.eos_token_ids
                 assert all(0 <= p.token_id < self.vocab for p in proposals)
                 held[sid] = [*held[sid][: req.start], *req.token_ids, *(p.token_id for p in proposals)]
             elif kind == "truncate":

@@ -221,3 +221,110 @@ def test_the_native_kernel_is_built_once_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")  # a rebuild would fail now
     assert kernels.native_library.__wrapped__() is not None
     assert built[0].stat().st_mtime_ns == stamp
+
+
+# ---- int4-rows: 4-bit weights where they lie on 4-bit grids -------------------------------------
+
+needs_native = pytest.mark.skipif(native_library() is None, reason="int4-rows needs the native kernel")
+
+
+def _on_grids(shape, seed=0, fp16=True):
+    """Weights as Q4_K blocks dequantize them: per 32 columns w = d_j q - m_j, q in 0..15, with
+    some groups using only part of the range (their ends unused), stored as float16."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = shape
+    groups = -(-k // 32)
+    q = torch.randint(0, 16, (n, groups, 32), generator=g).float()
+    q[::3] = q[::3].clamp(2, 11)  # a third of the groups never reach their grid's ends
+    d = torch.rand(n, groups, 1, generator=g) * 0.01 + 1e-3
+    m = torch.rand(n, groups, 1, generator=g) * 0.05
+    w = (d * q - m).view(n, groups * 32)[:, :k]
+    return w.half().float() if fp16 else w
+
+
+@needs_native
+def test_int4_groups_recover_q4_levels_exactly_and_refuse_others():
+    from specdec.kernels import int4_groups
+
+    w = _on_grids((48, 200))
+    u, d, m, share = int4_groups(w)
+    assert share == 1.0 and u.max() <= 15
+    back = (u.float().view(48, -1, 32) * d[..., None] + m[..., None]).view(48, -1)[:, :200]
+    assert torch.allclose(back, w, rtol=0, atol=float(w.abs().max()) * 2 ** -10)  # float16 rounding only
+    assert int4_groups(torch.randn(48, 200))[3] < 0.01  # gaussian weights are on no 4-bit grid
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(200, 48), (1536, 258), (96, 7)])
+def test_int4_rows_are_independent_and_compute_the_formula(shape):
+    from specdec.kernels import Int4RowLinear, int4_groups
+
+    k, n = shape
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(k, n)
+    lin.weight.data.copy_(_on_grids((n, k), seed=1))
+    m = Int4RowLinear(lin)
+    x = torch.randn(9, k) * torch.logspace(-2, 1, 9)[:, None]
+    y = m(x)
+    for rows in (2, 5, 9):
+        assert torch.equal(m(x[:rows]), torch.cat([m(x[i:i + 1]) for i in range(rows)])), rows
+    u, d, off, _ = int4_groups(lin.weight)
+    wq = (u.double().view(n, -1, 32) * d.double()[..., None] + off.double()[..., None]).view(n, -1)[:, :k]
+    amax = x.abs().amax(1, keepdim=True)
+    q = torch.round(x * (127.0 / amax))  # the rows' int8 activations, as quantize_rows makes them
+    expected = (q.double() @ wq.t()) * (amax.double() / 127) + lin.bias.double()
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    assert float((y - lin(x)).norm() / lin(x).norm()) < 0.03  # the weights are exact; activations 8-bit
+    assert m(torch.randn(0, k)).shape == (0, n)
+
+
+@needs_native
+def test_int4_rows_takes_4_bits_only_where_the_weights_are_on_grids():
+    from specdec.kernels import Int4RowLinear, replace_linears
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
+    model[0].weight.data.copy_(_on_grids((32, 64)))
+    replace_linears(model, "int4-rows")
+    assert isinstance(model[0], Int4RowLinear) and isinstance(model[1], Int8RowLinear)
+
+
+@needs_native
+@pytest.mark.parametrize("k", [2, 5, 9])
+def test_an_int4_rows_target_verifies_k_rows_as_k_single_steps(model_dirs, k):
+    """The whole tiny target with its weights snapped to 4-bit grids first (as the default
+    target's Q4_K tensors are), then int4-rows: a k-row verify equals k one-row steps bitwise."""
+    engine = _int4_target(model_dirs)
+    prompt, drafts = [5, 9, 14, 20, 31, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48][: k - 1]
+    engine.open_session("whole", prompt)
+    engine.open_session("steps", prompt)
+    try:
+        whole = engine.verify("whole", len(prompt), [], drafts, GREEDY, top_logprobs=0)
+        steps = [engine.verify("steps", len(prompt) - 1, [prompt[-1]], [], GREEDY, top_logprobs=0)]
+        for i, d in enumerate(drafts):
+            steps.append(engine.verify("steps", len(prompt) + i, [d], [], GREEDY, top_logprobs=0))
+        assert whole.argmax == [s.argmax[0] for s in steps]
+        assert whole.logprob_bases == [s.logprob_bases[0] for s in steps]
+    finally:
+        engine.close_session("whole")
+        engine.close_session("steps")
+
+
+_INT4: dict = {}
+
+
+def _int4_target(model_dirs):
+    from specdec.kernels import Int4RowLinear, int4_groups
+    from specdec.modeling import quantize
+
+    if "engine" not in _INT4:
+        loaded = load_model(str(model_dirs["target"]), dtype="float32", quantization="none")
+        with torch.no_grad():
+            for module in loaded.model.modules():
+                if isinstance(module, torch.nn.Linear) and module is not loaded.model.get_output_embeddings():
+                    u, d, m, _ = int4_groups(module.weight)  # snapped onto their own 4-bit grids
+                    n, k = module.weight.shape
+                    module.weight.copy_((u.float().view(n, -1, 32) * d[..., None] + m[..., None]).view(n, -1)[:, :k])
+        quantize(loaded.model, "int4-rows")
+        assert sum(isinstance(mod, Int4RowLinear) for mod in loaded.model.modules()) >= 4
+        _INT4["engine"] = TargetEngine(loaded)
+    return _INT4["engine"]
