@@ -68,6 +68,10 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--draft-forced-tokens", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
          help="structured output: the draft proposes the tokens a grammar forces without a forward pass (off: for "
               "ablations; the output is the same)"),
+    Flag("--synthetic-acceptance", float, 0.0,
+         "BENCHMARKS ONLY, breaks exactness: greedy rounds keep each draft with this probability whatever the "
+         "target says (then the target's token), so random-weight models run rounds shaped like a real pair's "
+         "(as llama.cpp's --spec-synth-len); 0: off, the exact verification"),
     Flag("--worker-timeout", float, 120.0, "deadline of each call to a worker (prefill, verify, ...)",
          field="worker_timeout_s"),
     Flag("--draft-timeout", float, 10.0,
@@ -129,6 +133,7 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
     draft_ahead: int = FLAGS.default("draft_ahead")
     draft_grammar: bool = FLAGS.default("draft_grammar")
     draft_forced_tokens: bool = FLAGS.default("draft_forced_tokens")
+    synthetic_acceptance: float = 0.0  # benchmarks only: greedy drafts kept w.p. this, whatever the target says
     worker_timeout_s: float = FLAGS.default("worker_timeout_s")
     draft_timeout_s: float = FLAGS.default("draft_timeout_s")
     startup_timeout_s: float = FLAGS.default("startup_timeout_s")
@@ -169,6 +174,8 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
             parse_entries(values["target"]), parse_entries(values["draft"])
             DraftOptions(values["draft_p_min"], values["draft_min"], values["draft_lookup"],
                          values["draft_ahead"]).validate()
+            if not 0.0 <= values["synthetic_acceptance"] < 1.0:
+                raise ValueError(f"--synthetic-acceptance must lie in [0, 1), got {values['synthetic_acceptance']}")
         except (ValueError, InvalidArgument) as exc:
             argparse.ArgumentParser(prog="python -m orchestrator").error(str(exc))
         return cls(**values)

@@ -73,8 +73,13 @@ class SpeculativeDecoder:
                  tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
                  limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None,
                  draft_options: DraftOptions = DraftOptions(), step_loop: bool = True, batched_wire: bool = True,
-                 seeded_sampling: str = "coupled", grammar_limits=None):
+                 seeded_sampling: str = "coupled", grammar_limits=None, synthetic_acceptance: float = 0.0):
         self.limits = limits
+        # benchmarks only (--synthetic-acceptance): greedy rounds keep drafts by a coin, not by the target
+        self.synthetic_acceptance = synthetic_acceptance
+        if synthetic_acceptance:
+            log.warning("--synthetic-acceptance %.3f: greedy output is NOT the target's (benchmarks only)",
+                        synthetic_acceptance)
         # how a sampled request with a seed and no sampling_mode draws its tokens (--seeded-sampling)
         self.seeded_sampling = seeded_sampling
         self.targets = target if isinstance(target, WorkerPool) else WorkerPool.fixed("target", [target])
@@ -390,7 +395,8 @@ class SpeculativeDecoder:
                              started=time.perf_counter() - stats.prefill_s, policy=self.gamma_policy,
                              draft_options=self.draft_options,
                              top_logprobs=request.top_logprobs if request.logprobs else None,
-                             stop_token_ids=frozenset(request.stop_token_ids))
+                             stop_token_ids=frozenset(request.stop_token_ids),
+                             synthetic_acceptance=self.synthetic_acceptance)
         if self.steps is not None:
             yield from self.steps.join(state, ctx)  # leaving it (done, failed, cancelled) waits for the step
             return

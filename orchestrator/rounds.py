@@ -25,6 +25,7 @@ orchestrator/decoder.py) and where its sessions live (orchestrator/placement.py)
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ import torch
 from orchestrator.detokenizer import TextAssembler
 from orchestrator.gamma import GammaPolicy
 from orchestrator.placement import Placement, is_worker_fault
-from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample
+from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample, synthetic_verify
 from specdec import telemetry as t
 from specdec.errors import ServiceError
 from specdec.protocol import (CompactProbs, DraftOptions, GenerationChunk, GenerationStats, Proposal, ProposeCall,
@@ -63,9 +64,15 @@ class RequestState:
     draft_synced: int = field(init=False)  # the same for the draft's
     finish: str | None = None  # "eos", "stop_token", "stop_string" or "length" once the request is done
     stop_token_ids: frozenset[int] = frozenset()  # the request's own: generation ends after one
+    # benchmarks only (--synthetic-acceptance): a greedy round keeps each draft w.p. this by a coin
+    # of its own, whatever the target says, then takes the target's token: rounds shaped like a
+    # real pair's for random-weight models (as llama.cpp's --spec-synth-len). 0: exact verification
+    synthetic_acceptance: float = 0.0
+    coin: random.Random = field(init=False)  # seeded by the prompt: requests differ, each reproducibly
 
     def __post_init__(self) -> None:
         self.prompt_len = self.target_synced = len(self.tokens)
+        self.coin = random.Random(hash(tuple(self.tokens)))
         self.draft_synced = self.placement.draft_synced if self.placement.draft is not None else 0
 
     @property
@@ -216,7 +223,9 @@ def accept(req: RequestState, rnd: Round) -> None:
     started = time.perf_counter()
     v = rnd.verification
     with req.tracer.start_as_current_span("rejection_sampling"):
-        if req.params.deterministic:
+        if req.synthetic_acceptance and req.params.deterministic:
+            rnd.result = synthetic_verify(rnd.drafts, v.argmax, req.synthetic_acceptance, req.coin)
+        elif req.params.deterministic:
             # keep x_i while it equals the target's token y_i (greedy: argmax p_i; coupled: the
             # seeded Gumbel-max draw from p_i); then y_i at the first mismatch (or y_gamma)
             rnd.result = greedy_verify(rnd.drafts, v.argmax)

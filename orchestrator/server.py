@@ -74,6 +74,7 @@ def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry)
                               limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens),
                               draft_options=config.draft_options, step_loop=config.step_loop,
                               batched_wire=config.batched_wire, seeded_sampling=config.seeded_sampling,
+                              synthetic_acceptance=config.synthetic_acceptance,
                               grammar_limits=GrammarLimits.from_config(config))
 
 

@@ -40,15 +40,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="also a per-op profile of 1- and 5-row passes")
     p.add_argument("--out", default=None, help="results folder (default bench_results/kernels-<time>)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, ... (on an accelerator the only mode is none)")
+    p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--rows", default="1,2,5,9,17", help="new rows of each session in a timed pass")
+    p.add_argument("--sessions", default="1",
+                   help="sessions in one ragged pass (each with --cached tokens and the same new rows): a "
+                        "batched step's cost, e.g. 1,4,16")
+    p.add_argument("--rowwise", default=None, metavar="N,...",
+                   help="decoding work's attention one query row at a time up to N new rows of a session (the "
+                        "worker's ROWWISE_MAX_ROWS, specdec/worker/batching.py; 0: one SDPA call each): the "
+                        "ablation, each value timed and checked (default: the worker's)")
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _pass(model, cache, tokens: list[int], start: int, keep: int):
+    return _batched_pass(model, [cache], tokens, start, keep)
+
+
+def _batched_pass(model, caches: list, tokens: list[int], start: int, keep: int):
+    """The same new `tokens` (at positions start..) appended to each of `caches` in one ragged
+    pass; the logits of the last `keep` rows of each session, [len(caches) * keep, vocab]."""
     from specdec.worker.batching import NO_MASK, RaggedCache
 
-    n = len(tokens)
-    return model(input_ids=torch.tensor([tokens]), position_ids=torch.tensor([list(range(start, start + n))]),
-                 attention_mask=NO_MASK, past_key_values=RaggedCache([cache], [n]), use_cache=True,
-                 logits_to_keep=torch.tensor(list(range(n - keep, n)))).logits[0]
+    n, s, device = len(tokens), len(caches), model.device
+    keep_rows = [i * n + j for i in range(s) for j in range(n - keep, n)]
+    return model(input_ids=torch.tensor([tokens * s], device=device),
+                 position_ids=torch.tensor([list(range(start, start + n)) * s], device=device),
+                 attention_mask=NO_MASK, past_key_values=RaggedCache(caches, [n] * s), use_cache=True,
+                 logits_to_keep=torch.tensor(keep_rows, device=device)).logits[0]
 
 
 def _load(path: str, mode: str, a: argparse.Namespace):
@@ -57,7 +80,8 @@ def _load(path: str, mode: str, a: argparse.Namespace):
     from specdec.modeling import load_model
 
     if mode != "int8-rows-fbgemm":
-        return load_model(path, quantization=mode, head_rows=a.draft_vocab, role=a.role)
+        return load_model(path, device=a.device, dtype=a.dtype, quantization=mode, head_rows=a.draft_vocab,
+                          role=a.role)
     before = os.environ.get("SPECDEC_NATIVE_KERNELS")
     os.environ["SPECDEC_NATIVE_KERNELS"] = "0"
     try:
@@ -70,9 +94,8 @@ def _load(path: str, mode: str, a: argparse.Namespace):
 
 
 def cmd_bench_kernels(a: argparse.Namespace) -> int:
-    from transformers import DynamicCache
-
     from specdec.model_store import resolve_model
+    from specdec.worker import batching
     from specdec.worker.batching import use_ragged_attention
     from specdec_tools.bench import PROMPTS
 
@@ -86,51 +109,27 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     models = {m: _load(path, m, a) for m in modes}
     tok = next(iter(models.values())).tokenizer
     prefix = tok("def merge(a, b):\n    result = []\n    i = j = 0\n" * 16).input_ids[: a.cached]
-    rows_list = (1, 2, 5, 9, 17)
-    lines = [f"| mode | " + " | ".join(f"{r} row{'s' if r > 1 else ''}" for r in rows_list)
-             + " | 9-row pass = 9 steps |", "|---|" + "---|" * (len(rows_list) + 1)]
+    rows_list = [int(r) for r in a.rows.split(",") if r]
+    sessions_list = [int(s) for s in a.sessions.split(",") if s]
+    lines = [f"| mode | sessions | " + " | ".join(f"{r} row{'s' if r > 1 else ''}" for r in rows_list)
+             + " | 9-row pass = 9 steps |", "|---|---|" + "---|" * (len(rows_list) + 1)]
     profiles = []
+    rowwise = [int(v) for v in a.rowwise.split(",")] if a.rowwise else [batching.ROWWISE_MAX_ROWS]
+    default_rowwise = batching.ROWWISE_MAX_ROWS
     for mode, loaded in models.items():
-        model = loaded.model
-        use_ragged_attention(model)
-        with torch.inference_mode():
-            cache = DynamicCache(config=model.config)
-            _pass(model, cache, prefix, 0, 1)
-            start = len(prefix)
-            cells = []
-            for rows in rows_list:
-                new = prefix[-rows:]
-                times = []
-                for i in range(a.repeats + 2):
-                    t0 = time.perf_counter()
-                    _pass(model, cache, new, start, rows)
-                    times.append(time.perf_counter() - t0)
-                    cache.crop(-rows)
-                cells.append(f"{statistics.median(times[2:]) * 1e3:.1f}")
-            new = prefix[-9:]
-            whole = _pass(model, cache, new, start, 9)
-            cache.crop(-9)
-            steps = []
-            for i, token in enumerate(new):
-                steps.append(_pass(model, cache, [token], start + i, 1)[0])
-            cache.crop(-9)
-            exact = torch.equal(whole, torch.stack(steps))
-            if a.profile:
-                from torch.profiler import ProfilerActivity, profile
-
-                for rows in (1, 5):
-                    with profile(activities=[ProfilerActivity.CPU]) as prof:
-                        for i in range(3):
-                            _pass(model, cache, prefix[-rows:], start, rows)
-                            cache.crop(-rows)
-                    total = sum(e.self_cpu_time_total for e in prof.key_averages())
-                    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:5]
-                    profiles.append(f"- {mode}, {rows}-row pass: " + ", ".join(
-                        f"{e.key} {100 * e.self_cpu_time_total / total:.1f}%" for e in top))
-        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {'yes' if exact else 'no'} |")
-        log(lines[-1])
-    header = (f"{a.model} ({a.role}), ms per forward pass by new rows, {a.cached} tokens cached, median of "
-              f"{a.repeats}, torch threads {torch.get_num_threads()}")
+        use_ragged_attention(loaded.model)
+        for limit in rowwise:
+            batching.ROWWISE_MAX_ROWS = limit
+            label = mode if len(rowwise) == 1 else f"{mode}, {'row-wise attention' if limit > 1 else 'SDPA'}"
+            table, exact = _time_passes(loaded.model, prefix, rows_list, sessions_list, a, log, label, profiles)
+            for sessions, cells in table.items():
+                lines.append(f"| {label} | {sessions} | " + " | ".join(cells) + f" | {'yes' if exact else 'no'} |")
+                log(lines[-1])
+    batching.ROWWISE_MAX_ROWS = default_rowwise
+    where = (f"{torch.cuda.get_device_name(a.device)}, {next(iter(models.values())).dtype}, torch {torch.__version__}"
+             if a.device.startswith("cuda") else f"torch threads {torch.get_num_threads()}")
+    header = (f"{a.model} ({a.role}), ms per forward pass by new rows of each session, {a.cached} tokens cached "
+              f"per session, median of {a.repeats}, {where}")
     text = f"{header}\n\n" + "\n".join(lines) + "\n"
     if profiles:
         text += "\nWhere the time goes (self CPU time, top 5 ops):\n\n" + "\n".join(profiles) + "\n"
@@ -139,6 +138,59 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     (out / "table.md").write_text(text)
     print(text, flush=True)
     return 0
+
+
+def _time_passes(model, prefix: list[int], rows_list: list[int], sessions_list: list[int], a, log, label: str,
+                 profiles: list[str]) -> tuple[dict, bool]:
+    """({sessions: [median ms of a pass of each rows_list entry]}, whether a 9-row pass is 9 steps bitwise)."""
+    from transformers import DynamicCache
+
+    device = model.device
+    with torch.inference_mode():
+        caches = [DynamicCache(config=model.config) for _ in range(max(sessions_list))]
+        for cache in caches:
+            _pass(model, cache, prefix, 0, 1)
+        cache = caches[0]
+        start = len(prefix)
+        table = {}
+        for sessions in sessions_list:
+            cells = []
+            for rows in rows_list:
+                new = prefix[-rows:]
+                times = []
+                for i in range(a.repeats + 2):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    _batched_pass(model, caches[:sessions], new, start, rows)
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+                    for c in caches[:sessions]:
+                        c.crop(-rows)
+                cells.append(f"{statistics.median(times[2:]) * 1e3:.1f}")
+            table[sessions] = cells
+        new = prefix[-9:]
+        whole = _pass(model, cache, new, start, 9)
+        cache.crop(-9)
+        steps = torch.stack([_pass(model, cache, [token], start + i, 1)[0] for i, token in enumerate(new)])
+        cache.crop(-9)
+        exact = torch.equal(whole, steps)
+        if not exact:
+            log(f"{label}: 9-row pass vs 9 steps, max |logit difference| "
+                f"{(whole.float() - steps.float()).abs().max():.3g}, argmax equal "
+                f"{int((whole.argmax(-1) == steps.argmax(-1)).sum())}/9")
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            for rows in (1, 5):
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for i in range(3):
+                        _pass(model, cache, prefix[-rows:], start, rows)
+                        cache.crop(-rows)
+                total = sum(e.self_cpu_time_total for e in prof.key_averages())
+                top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:5]
+                profiles.append(f"- {label}, {rows}-row pass: " + ", ".join(
+                    f"{e.key} {100 * e.self_cpu_time_total / total:.1f}%" for e in top))
+    return table, exact
 
 
 def _quality(models: dict, a: argparse.Namespace, prompts: list[str], log) -> str:

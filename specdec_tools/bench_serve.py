@@ -172,6 +172,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (default {DEFAULT_DRAFT})")
     p.add_argument("--tiny", action="store_true",
                    help="tiny random models (specdec_tools.testing, no downloads): a quick smoke run")
+    p.add_argument("--random", metavar="TARGET+DRAFT", default=None,
+                   help="random-weight models with real shapes (specdec_tools.testing.tiny_models.REAL_SHAPES, e.g. "
+                        "qwen2.5-coder-1.5b+qwen2.5-coder-0.5b): for machines without the weights (a GPU); pair it "
+                        "with --synthetic-acceptance, as random models never agree")
+    p.add_argument("--synthetic-acceptance", type=float, default=0.0, metavar="A",
+                   help="BENCHMARKS ONLY: the orchestrator keeps each greedy draft with probability A whatever the "
+                        "target says (not exact; every table says so); 0: off")
+    p.add_argument("--device", default="cpu", help="the workers' device (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--dtype", default="auto", help="the workers' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--concurrency", type=parse_levels, default=parse_levels(DEFAULT_CONCURRENCY),
                    help=f"comma-separated client counts (default {DEFAULT_CONCURRENCY})")
     p.add_argument("--requests-per-level", type=int, default=None, metavar="N",
@@ -222,6 +231,12 @@ class RequestRecord:
     rounds: int = 0
     gamma: int | None = None  # as the server's stats report it
     server_total_s: float = 0.0
+    # where the server's time went (its stats): the rounds' draft and verify calls, and of them the
+    # workers' forward passes alone
+    server_draft_s: float = 0.0
+    server_verify_s: float = 0.0
+    server_draft_compute_s: float = 0.0
+    server_verify_compute_s: float = 0.0
     error: str = ""
     same_as_c1: bool | None = None  # greedy, concurrency > 1: equal to the concurrency-1 output
     setup: str = "default"  # --setups
@@ -457,6 +472,8 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
                 rec.rounds = stats.get("rounds", 0)
                 rec.gamma = stats.get("mean_gamma", stats.get("gamma"))  # as the gamma policy chose it
                 rec.server_total_s = stats.get("total_s", 0.0)
+                for k in ("draft_s", "verify_s", "draft_compute_s", "verify_compute_s"):
+                    setattr(rec, f"server_{k}", stats.get(k, 0.0))
             except Exception as err:  # noqa: BLE001 - recorded, counted, and the run goes on
                 rec.latency_s = time.perf_counter() - t_level[0] - t_start
                 code = getattr(getattr(err, "code", None), "name", None)
@@ -532,8 +549,21 @@ def _model_dirs(a: argparse.Namespace, tmp: str) -> tuple[str, str, int, dict]:
         draft = build_perturbed_copy(target, Path(tmp) / "tiny-draft", seed=2, noise=0.05)
         return str(target), str(draft), 0, {"target": "tiny (seed 1, 2 layers)", "draft": "tiny (perturbed copy)",
                                             "draft_vocab": 0}
-    from specdec.model_store import resolve_model
     from specdec_tools.stack import DEFAULT_DRAFT_VOCAB
+
+    if a.random:
+        from specdec_tools.testing.tiny_models import REAL_SHAPES, build_real_shape_dir
+
+        names = a.random.split("+")
+        if len(names) != 2 or not set(names) <= set(REAL_SHAPES):
+            raise SystemExit(f"--random: TARGET+DRAFT, each one of {', '.join(REAL_SHAPES)}")
+        build = "cuda" if a.device.startswith("cuda") else "cpu"
+        target, draft = (str(build_real_shape_dir(Path(tmp) / f"random-{n}", n, seed=i, device=build))
+                         for i, n in enumerate(names))
+        return target, draft, DEFAULT_DRAFT_VOCAB, {"target": f"{names[0]} (random weights)",
+                                                    "draft": f"{names[1]} (random weights)",
+                                                    "draft_vocab": DEFAULT_DRAFT_VOCAB}
+    from specdec.model_store import resolve_model
 
     # fetched and converted here first, so the two workers never race on the cache
     target, draft = str(resolve_model(a.target)), str(resolve_model(a.draft))
@@ -552,7 +582,8 @@ def write_outputs(out: Path, records: list[RequestRecord], rows: list[dict], met
         w.writeheader()
         for r in records:
             row = {k: v for k, v in asdict(r).items() if k != "token_ids"}
-            for k in ("latency_s", "ttft_s", "tokens_per_s", "server_total_s"):
+            for k in ("latency_s", "ttft_s", "tokens_per_s", "server_total_s", "server_draft_s", "server_verify_s",
+                      "server_draft_compute_s", "server_verify_compute_s"):
                 row[k] = _round(row[k])
             w.writerow(row)
     with open(out / "summary.csv", "w", newline="") as f:
@@ -561,6 +592,10 @@ def write_outputs(out: Path, records: list[RequestRecord], rows: list[dict], met
         w.writerows(rows)
     (out / "summary.json").write_text(json.dumps({**meta, "levels": rows}, indent=2) + "\n")
     table = format_table(rows)
+    if meta.get("synthetic_acceptance"):
+        table = (f"Synthetic acceptance {meta['synthetic_acceptance']:g} (--synthetic-acceptance: greedy drafts kept "
+                 f"by a coin, not by the target; random-weight models; {meta['machine'].get('accelerator') or 'CPU'})"
+                 f"\n\n{table}")
     (out / "table.md").write_text(table + "\n")
     plot(rows, out / "serve.png", title=f"{meta['models']['target']} + {meta['models']['draft']}")
     return table
@@ -602,6 +637,14 @@ def plot(rows: list[dict], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
+def _accelerator(device: str) -> str | None:
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+
+
 def cmd_bench_serve(a: argparse.Namespace) -> int:
     from specdec_tools.bench import PROMPTS
     from specdec_tools.stack import ProcessStack
@@ -619,8 +662,10 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         from specdec_tools.stack import free_port
 
         http_port = free_port() if "http" in a.api else None  # the door of the stack's own orchestrator
-        stack = ProcessStack(target_dir, draft_dir, draft_vocab=draft_vocab, pass_lock=a.pass_lock == "on",
-                             orchestrator_args=("--http-port", str(http_port)) if http_port else ())
+        orchestrator_args = (*(("--http-port", str(http_port)) if http_port else ()),
+                             *(("--synthetic-acceptance", str(a.synthetic_acceptance)) if a.synthetic_acceptance else ()))
+        stack = ProcessStack(target_dir, draft_dir, device=a.device, dtype=a.dtype, draft_vocab=draft_vocab,
+                             pass_lock=a.pass_lock == "on", orchestrator_args=orchestrator_args)
         links: dict[float, tuple] = {}
         try:
             t0 = time.monotonic()
@@ -680,7 +725,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                                                   row["link_rtt_ms"]) if greedy else ""
     meta = {
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
-                    "python": platform.python_version()},
+                    "python": platform.python_version(), "device": a.device, "accelerator": _accelerator(a.device)},
+        "synthetic_acceptance": a.synthetic_acceptance or None,
         "models": models,
         "command": shlex.join(["specdec", *sys.argv[1:]]) if Path(sys.argv[0]).name == "specdec"
         else shlex.join([sys.executable, *sys.argv]),

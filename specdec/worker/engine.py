@@ -503,6 +503,10 @@ class WorkerEngine:
                                  attention_mask=NO_MASK, past_key_values=RaggedCache([s.cache for s in sessions],
                                                                                      [n for _, n in batch.items]),
                                  use_cache=True, logits_to_keep=torch.tensor(keep_rows, dtype=torch.long))
+                if out.logits.device.type == "cuda":
+                    # kernels run after their launch: the pass's seconds (the gamma policy's costs)
+                    # and the lock's turn end when the GPU is done, not when Python is
+                    torch.cuda.synchronize(out.logits.device)
                 elapsed = time.perf_counter() - t0
         except BaseException:
             # a pass that failed half-way leaves layers of different lengths; start those caches

@@ -84,3 +84,54 @@ def build_perturbed_copy(source: Path, path: Path, *, seed: int, noise: float) -
     model.save_pretrained(path)
     PreTrainedTokenizerFast.from_pretrained(source).save_pretrained(path)
     return Path(path)
+
+
+# The shapes of real models (their config.json on the hub), for benchmarks on machines that have
+# no weights (a GPU machine here has no network): pass costs, batching and round trips are real,
+# acceptance is not (specdec bench-serve --synthetic-acceptance).
+REAL_SHAPES = {
+    "qwen2.5-coder-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-coder-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-coder-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                             num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def build_real_shape_dir(path: Path, name: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                         device: str = "cpu") -> Path:
+    """A model directory with the shapes of REAL_SHAPES[name], random weights (std 0.02) and the
+    byte-level tokenizer padded with placeholder tokens to the real vocabulary size (so every id
+    the head can produce decodes). Models of one vocabulary size share one tokenizer."""
+    shape = REAL_SHAPES[name]
+    tokenizer = build_tokenizer(extra_tokens=shape["vocab_size"] - len(build_tokenizer()))
+    assert len(tokenizer) == shape["vocab_size"], (len(tokenizer), shape)
+    config = Qwen2Config(**shape, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m specdec_tools.testing.tiny_models OUT NAME [--device cuda]: a REAL_SHAPES model directory."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("out")
+    p.add_argument("name", choices=sorted(REAL_SHAPES))
+    p.add_argument("--device", default="cpu", help="where the random weights are drawn (cuda: faster)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    print(build_real_shape_dir(Path(a.out), a.name, seed=a.seed, device=a.device))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
