@@ -1,6 +1,6 @@
 """`specdec bench-anchor`: this project beside llama.cpp's own server on the same GGUF files, in one run.
 
-  specdec bench-anchor --llama-server PATH [--target-gguf F --draft-gguf F] [--threads N]
+  specdec bench-anchor --llama-server PATH [--also-llama-server LABEL=PATH] [--target-gguf F --draft-gguf F] [--threads N]
                        [--max-new-tokens 48] [--prompts 4] [--concurrency 4] [--out DIR]
 
 The anchor is the engine a CPU user would pick instead: llama.cpp's `llama-server` (built from the
@@ -71,11 +71,22 @@ def executable(text: str) -> str:
     return str(path.resolve())
 
 
+def labelled_executable(text: str) -> tuple[str, str]:
+    """--also-llama-server LABEL=PATH: another llama-server build (e.g. avx512=.../llama-server)."""
+    label, eq, path = text.partition("=")
+    if not eq or not label.replace("-", "").isalnum():
+        raise argparse.ArgumentTypeError(f"'{text}': give LABEL=PATH, e.g. avx512=build512/bin/llama-server")
+    return label, executable(path)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from specdec.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 
     p.add_argument("--llama-server", type=executable, required=True, metavar="PATH",
                    help="llama.cpp's llama-server binary")
+    p.add_argument("--also-llama-server", type=labelled_executable, action="append", default=[],
+                   metavar="LABEL=PATH", help="another llama-server build (e.g. one for AVX-512): a row of its "
+                   "target alone beside the first's; repeatable")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"our target model (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"our draft model (default {DEFAULT_DRAFT})")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows"],
@@ -145,7 +156,7 @@ def common_prefix(a: list, b: list) -> int:
     return n
 
 
-def summarize(runs: list[Run], anchor: str = ANCHOR) -> list[dict]:
+def summarize(runs: list[Run], anchor: str = ANCHOR, titles: dict[str, str] | None = None) -> list[dict]:
     """One row per engine row: tok/s in each column, the ratio to the anchor row in the same
     column, acceptance (accepted / drafted over both columns), our mean gamma per column, and how
     many all-at-once outputs equal the same prompt's one-at-a-time output."""
@@ -156,7 +167,7 @@ def summarize(runs: list[Run], anchor: str = ANCHOR) -> list[dict]:
 
     rows = []
     for row in dict.fromkeys(r.row for r in runs):
-        entry = {"row": row, "title": ROWS.get(row, row)}
+        entry = {"row": row, "title": (titles or ROWS).get(row, ROWS.get(row, row))}
         for column in (SEQUENTIAL, CONCURRENT):
             mine, base = tps(by.get((row, column))), tps(by.get((anchor, column)))
             entry[f"{column}_tok_s"] = None if mine is None else round(mine, 2)
@@ -252,8 +263,9 @@ def source_gguf(converted_dir: str) -> str:
 # llama.cpp
 
 
-def llama_command(a: argparse.Namespace, target_gguf: str, draft_gguf: str | None, port: int) -> list[str]:
-    cmd = [a.llama_server, "-m", target_gguf, "-t", str(a.threads), "--parallel", str(a.concurrency),
+def llama_command(a: argparse.Namespace, target_gguf: str, draft_gguf: str | None, port: int,
+                  binary: str | None = None) -> list[str]:
+    cmd = [binary or a.llama_server, "-m", target_gguf, "-t", str(a.threads), "--parallel", str(a.concurrency),
            "-c", str(a.ctx_size), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
     if draft_gguf:
         cmd += ["-md", draft_gguf, "--spec-type", "draft-simple", "--spec-draft-n-max", str(a.spec_n_max)]
@@ -369,18 +381,21 @@ def cmd_bench_anchor(a: argparse.Namespace) -> int:
                                            add_generation_prompt=True), add_special_tokens=False).input_ids
                for p in PROMPTS[: a.prompts]]
     runs: list[Run] = []
-    llama: dict = {"path": a.llama_server, "version": llama_version(a.llama_server), "commands": {}}
+    llama: dict = {"path": a.llama_server, "version": llama_version(a.llama_server), "commands": {},
+                   "also": {label: path for label, path in a.also_llama_server}}
     try:
         with tempfile.TemporaryDirectory(prefix="specdec-bench-anchor-") as tmp:
-            for row, draft in (("llama", None), ("llama-draft", draft_gguf)):
+            servers = [("llama", a.llama_server, None), ("llama-draft", a.llama_server, draft_gguf),
+                       *((f"llama-{label}", path, None) for label, path in a.also_llama_server)]
+            for row, binary, draft in servers:
                 port = free_port()
-                cmd = llama_command(a, target_gguf, draft, port)
+                cmd = llama_command(a, target_gguf, draft, port, binary)
                 llama["commands"][row] = shlex.join(cmd)
                 server = LlamaServer(cmd, port, Path(tmp) / f"{row}.log")
                 try:
                     log(f"starting {shlex.join(cmd)}")
                     props = server.start(a.startup_timeout)
-                    llama["build_info"] = props.get("build_info")
+                    llama.setdefault("build_info", props.get("build_info"))
                     runs += _columns(row, lambda ids, i: server.complete(ids, i, a.max_new_tokens), prompts,
                                      a.concurrency, log)
                 finally:
@@ -407,7 +422,9 @@ def cmd_bench_anchor(a: argparse.Namespace) -> int:
         log("interrupted; stopped the servers")
         return 130
 
-    rows, agree = summarize(runs), agreement(runs)
+    titles = {**ROWS, **{f"llama-{label}": f"llama.cpp server ({label} build), target alone"
+                         for label, _ in a.also_llama_server}}
+    rows, agree = summarize(runs, titles=titles), agreement(runs)
     import torch
 
     meta = {

@@ -76,9 +76,12 @@ def _batched_pass(model, caches: list, tokens: list[int], start: int, keep: int)
 
 def _load(path: str, mode: str, a: argparse.Namespace):
     """`mode` is a --quantize value, or int8-rows-fbgemm: int8-rows without its native kernel (the
-    ablation of specdec/csrc/int8_rows.c)."""
+    ablation of specdec/csrc/int8_rows.c), or int8-rows-avx2: the native kernel without its
+    AVX-512 VNNI path (the same bits; timed with the kernel held to AVX2)."""
     from specdec.modeling import load_model
 
+    if mode == "int8-rows-avx2":
+        mode = "int8-rows"
     if mode != "int8-rows-fbgemm":
         return load_model(path, device=a.device, dtype=a.dtype, quantization=mode, head_rows=a.draft_vocab,
                           role=a.role)
@@ -118,6 +121,7 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     default_rowwise = batching.ROWWISE_MAX_ROWS
     for mode, loaded in models.items():
         use_ragged_attention(loaded.model)
+        _native_isa("avx2" if mode == "int8-rows-avx2" else "best")
         for limit in rowwise:
             batching.ROWWISE_MAX_ROWS = limit
             label = mode if len(rowwise) == 1 else f"{mode}, {'row-wise attention' if limit > 1 else 'SDPA'}"
@@ -138,6 +142,14 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     (out / "table.md").write_text(text)
     print(text, flush=True)
     return 0
+
+
+def _native_isa(want: str) -> None:
+    from specdec.kernels import native_library
+
+    lib = native_library()
+    if lib is not None:
+        lib.set_isa(want)
 
 
 def _time_passes(model, prefix: list[int], rows_list: list[int], sessions_list: list[int], a, log, label: str,

@@ -27,7 +27,9 @@ def dirs():
 
 @pytest.fixture(scope="module")
 def stack(dirs):
-    with ProcessStack(*dirs, draft_vocab=DEFAULT_DRAFT_VOCAB) as s:
+    # the request's gamma in every round: the goodput policy may turn drafting off when the cores
+    # are busy (a test must not hang on timing), and this test is about what drafting computes
+    with ProcessStack(*dirs, draft_vocab=DEFAULT_DRAFT_VOCAB, orchestrator_args=("--gamma-policy", "fixed")) as s:
         s.wait_until_ready(900)
         yield s
 

@@ -18,6 +18,13 @@
  * one sequential stream; N is padded to a multiple of TILE, the padding zero (kernels.py's
  * native_tiles writes this layout).
  *
+ * AVX-512 VNNI (where the CPU has it: Zen 4, Ice Lake and later; chosen at run time, AVX2 else):
+ * vpdpbusd sums four u8 x s8 products into int32 in one instruction, with no int16 step to
+ * saturate. Activations go in as u = q + 128 (q XOR 0x80: 0..254), so each sum is
+ * sum (q + 128) w = sum q w + 128 sum w, and 128 * wsum[n] (sum of channel n's weights, computed
+ * once at packing) is taken off: the same integers as the AVX2 path, so the same output bits.
+ * One zmm holds two channels' 32 bytes; up to four rows share each weight load.
+ *
  * Threads: OpenMP over tiles. Built with -fopenmp against the libgomp.so.1 that torch has already
  * loaded, so these regions run on torch's own thread team.
  * Build: cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp -fPIC -shared (kernels.py does it once per
@@ -132,11 +139,76 @@ static inline void store(float *y, int64_t N, int64_t n0, int64_t nc, const int3
     (void)N;
 }
 
-/* x: float32 [M, K] (rows contiguous); w: tiles as above, 32-byte aligned; ws: float32 [N]; bias:
- * float32 [N] or NULL; y: float32 [M, N]. Returns 0, or -1 if scratch memory could not be had. */
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+/* Four lanes' sums of a [ch | ch'] accumulator: the low 256 bits are one channel, the high the next. */
+VNNI static inline void hsum2_vnni(__m512i v, int32_t *lo, int32_t *hi) {
+    *lo = hsum_epi32(_mm512_castsi512_si256(v));
+    *hi = hsum_epi32(_mm512_extracti64x4_epi64(v, 1));
+}
+
+/* R (1..4) rows of u = q + 128 against one tile: out[r * TILE + c] = sum_k u[r, k] w[c, k]. */
+VNNI static inline void tile_vnni(const uint8_t *u, int64_t R, int64_t Kp, const int8_t *w, int32_t *out) {
+    __m512i a[4][2];
+    for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < Kp; k += 32, w += 32 * TILE) {
+        _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);
+        const __m512i w01 = _mm512_loadu_si512((const void *)w);
+        const __m512i w23 = _mm512_loadu_si512((const void *)(w + 64));
+#define ROW(r)                                                                                          \
+    if ((r) < R) {                                                                                      \
+        const __m512i x = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)(u + (r) * Kp + k))); \
+        a[r][0] = _mm512_dpbusd_epi32(a[r][0], x, w01);                                                 \
+        a[r][1] = _mm512_dpbusd_epi32(a[r][1], x, w23);                                                 \
+    }
+        ROW(0) ROW(1) ROW(2) ROW(3)
+#undef ROW
+    }
+    for (int64_t r = 0; r < R; r++) {
+        hsum2_vnni(a[r][0], out + r * TILE, out + r * TILE + 1);
+        hsum2_vnni(a[r][1], out + r * TILE + 2, out + r * TILE + 3);
+    }
+}
+
+VNNI static void linear_vnni(const uint8_t *u, const float *s, int64_t M, int64_t Kp, const int8_t *w,
+                             const int32_t *wsum, int64_t N, const float *ws, const float *bias, float *y,
+                             int32_t threads) {
+    const int64_t tiles = (N + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * TILE;
+        const int64_t nc = N - n0 < TILE ? N - n0 : TILE;
+        for (int64_t m = 0; m < M; m += 4) {
+            const int64_t R = M - m < 4 ? M - m : 4;
+            int32_t sums[4 * TILE];
+            tile_vnni(u + m * Kp, R, Kp, w + n0 * Kp, sums);
+            for (int64_t r = 0; r < R; r++) {
+                for (int c = 0; c < TILE; c++) sums[r * TILE + c] -= 128 * wsum[n0 + c];
+                store(y + (m + r) * N, N, n0, nc, sums + r * TILE, ws, s[m + r], bias);
+            }
+        }
+    }
+}
+
+static int use_vnni = -1; /* -1: not decided yet; specdec_native_isa sets it */
+
+/* 0: the best this CPU has, 1: AVX2 only (tests and ablations). Returns the ISA now in use:
+ * 1 AVX2, 2 AVX-512 VNNI. */
+int specdec_native_isa(int32_t want) {
+    __builtin_cpu_init();
+    use_vnni = want == 0 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return use_vnni ? 2 : 1;
+}
+
+/* x: float32 [M, K] (rows contiguous); w: tiles as above, 32-byte aligned; wsum: int32 [Np], each
+ * channel's sum of weights (the VNNI path's offset); ws: float32 [N]; bias: float32 [N] or NULL;
+ * y: float32 [M, N]. Returns 0, or -1 if scratch memory could not be had. */
 int specdec_int8_rows_linear(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t Kp, int64_t N,
-                             const float *ws, const float *bias, float *y, int32_t threads) {
-    int8_t *q = (int8_t *)aligned_alloc(32, (size_t)(M * Kp));
+                             const int32_t *wsum, const float *ws, const float *bias, float *y, int32_t threads) {
+    if (use_vnni < 0) specdec_native_isa(0);
+    int8_t *q = (int8_t *)aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
     float *s = (float *)malloc(sizeof(float) * (size_t)M);
     if (q == NULL || s == NULL) {
         free(q);
@@ -144,6 +216,13 @@ int specdec_int8_rows_linear(const float *x, int64_t M, int64_t K, const int8_t 
         return -1;
     }
     for (int64_t m = 0; m < M; m++) s[m] = quantize_row(x + m * K, K, Kp, q + m * Kp);
+    if (use_vnni) {
+        for (int64_t i = 0; i < M * Kp; i++) q[i] = (int8_t)((uint8_t)q[i] ^ 0x80); /* u = q + 128 */
+        linear_vnni((const uint8_t *)q, s, M, Kp, w, wsum, N, ws, bias, y, threads);
+        free(q);
+        free(s);
+        return 0;
+    }
     const int64_t tiles = (N + TILE - 1) / TILE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
     for (int64_t t = 0; t < tiles; t++) {

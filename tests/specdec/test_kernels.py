@@ -53,9 +53,32 @@ def _weights(m: Int8RowLinear) -> tuple[torch.Tensor, torch.Tensor]:
     return tiles[:n, :k], m._scale
 
 
+def _vnni_here() -> bool:
+    lib = native_library()
+    if lib is None:
+        return False
+    isa = lib.set_isa("best")
+    return isa == "avx512-vnni"
+
+
+ISAS = [pytest.param("avx2", id="avx2"),
+        pytest.param("best", id="vnni", marks=pytest.mark.skipif(not _vnni_here(), reason="no AVX-512 VNNI here"))]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """The native kernel held to one instruction set for the test (AVX2, or its AVX-512 VNNI path)."""
+    lib = native_library()
+    if lib is not None:
+        lib.set_isa(request.param)
+    yield request.param
+    if lib is not None:
+        lib.set_isa("best")
+
+
 @pytest.mark.parametrize("native", BACKENDS)
 @pytest.mark.parametrize("shape", [(256, 384), (100, 70), (1536, 258)])
-def test_the_sums_are_exact_integer_sums(native, shape):
+def test_the_sums_are_exact_integer_sums(native, shape, isa):
     """The result is the float32 epilogue over exact int32 sums of the int8 weights and the per-row
     int8 activations (fbgemm: its scale for the tensor is 1 and its zero point exact; native: the
     kernel's own sums, any K and N, padded inside)."""
@@ -77,7 +100,7 @@ def test_the_sums_are_exact_integer_sums(native, shape):
     assert torch.equal(m(x), expected)
 
 
-def test_native_activations_use_all_8_bits_without_saturating():
+def test_native_activations_use_all_8_bits_without_saturating(isa):
     """Extreme rows and weights (every product 127 x 127, both signs): fbgemm's AVX2 path would
     saturate its int16 pair sums here; the native kernel's |x| x sign-carrying w pairs cannot."""
     if native_library() is None:
@@ -93,6 +116,26 @@ def test_native_activations_use_all_8_bits_without_saturating():
     assert sums.abs().max() == 127 * 127 * 96
     one = torch.tensor(1.0) / 127.0
     assert torch.equal(m(x), (sums.float() * one) * one)
+
+
+@pytest.mark.skipif(not _vnni_here(), reason="no AVX-512 VNNI here")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 17])
+def test_the_vnni_path_gives_the_avx2_paths_bits(rows):
+    """AVX-512 VNNI sums (q + 128) w and takes 128 sum(w) off: the same integers as AVX2's, so the
+    same output bits, at every row count its 4-row blocks split differently (1-4, 5, 9, 17)."""
+    torch.manual_seed(rows)
+    lib = native_library()
+    for k, n in [(1536, 260), (70, 9), (896, 4864)]:
+        linear = torch.nn.Linear(k, n)
+        m = Int8RowLinear(linear, native=True)
+        x = torch.randn(rows, k) * 4
+        try:
+            lib.set_isa("avx2")
+            reference = m(x)
+            lib.set_isa("best")
+            assert torch.equal(m(x), reference)
+        finally:
+            lib.set_isa("best")
 
 
 @pytest.mark.parametrize("native", BACKENDS)

@@ -144,3 +144,17 @@ def test_source_gguf_follows_the_model_stores_record(tmp_path):
         ba.source_gguf(str(converted))
     with pytest.raises(FileNotFoundError, match="source.json"):
         ba.source_gguf(str(tmp_path))
+
+
+def test_other_llama_builds_are_labelled_rows(fake_server, capsys):
+    a = parse(["--llama-server", str(fake_server), "--also-llama-server", f"avx512={fake_server}"])
+    assert a.also_llama_server == [("avx512", str(fake_server.resolve()))]
+    assert ba.llama_command(a, "/t.gguf", None, 9, a.also_llama_server[0][1])[0] == str(fake_server.resolve())
+    for bad in ("nolabel", f"a b={fake_server}", "x=/no/such/llama-server"):
+        with pytest.raises(SystemExit):
+            parse(["--llama-server", str(fake_server), "--also-llama-server", bad])
+    runs = [Run("llama", SEQUENTIAL, 1.0, [Output(0, [1, 2], 1.0)]), Run("llama-avx512", SEQUENTIAL, 1.0,
+                                                                         [Output(0, [1, 2, 3, 4], 1.0)])]
+    rows = ba.summarize(runs, titles={"llama-avx512": "llama.cpp server (avx512 build), target alone"})
+    assert rows[1]["title"] == "llama.cpp server (avx512 build), target alone" and rows[1]["one_vs_anchor"] == 2.0
+    assert rows[0]["title"] == ba.ROWS["llama"]
