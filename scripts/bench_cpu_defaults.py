@@ -1,7 +1,7 @@
 """The CPU defaults of issue 21, ablated side by side in one run: the target's kernel (fp16
 weights vs int8-rows) x OpenMP's idle threads (PASSIVE vs a bounded spin, GOMP_SPINCOUNT); then
-int8-rows on fbgemm vs the native AVX2 kernel (specdec/csrc/int8_rows.c), the draft's kernel, and
-4-bit weights (int4-rows).
+int8-rows on fbgemm vs the native AVX2 kernel (specdec/csrc/int8_rows.c), the draft's kernel, the
+native kernel's AVX-512 VNNI path, and 4-bit weights (int4-rows).
 
 Each setup starts the three services as `make run` does (specdec_tools.stack.ProcessStack, the
 default pair, draft vocabulary 32k), then times 4 of `specdec bench`'s prompts, greedy, 48 new
@@ -32,6 +32,9 @@ SETUPS = {  # name: (--quantize, environment, more draft flags)
     # the native kernel: target only, then the draft on it too
     "int8-rows native, draft int8": ("auto", SPIN, ("--quantize", "int8")),
     "int8-rows native, draft int8-rows native": ("int8-rows", SPIN, ()),
+    # the native kernel held to AVX2 on a CPU with AVX-512 VNNI (the ablation of its VNNI path), and as shipped
+    "int8-rows native AVX2 (VNNI off)": ("auto", {**SPIN, "SPECDEC_NATIVE_ISA": "avx2"}, ()),
+    "int8-rows native, VNNI where the CPU has it (the default)": ("auto", SPIN, ()),
     # 4-bit weights where the GGUF's blocks were 4-bit (specdec/kernels.py, int4-rows)
     "int4-rows target, draft int8-rows": ("int4-rows", SPIN, ("--quantize", "int8-rows")),
     "int4-rows target and draft": ("int4-rows", SPIN, ()),

@@ -25,7 +25,7 @@ sentinel row, the torch ops around it): on this 2-core AVX2 VM a 256x1536 projec
 ms a row against fbgemm's 0.19, a 1536x8960 one 0.60 against 0.94 (docs/benchmarks/native-int8/).
 On CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later) the same library runs its products with
 vpdpbusd instead (chosen at run time; `SPECDEC_NATIVE_ISA=avx2` keeps the AVX2 path): the same
-integer sums, so the same output bits (tested), and 1.3x faster at 5 rows, 2-3x at 9-32 rows, the
+integer sums, so the same output bits (tested), and 1.3x faster at 5 rows, 1.5-2.1x at 9-32 rows, the
 same at 1-2 rows, where reading the weights is the bound (one 1536x8960 projection, 2 cores).
 It is compiled once per source into the cache (`native_library`); `SPECDEC_NATIVE_KERNELS=0`
 turns it off.

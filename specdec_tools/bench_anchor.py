@@ -356,7 +356,7 @@ def _columns(row: str, one, prompts: list[list[int]], concurrency: int, log) -> 
         con = list(pool.map(lambda item: one(item[1], item[0]), enumerate(prompts)))
     runs.append(Run(row, CONCURRENT, time.perf_counter() - t0, con, load))
     for r in runs:
-        log(f"{ROWS[row]}, {'one at a time' if r.column == SEQUENTIAL else f'{concurrency} at once'}: "
+        log(f"{ROWS.get(row, row)}, {'one at a time' if r.column == SEQUENTIAL else f'{concurrency} at once'}: "
             f"{r.tokens} tokens in {r.wall_s:.2f} s = {r.tokens / r.wall_s:.2f} tok/s "
             f"(load average {r.load_1m:.2f} at its start)")
     return runs
