@@ -64,8 +64,15 @@ def build_model_dir(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
+    return _save_random(path, config, tokenizer, seed=seed, dtype=dtype)
+
+
+def _save_random(path: Path, config: Qwen2Config, tokenizer, *, seed: int, dtype: torch.dtype,
+                 device: str = "cpu") -> Path:
+    """A Qwen2 model of `config` with random weights (drawn on `device`) and `tokenizer`, saved to path."""
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(dtype).eval()
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype).eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
@@ -109,14 +116,7 @@ def build_real_shape_dir(path: Path, name: str, *, seed: int = 0, dtype: torch.d
     assert len(tokenizer) == shape["vocab_size"], (len(tokenizer), shape)
     config = Qwen2Config(**shape, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(dtype).eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return Path(path)
+    return _save_random(path, config, tokenizer, seed=seed, dtype=dtype, device=device)
 
 
 def main(argv: list[str] | None = None) -> int:
