@@ -68,11 +68,12 @@ class RequestState:
     # of its own, whatever the target says, then takes the target's token: rounds shaped like a
     # real pair's for random-weight models (as llama.cpp's --spec-synth-len). 0: exact verification
     synthetic_acceptance: float = 0.0
-    coin: random.Random = field(init=False)  # seeded by the prompt: requests differ, each reproducibly
+    coin: random.Random | None = field(init=False, default=None)  # its draws; seeded by the prompt
 
     def __post_init__(self) -> None:
         self.prompt_len = self.target_synced = len(self.tokens)
-        self.coin = random.Random(hash(tuple(self.tokens)))
+        if self.synthetic_acceptance:  # requests differ, each reproducibly
+            self.coin = random.Random(hash(tuple(self.tokens)))
         self.draft_synced = self.placement.draft_synced if self.placement.draft is not None else 0
 
     @property

@@ -61,7 +61,9 @@ def main() -> int:
     names = list(SETUPS) if a.setups == "all" else [n.strip() for n in a.setups.split(";")]
     print("| setup | 1 client, gamma 0 | 1 client, gamma 4 | 4 clients, gamma 0 | 4 clients, gamma 4 |")
     print("|---|---|---|---|---|")
-    saved = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "SPECDEC_NATIVE_KERNELS")}
+    # every variable a setup may set: each setup starts from none of them
+    saved = {k: os.environ.get(k) for k in sorted({k for _, env, _ in SETUPS.values() for k in env})}
+    outputs: dict[tuple, list[int]] = {}  # (setup, gamma, clients, prompt) -> greedy token ids
     for name in names:
         quantization, env, draft_args = SETUPS[name]
         for k in saved:
@@ -71,26 +73,40 @@ def main() -> int:
                           draft_args=draft_args) as stack:
             stack.wait_until_ready(900)
             with Client(stack.address, timeout_s=900) as client:
-                def run(ids, gamma):
-                    return len(client.generate(token_ids=ids, max_new_tokens=a.new_tokens, temperature=0,
+                def run(ids, gamma, key=None):
+                    out = list(client.generate(token_ids=ids, max_new_tokens=a.new_tokens, temperature=0,
                                                gamma=gamma).token_ids)
+                    if key is not None:
+                        outputs[key] = out
+                    return len(out)
 
                 run(prompts[0][:8], 0)  # warm-up
                 cells = []
                 for gamma in (0, 4):
                     t0 = time.perf_counter()
-                    n = sum(run(ids, gamma) for ids in prompts)
+                    n = sum(run(ids, gamma, (name, gamma, 1, i)) for i, ids in enumerate(prompts))
                     cells.append(n / (time.perf_counter() - t0))
                 for gamma in (0, 4):
                     t0 = time.perf_counter()
                     with ThreadPoolExecutor(4) as pool:
-                        n = sum(pool.map(lambda ids: run(ids, gamma), prompts))
+                        n = sum(pool.map(lambda item: run(item[1], gamma, (name, gamma, 4, item[0])),
+                                         enumerate(prompts)))
                     cells.append(n / (time.perf_counter() - t0))
         print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
     for k, v in saved.items():
         os.environ.pop(k, None)
         if v is not None:
             os.environ[k] = v
+    # greedy: per setup, gamma 4 and four clients must give gamma 0's one-client tokens; across
+    # setups only kernels of the same integer sums (int8-rows on any backend or ISA) must agree
+    for name in names:
+        ref = {i: outputs[name, 0, 1, i] for i in range(len(prompts))}
+        same = sum(out == ref[key[3]] for key, out in outputs.items() if key[0] == name)
+        print(f"{name}: {same}/{sum(key[0] == name for key in outputs)} greedy outputs equal its gamma-0 one-client ones")
+    first = names[0]
+    for name in names[1:]:
+        same = sum(outputs[name, 0, 1, i] == outputs[first, 0, 1, i] for i in range(len(prompts)))
+        print(f"{name} vs {first}: {same}/{len(prompts)} gamma-0 outputs identical")
     return 0
 
 

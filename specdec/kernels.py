@@ -151,9 +151,9 @@ def native_library() -> ctypes._CFuncPtr | None:
     lib.specdec_native_isa.restype = ctypes.c_int
     # AVX-512 VNNI where the CPU has it (the same integers, so the same bits), unless
     # SPECDEC_NATIVE_ISA=avx2 keeps the AVX2 path (the ablation; the tests compare the two)
-    fn.isa = {1: "avx2", 2: "avx512-vnni"}[lib.specdec_native_isa(
-        1 if os.environ.get("SPECDEC_NATIVE_ISA", "").lower() == "avx2" else 0)]
-    fn.set_isa = lambda want: {1: "avx2", 2: "avx512-vnni"}[lib.specdec_native_isa({"best": 0, "avx2": 1}[want])]
+    isa_names, wants = {1: "avx2", 2: "avx512-vnni"}, {"best": 0, "avx2": 1}
+    fn.set_isa = lambda want: isa_names[lib.specdec_native_isa(wants[want])]  # the ISA now in use
+    fn.isa = fn.set_isa("avx2" if os.environ.get("SPECDEC_NATIVE_ISA", "").lower() == "avx2" else "best")
     int4 = lib.specdec_int4_rows_linear
     int4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]

@@ -557,7 +557,7 @@ def _model_dirs(a: argparse.Namespace, tmp: str) -> tuple[str, str, int, dict]:
         names = a.random.split("+")
         if len(names) != 2 or not set(names) <= set(REAL_SHAPES):
             raise SystemExit(f"--random: TARGET+DRAFT, each one of {', '.join(REAL_SHAPES)}")
-        build = "cuda" if a.device.startswith("cuda") else "cpu"
+        build = a.device if a.device.startswith("cuda") else "cpu"  # random weights drawn where they will run
         target, draft = (str(build_real_shape_dir(Path(tmp) / f"random-{n}", n, seed=i, device=build))
                          for i, n in enumerate(names))
         return target, draft, DEFAULT_DRAFT_VOCAB, {"target": f"{names[0]} (random weights)",

@@ -46,8 +46,9 @@ static inline int32_t hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* One row: q (Kp bytes, zero padded) and the returned scale s = amax / 127. */
-static float quantize_row(const float *x, int64_t K, int64_t Kp, int8_t *q) {
+/* One row: q (Kp bytes, zero padded) and the returned scale s = amax / 127. Each byte is stored
+ * XOR flip: 0 gives q itself, 0x80 gives u = q + 128 as unsigned (the VNNI path's operand). */
+static float quantize_row(const float *x, int64_t K, int64_t Kp, int8_t *q, uint8_t flip) {
     float amax = 0.0f;
     for (int64_t k = 0; k < K; k++) {
         float a = fabsf(x[k]);
@@ -62,10 +63,10 @@ static float quantize_row(const float *x, int64_t K, int64_t Kp, int8_t *q) {
         v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); /* half to even */
         int32_t tmp[8];
         _mm256_storeu_si256((__m256i *)tmp, _mm256_cvtps_epi32(v));
-        for (int j = 0; j < 8; j++) q[k + j] = (int8_t)tmp[j];
+        for (int j = 0; j < 8; j++) q[k + j] = (int8_t)((uint8_t)tmp[j] ^ flip);
     }
-    for (; k < K; k++) q[k] = (int8_t)nearbyintf(x[k] * inv);
-    memset(q + K, 0, (size_t)(Kp - K));
+    for (; k < K; k++) q[k] = (int8_t)((uint8_t)(int8_t)nearbyintf(x[k] * inv) ^ flip);
+    memset(q + K, flip, (size_t)(Kp - K));
     return amax / 127.0f;
 }
 
@@ -215,9 +216,8 @@ int specdec_int8_rows_linear(const float *x, int64_t M, int64_t K, const int8_t 
         free(s);
         return -1;
     }
-    for (int64_t m = 0; m < M; m++) s[m] = quantize_row(x + m * K, K, Kp, q + m * Kp);
-    if (use_vnni) {
-        for (int64_t i = 0; i < M * Kp; i++) q[i] = (int8_t)((uint8_t)q[i] ^ 0x80); /* u = q + 128 */
+    for (int64_t m = 0; m < M; m++) s[m] = quantize_row(x + m * K, K, Kp, q + m * Kp, use_vnni ? 0x80 : 0);
+    if (use_vnni) { /* q holds u = q + 128 */
         linear_vnni((const uint8_t *)q, s, M, Kp, w, wsum, N, ws, bias, y, threads);
         free(q);
         free(s);
@@ -331,7 +331,7 @@ int specdec_int4_rows_linear(const float *x, int64_t M, int64_t K, const int8_t 
         return -1;
     }
     for (int64_t m = 0; m < M; m++) {
-        s[m] = quantize_row(x + m * K, K, Kp, q + m * Kp);
+        s[m] = quantize_row(x + m * K, K, Kp, q + m * Kp, 0);
         for (int64_t g = 0; g < G; g++) {
             int32_t t = 0;
             for (int j = 0; j < 32; j++) t += q[m * Kp + 32 * g + j];
