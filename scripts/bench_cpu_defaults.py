@@ -1,7 +1,7 @@
 """The CPU defaults of issue 21, ablated side by side in one run: the target's kernel (fp16
 weights vs int8-rows) x OpenMP's idle threads (PASSIVE vs a bounded spin, GOMP_SPINCOUNT); then
 int8-rows on fbgemm vs the native AVX2 kernel (specdec/csrc/int8_rows.c), the draft's kernel, the
-native kernel's AVX-512 VNNI path, and 4-bit weights (int4-rows).
+native kernel's AVX-512 VNNI path, and the GGUF's own 4-bit blocks (int4-rows, the default).
 
 Each setup starts the three services as `make run` does (specdec_tools.stack.ProcessStack, the
 default pair, draft vocabulary 32k), then times 4 of `specdec bench`'s prompts, greedy, 48 new
@@ -27,17 +27,16 @@ FBGEMM = {**SPIN, "SPECDEC_NATIVE_KERNELS": "0"}
 SETUPS = {  # name: (--quantize, environment, more draft flags)
     "fp16, PASSIVE (before)": ("fp16", {"OMP_WAIT_POLICY": "PASSIVE", "SPECDEC_NATIVE_KERNELS": "0"}, ()),
     "fp16, spin": ("fp16", FBGEMM, ()),
-    "int8-rows, PASSIVE": ("auto", {"OMP_WAIT_POLICY": "PASSIVE", "SPECDEC_NATIVE_KERNELS": "0"}, ()),
-    "int8-rows, spin": ("auto", FBGEMM, ()),
+    "int8-rows, PASSIVE": ("int8-rows", {"OMP_WAIT_POLICY": "PASSIVE", "SPECDEC_NATIVE_KERNELS": "0"}, ()),
+    "int8-rows, spin": ("int8-rows", FBGEMM, ()),
     # the native kernel: target only, then the draft on it too
-    "int8-rows native, draft int8": ("auto", SPIN, ("--quantize", "int8")),
+    "int8-rows native, draft int8": ("int8-rows", SPIN, ("--quantize", "int8")),
     "int8-rows native, draft int8-rows native": ("int8-rows", SPIN, ()),
-    # the native kernel held to AVX2 on a CPU with AVX-512 VNNI (the ablation of its VNNI path), and as shipped
-    "int8-rows native AVX2 (VNNI off)": ("auto", {**SPIN, "SPECDEC_NATIVE_ISA": "avx2"}, ()),
-    "int8-rows native, VNNI where the CPU has it (the default)": ("auto", SPIN, ()),
-    # 4-bit weights where the GGUF's blocks were 4-bit (specdec/kernels.py, int4-rows)
-    "int4-rows target, draft int8-rows": ("int4-rows", SPIN, ("--quantize", "int8-rows")),
-    "int4-rows target and draft": ("int4-rows", SPIN, ()),
+    # the native kernel held to AVX2 on a CPU with AVX-512 VNNI (the ablation of its VNNI path), and not
+    "int8-rows native AVX2 (VNNI off)": ("int8-rows", {**SPIN, "SPECDEC_NATIVE_ISA": "avx2"}, ()),
+    "int8-rows native, VNNI where the CPU has it": ("int8-rows", SPIN, ()),
+    # the GGUF's own Q4_K blocks for the target (specdec/kernels.py, int4-rows), the draft int8-rows
+    "int4-rows target (the default)": ("auto", SPIN, ()),
 }
 
 

@@ -29,6 +29,13 @@ integer sums, so the same output bits (tested), and 1.3x faster at 5 rows, 1.5-2
 same at 1-2 rows, where reading the weights is the bound (one 1536x8960 projection, 2 cores).
 It is compiled once per source into the cache (`native_library`); `SPECDEC_NATIVE_KERNELS=0`
 turns it off.
+
+`Q4KRowLinear` (`--quantize int4-rows`, the CPU target's default where the native kernel builds):
+for each Linear whose weight the model's source GGUF holds in Q4_K blocks, those very blocks (the
+numbers llama.cpp computes with; modeling.q4k_blocks reads them and checks them against the store),
+against the same int8 activations per row, with integer sums per 256-column super-block and one
+fixed float order per row and channel: rows bitwise independent, and ~0.58 bytes a weight read
+instead of 1. Every other Linear (the default target's Q6_K tensors, its head) stays int8-rows.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "int8_rows.c"
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 
 def _prepack(weight: torch.Tensor) -> object:
@@ -154,11 +161,11 @@ def native_library() -> ctypes._CFuncPtr | None:
     isa_names, wants = {1: "avx2", 2: "avx512-vnni"}, {"best": 0, "avx2": 1}
     fn.set_isa = lambda want: isa_names[lib.specdec_native_isa(wants[want])]  # the ISA now in use
     fn.isa = fn.set_isa("avx2" if os.environ.get("SPECDEC_NATIVE_ISA", "").lower() == "avx2" else "best")
-    int4 = lib.specdec_int4_rows_linear
-    int4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
-    int4.restype = ctypes.c_int
-    fn.int4 = int4  # the library's second kernel (Int4RowLinear)
+    q4k = lib.specdec_q4k_rows_linear
+    q4k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+    q4k.restype = ctypes.c_int
+    fn.q4k = q4k  # the library's second kernel (Q4KRowLinear)
     return fn
 
 
@@ -304,91 +311,90 @@ class Fp16Linear(torch.nn.Module):
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """A flat copy of `t` whose data starts on a 32-byte boundary."""
-    flat = torch.empty(t.numel() * t.element_size() + 32, dtype=torch.uint8)
-    start = (-flat.data_ptr()) % 32
+    """A flat copy of `t` whose data starts on a 64-byte boundary."""
+    flat = torch.empty(t.numel() * t.element_size() + 64, dtype=torch.uint8)
+    start = (-flat.data_ptr()) % 64
     return flat[start:start + t.numel() * t.element_size()].view(t.dtype).copy_(t.reshape(-1))
 
 
-def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """Affine 4-bit weights per group of 32 columns (K padded to a multiple of 32): u [N, Kp]
-    in 0..15 (uint8), d and m [N, Kp / 32] float32 with w ~ d * u + m, and the share of groups
-    whose values lie on such a grid already.
-
-    Weights dequantized from 4-bit GGUF blocks (Q4_K: 32-column sub-blocks, w = d_j q - m_j)
-    are on a grid of at most 16 evenly spaced values per group, whose ends need not be used.
-    For each group the step is the smallest gap between its values, kept where every value
-    then lies within 0.02 steps (plus float16 rounding) of a grid point of at most 16 levels,
-    so such weights come back as the GGUF's own levels, up to the float16 rounding of the
-    store. Other groups take min..max in 15
-    steps."""
-    w = weight.detach().to(torch.float32)
-    n, k = w.shape
-    kp = -(-k // _COLUMNS) * _COLUMNS
-    if kp != k:  # padded with each row's last weight, on its group's grid (the padding meets zeros)
-        w = torch.cat([w, w[:, k - 1:].expand(n, kp - k)], dim=1)
-    us, ds, los, on_grid = [], [], [], 0
-    for rows in w.split(4096):  # bounded temporaries (the default target's head has 151,936 rows)
-        u, d, lo, fits = _grid_rows(rows.reshape(rows.shape[0], kp // _COLUMNS, _COLUMNS))
-        us.append(u.view(rows.shape[0], kp)), ds.append(d), los.append(lo)
-        on_grid += int(fits.sum())
-    return torch.cat(us), torch.cat(ds).contiguous(), torch.cat(los).contiguous(), on_grid / (n * (kp // _COLUMNS))
+Q4K_BLOCK, Q4K_COLUMNS = 144, 256  # ggml's block_q4_K: bytes, and the columns one covers
 
 
-def _grid_rows(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int4_groups for groups g [rows, G, 32]: the step is the smallest gap between a group's
-    sorted values (any two neighbouring levels present give it), checked against every value."""
-    lo, hi = g.amin(dim=2), g.amax(dim=2)
-    spread = hi - lo
-    slack = (g.abs() + lo.abs()[..., None]) * 2.0 ** -11  # float16 rounding of a value and of the minimum
-    gaps = g.sort(dim=2).values.diff(dim=2)
-    gaps = torch.where(gaps > 4 * slack[..., 1:], gaps, torch.full_like(gaps, float("inf")))  # equal values
-    gap = gaps.amin(dim=2)
-    fits = torch.zeros_like(spread, dtype=torch.bool)
-    d = spread / 15.0  # off any grid: min..max in 15 steps
-    for parts in (1, 2, 3):  # no two neighbouring levels present: the smallest gap is 2 or 3 steps
-        span = torch.round(spread / gap * parts)
-        ok = torch.isfinite(gap) & (span >= 1) & (span <= 15) & ~fits
-        step = torch.where(ok, spread / span.clamp(min=1), torch.ones_like(spread))
-        t = (g - lo[..., None]) / step[..., None]
-        ok &= ((t - torch.round(t)).abs() * step[..., None] <= 0.02 * step[..., None] + slack).all(dim=2)
-        d = torch.where(ok, step, d)
-        fits |= ok
-    d = torch.where(spread > 0, d, torch.ones_like(d))
-    u = torch.round((g - lo[..., None]) / d[..., None]).clamp_(0, 15).to(torch.uint8)
-    return u, d, lo, fits | (spread <= 0)
+def q4k_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml Q4_K blocks, uint8 [N, K / 256 * 144] (a GGUF tensor's rows), as (d, dmin: float32
+    [N, nb]; sc, mn: uint8 [N, nb, 8]; qs: uint8 [N, nb, 128]): w = d sc_j u - dmin mn_j per
+    sub-block j of 32 columns (gguf-py's Q4_K.get_scale_min, in torch)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, Q4K_BLOCK)
+    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    dmin = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    s = b[..., 4:16].reshape(n, -1, 3, 4)
+    lo, hi, mix = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 2) & 48)], dim=-1)
+    mn = torch.cat([hi & 63, (mix >> 4) | ((hi >> 2) & 48)], dim=-1)
+    return d, dmin, sc, mn, b[..., 16:]
 
 
+def q4k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    """The float32 weights [N, K] that Q4_K blocks hold (gguf-py's Q4_K.dequantize_blocks)."""
+    d, dmin, sc, mn, qs = q4k_unpack(blocks)
+    n, nb = d.shape
+    u = torch.stack([qs.reshape(n, nb, 4, 32) & 15, qs.reshape(n, nb, 4, 32) >> 4], dim=3).reshape(n, nb, 8, 32)
+    w = (d[..., None] * sc.float())[..., None] * u.float() - (dmin[..., None] * mn.float())[..., None]
+    return w.reshape(n, nb * Q4K_COLUMNS)
 
-class Int4RowLinear(torch.nn.Module):
-    """`--quantize int4-rows`: 4-bit weights, affine per group of 32 columns (half int8-rows'
-    weight bytes), int8 activations per row, integer sums per group and one fixed float order
-    per row: rows bitwise independent, as int8-rows. Native kernel only (specdec/csrc/int8_rows.c)."""
 
-    def __init__(self, linear: torch.nn.Linear, groups: tuple | None = None):
-        """groups: int4_groups(linear.weight), where the caller computed it already."""
+def q4k_steps(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K nibbles [N, nb, 128] (the GGUF's order: 32-byte chunk c holds sub-block 2c in its low
+    nibbles, 2c + 1 in its high ones) in the native kernel's step order: [N, nb, 128] as [4][32], byte
+    4i + j of vector v holding column 4t + j of sub-block i for t = 2v (low nibble) and 2v + 1
+    (high nibble), so that lane i of a step is sub-block i's (specdec_q4k_rows_linear)."""
+    n, nb, _ = qs.shape
+    chunks = qs.reshape(n, nb, 4, 32)
+    u = torch.stack([chunks & 15, chunks >> 4], dim=3).reshape(n, nb, 8, 8, 4)  # [sub-block i][step t][j]
+    steps = u.transpose(2, 3).reshape(n, nb, 4, 2, 32)  # [step t = 2v + h][i, j]
+    return (steps[:, :, :, 0] | (steps[:, :, :, 1] << 4)).reshape(n, nb, 128)
+
+
+_Q4K_TILE = 8  # int8_rows.c's QTILE
+
+
+def _q4k_tiles(per_block: torch.Tensor) -> torch.Tensor:
+    """[N, nb, bytes] -> [N / 8, nb, 8, bytes] (N zero-padded to a multiple of 8): each tile of 8
+    channels one sequential stream, super-block by super-block."""
+    n, nb, width = per_block.shape
+    np_ = -(-n // _Q4K_TILE) * _Q4K_TILE
+    padded = torch.nn.functional.pad(per_block, (0, 0, 0, 0, 0, np_ - n))
+    return padded.view(np_ // _Q4K_TILE, _Q4K_TILE, nb, width).transpose(1, 2).contiguous()
+
+
+class Q4KRowLinear(torch.nn.Module):
+    """`--quantize int4-rows`, for a weight the source GGUF holds in Q4_K blocks: those very blocks
+    (4.5 bits a weight, the numbers llama.cpp computes with; 4.625 bits here, the 6-bit scales
+    stored as bytes), int8 activations per row, integer sums per 256-column super-block and one
+    fixed float order per row: rows bitwise independent, as int8-rows. Native kernel only
+    (specdec_q4k_rows_linear in specdec/csrc/int8_rows.c)."""
+
+    dequantize = staticmethod(q4k_dequantize)  # blocks -> the float weights they hold
+
+    def __init__(self, in_features: int, out_features: int, blocks: torch.Tensor, bias: torch.Tensor | None = None):
+        """blocks: uint8 [out_features, in_features / 256 * 144], the GGUF tensor's rows."""
         super().__init__()
         lib = native_library()
         if lib is None:
             raise RuntimeError("int4-rows needs the native kernel (Linux x86-64 with AVX2 and a C compiler)")
-        self._kernel = lib.int4
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bias = None if linear.bias is None else torch.nn.Parameter(
-            linear.bias.detach().to(torch.float32, copy=True), requires_grad=False)
-        u, d, m, _ = groups if groups is not None else int4_groups(linear.weight)
-        n, kp = u.shape
-        groups, np_ = kp // _COLUMNS, -(-n // _TILE) * _TILE
-        self._columns = kp
-        pad = np_ - n
-        u = torch.nn.functional.pad(u, (0, 0, 0, pad))
-        d = torch.nn.functional.pad(d, (0, 0, 0, pad), value=1.0)
-        m = torch.nn.functional.pad(m, (0, 0, 0, pad))
-        g = u.view(np_, groups, 2, 16)
-        packed = (g[:, :, 0] | (g[:, :, 1] << 4)).view(np_ // _TILE, _TILE, groups, 16).transpose(1, 2)
-        self.register_buffer("_weight", _aligned(packed.contiguous().view(torch.int8)), persistent=False)
-        self.register_buffer("_scale", d.view(np_ // _TILE, _TILE, groups).transpose(1, 2).contiguous().view(-1),
-                             persistent=False)
-        self.register_buffer("_offset", m.contiguous().view(-1), persistent=False)
+        if in_features % Q4K_COLUMNS or tuple(blocks.shape) != (out_features, in_features // Q4K_COLUMNS * Q4K_BLOCK):
+            raise ValueError(f"Q4_K blocks of shape {tuple(blocks.shape)} do not hold a {out_features}x{in_features} weight")
+        self._kernel = lib.q4k
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else torch.nn.Parameter(
+            bias.detach().to(torch.float32, copy=True), requires_grad=False)
+        blocks = torch.as_tensor(blocks, dtype=torch.uint8)
+        d, dmin, sc, mn, qs = q4k_unpack(blocks)
+        halves = torch.stack([d, dmin], dim=-1).half().view(torch.uint8)  # exact: they were float16
+        meta = torch.cat([sc, mn, halves.reshape(*d.shape, 4)], dim=-1)
+        self.register_buffer("_qs", _aligned(_q4k_tiles(q4k_steps(qs))), persistent=False)
+        self.register_buffer("_meta", _aligned(_q4k_tiles(meta)), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -397,43 +403,40 @@ class Int4RowLinear(torch.nn.Module):
         if n == 0:
             return rows.new_empty(*shape[:-1], self.out_features)
         y = torch.empty(n, self.out_features)
-        if self._kernel(rows.data_ptr(), n, self.in_features, self._weight.data_ptr(), self._columns,
-                        self.out_features, self._scale.data_ptr(), self._offset.data_ptr(),
-                        None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+        if self._kernel(rows.data_ptr(), n, self.in_features, self._qs.data_ptr(), self._meta.data_ptr(),
+                        self.out_features, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                         torch.get_num_threads()) != 0:
             raise MemoryError("int4-rows: no scratch memory for the quantized rows")
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit weights per 32 columns"
+        return f"in_features={self.in_features}, out_features={self.out_features}, the GGUF's Q4_K blocks"
 
 
-ON_GRID = 0.99  # int4-rows: the share of a weight's groups on a 4-bit grid for it to be held in 4 bits
+GGUF_KERNELS = {"Q4_K": Q4KRowLinear}  # int4-rows: a GGUF block format's module
+KERNELS = {"int8-rows": Int8RowLinear, "int8": Int8Linear, "fp16": Fp16Linear}
 
 
-def int4_where_on_grid(linear: torch.nn.Linear) -> torch.nn.Module:
-    """`--quantize int4-rows`, per Linear: Int4RowLinear where the weight is already on 4-bit grids
-    (ON_GRID of its groups: weights from Q4_K blocks, whose levels it keeps exactly), else
-    Int8RowLinear (weights from 6-bit blocks, such as the default target's output head and some
-    of its attn_v / ffn_down tensors, would lose to 4 bits). Rows independent either way."""
-    groups = int4_groups(linear.weight)
-    if groups[3] >= ON_GRID:
-        return Int4RowLinear(linear, groups)
-    return Int8RowLinear(linear)
+def replace_linears(model: torch.nn.Module, quantization: str, blocks: dict | None = None) -> torch.nn.Module:
+    """Replaces every CPU nn.Linear of the model by the module of `quantization` (a KERNELS key,
+    or int4-rows), in place, calling the kernels directly (torch.ao.quantization's module
+    swapping is deprecated and warns). int4-rows: for each Linear whose qualified name `blocks`
+    maps to (a GGUF_KERNELS format, its blocks) (modeling.gguf_blocks reads them from the source
+    GGUF), that format's module; int8-rows for every other one."""
+    if quantization == "int4-rows":
+        blocks = blocks or {}
 
-
-KERNELS = {"int8-rows": Int8RowLinear, "int4-rows": int4_where_on_grid, "int8": Int8Linear, "fp16": Fp16Linear}
-
-
-def replace_linears(model: torch.nn.Module, quantization: str) -> torch.nn.Module:
-    """Replaces every CPU nn.Linear of the model by the module of `quantization` (a KERNELS key),
-    in place, calling fbgemm's operators directly (torch.ao.quantization's module swapping is
-    deprecated and warns)."""
-    kernel = KERNELS[quantization]
-    for parent in list(model.modules()):
+        def kernel(child, name):
+            if name in blocks:
+                kind, rows = blocks[name]
+                return GGUF_KERNELS[kind](child.in_features, child.out_features, rows, child.bias)
+            return Int8RowLinear(child)
+    else:
+        kernel = lambda child, name: KERNELS[quantization](child)  # noqa: E731
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear) and child.weight.device.type == "cpu":
-                setattr(parent, name, kernel(child))
+                setattr(parent, name, kernel(child, f"{prefix}.{name}" if prefix else name))
     return model
 
 

@@ -21,8 +21,9 @@ chat-templated prompts of specdec_tools.bench.PROMPTS, tokenized once here), gre
 prefills cold as ours does. Greedy agreement per prompt: leading tokens llama.cpp's target alone
 shares with ours, whether the whole outputs are equal, ours default against ours gamma 0 and
 llama.cpp with its draft against without; and, per row, whether all-at-once outputs equal
-one-at-a-time ones (batch invariance). --quantize fp16 makes our target's weights the GGUF's
-exactly dequantized (the default int8-rows requantizes them, and near-ties can then differ).
+one-at-a-time ones (batch invariance). Our default target (int4-rows) computes with the GGUF's own
+Q4_K blocks and int8 weights for its Q6_K tensors, int8 activations a row; --quantize fp16 makes
+all its weights the GGUF's exactly dequantized (float activations: near-ties can differ either way).
 Writes table.md and results.json to --out; prints the tables.
 """
 
@@ -90,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"our target model (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"our draft model (default {DEFAULT_DRAFT})")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows"],
-                   help="our workers' --quantize (default auto: int8-rows for both where the native kernel builds)")
+                   help="our workers' --quantize (default auto: int4-rows for the target, int8-rows for the draft, "
+                        "where the native kernel builds)")
     p.add_argument("--target-gguf", default=None, help="llama.cpp's target (default: the GGUF --target comes from)")
     p.add_argument("--draft-gguf", default=None, help="llama.cpp's draft (default: the GGUF --draft comes from)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t (default: all CPUs)")

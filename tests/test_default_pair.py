@@ -36,8 +36,8 @@ def stack(dirs):
 
 def test_greedy_over_grpc_equals_the_same_workers_gamma_0_output(dirs, stack):
     """Speculative greedy output is the target worker's own step-by-step output (gamma 0), token
-    for token: its verify passes compute exactly what single steps compute (int8-rows, the CPU
-    default, with row-wise attention: specdec/kernels.py)."""
+    for token: its verify passes compute exactly what single steps compute (int4-rows, the CPU
+    default: the GGUF's Q4_K blocks and int8-rows, with row-wise attention: specdec/kernels.py)."""
     from orchestrator.client import Client
 
     tok = load_tokenizer(dirs[0])
@@ -54,14 +54,19 @@ def test_greedy_over_grpc_equals_the_same_workers_gamma_0_output(dirs, stack):
 
 
 def test_a_k_row_verify_on_the_real_target_equals_k_single_steps(dirs):
-    """The default CPU target (int8-rows): for k = 2..9, every position of a k-row verify pass has
-    bitwise the log-probability and argmax of k one-row steps."""
+    """The default CPU target (int4-rows: the 168 Linears the GGUF holds in Q4_K from its own
+    blocks, the rest int8-rows): for k = 2..9, every position of a k-row verify pass has bitwise
+    the log-probability and argmax of k one-row steps."""
     from specdec.protocol import SamplingParams
     from target_service.engine import TargetEngine
 
     torch.set_num_threads(2)
     engine = TargetEngine(load_model(dirs[0]))
-    assert engine.loaded.quantization == "int8-rows"
+    from specdec.kernels import Q4KRowLinear, native_available
+
+    assert engine.loaded.quantization == ("int4-rows" if native_available() else "int8-rows")
+    if native_available():
+        assert sum(isinstance(m, Q4KRowLinear) for m in engine.loaded.model.modules()) == 168
     greedy = SamplingParams(temperature=0)
     prompt = engine.tokenizer("def merge(a, b):\n    result = []\n    i = j = 0\n").input_ids
     drafts = engine.tokenizer("    while i < len(a) and j < len(b):").input_ids[:8]

@@ -247,114 +247,173 @@ int specdec_int8_rows_linear(const float *x, int64_t M, int64_t K, const int8_t 
     return 0;
 }
 
-/* ---- int4-rows: 4-bit weights, affine per group of 32 columns, int8 activations per row ------
+/* ---- int4-rows: the GGUF's own Q4_K blocks x int8 activations per row ------------------------
  *
- * w[n, k] ~ d[n, g] * u[n, k] + m[n, g] with u in 0..15 and g = k / 32, so
+ * A Q4_K super-block covers 256 columns of one output channel, in 8 sub-blocks i of 32:
+ * w[k] = d * sc[i] * u[k] - dmin * mn[i], with u in 0..15, sc and mn 6-bit integers, d and dmin
+ * float16 (ggml's block_q4_K; the numbers llama.cpp computes with). With row m quantized as above
+ * (q, s[m]) and qsum[m, i] the integer sum of its q over sub-block i:
  *
- * y[m, n] = s[m] * sum_g (d[n, g] * (float) sum_{k in g} q[m, k] u[n, k] + m[n, g] * (float) qs[m, g]) + bias[n]
+ * y[m, n] = s[m] * (sum_b d_b * sum_i sc_i P_bi - sum_b dmin_b * J_b) + bias[n]
+ * P_bi = sum_{k in sub-block i} q[m, k] u[n, k],   J_b = sum_i mn_i * qsum[m, i]
  *
- * with qs[m, g] the integer sum of row m's quantized activations over group g. Each integer sum
- * is exact (|q| <= 127, u <= 15: a vpmaddubsw pair is at most 3810), the float sums run in one
- * fixed order per row and channel whatever else the call holds: rows are bitwise independent.
- * Layout: tiles of TILE channels, for each group the TILE channels' 16 bytes (byte j: element j
- * in the low nibble, element j + 16 in the high one); d as floats [Np / TILE][G][TILE], m as
- * floats [Np / TILE][TILE][G].
+ * Weights are repacked so that lane i of a 256-bit vector holds 4 columns of sub-block i: step t
+ * (0..7) holds columns 32i + 4t .. 32i + 4t + 3 of every sub-block, and the row's activations are
+ * laid out the same way (q4k_steps). Eight steps of 4-byte dot products (vpdpbusd, or vpmaddubsw +
+ * vpmaddwd on AVX2: the same integers, |q u| <= 1905) leave P_bi whole in lane i, one vpmulld by
+ * the 8 scales makes it sc_i P_bi (|.| <= 3.9e6: exact in float), and one float step a super-block
+ * adds d_b times it: two multiplies a 32-byte step and row where a scale per 32 columns would
+ * take three. The float steps run in one fixed order per row and channel (eight lanes in
+ * super-block order, four of dmin_b * J_b, then fixed trees), whatever else the call holds: rows
+ * bitwise independent, as int8-rows, and the AVX2 and VNNI paths give the same bits.
+ *
+ * Layout (kernels.py's Q4KRowLinear writes it): tiles of QTILE channels (N padded), each one
+ * sequential stream, super-block by super-block: qs [N/8][K/256][8][4][32] bytes, byte 4i + j of
+ * vector v holding step 2v's column in its low nibble and step 2v+1's in its high one; meta
+ * [N/8][K/256][8][20]: sc[8], mn[8] as bytes, then d and dmin as float16 bits.
  */
 
-static inline __m256i unpack_nibbles(const int8_t *p) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)p);
-    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
-    return _mm256_set_m128i(hi, lo);
-}
+#define QK 256
+#define QMETA 20
 
-static inline float hsum_ps(__m256 v) {
+static inline float hsum8_ps(__m256 v) { /* ((0+4)+(2+6))+((1+5)+(3+7)) */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-/* One quantized row (q: Kp bytes, qs: G floats) against one tile; out: TILE unscaled sums. */
-static inline void tile4_1(const int8_t *q, const float *qs, int64_t G, const int8_t *w, const float *d,
-                           const float *mn, float out[TILE]) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t g = 0; g < G; g++, w += 16 * TILE, d += TILE) {
-        _mm_prefetch((const char *)(w + 512), _MM_HINT_T0);
-        const __m256i x = _mm256_load_si256((const __m256i *)(q + 32 * g));
-#define G4(acc, c)                                                                                    \
-    acc = _mm256_fmadd_ps(                                                                            \
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(unpack_nibbles(w + 16 * (c)), x), ones)), \
-        _mm256_broadcast_ss(d + (c)), acc)
-        G4(a0, 0);
-        G4(a1, 1);
-        G4(a2, 2);
-        G4(a3, 3);
-    }
-    /* the groups' offsets: sum_g m[n, g] * qs[g], eight groups at a time, then the rest (mn is
-     * [TILE][G]: each channel's offsets contiguous) */
-    __m256 b0 = _mm256_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8) {
-        const __m256 s = _mm256_loadu_ps(qs + g);
-        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), s, b0);
-        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + G + g), s, b1);
-        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 2 * G + g), s, b2);
-        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + 3 * G + g), s, b3);
-    }
-    float r0 = hsum_ps(b0), r1 = hsum_ps(b1), r2 = hsum_ps(b2), r3 = hsum_ps(b3);
-    for (; g < G; g++) {
-        r0 = fmaf(mn[g], qs[g], r0);
-        r1 = fmaf(mn[G + g], qs[g], r1);
-        r2 = fmaf(mn[2 * G + g], qs[g], r2);
-        r3 = fmaf(mn[3 * G + g], qs[g], r3);
-    }
-    out[0] = hsum_ps(a0) + r0;
-    out[1] = hsum_ps(a1) + r1;
-    out[2] = hsum_ps(a2) + r2;
-    out[3] = hsum_ps(a3) + r3;
+static inline float hsum4_ps(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 
-/* x: float32 [M, K]; w: tiles as above (32-byte aligned); d, mn: float32 as above;
- * bias: float32 [N] or NULL; y: float32 [M, N]. Returns 0, or -1 without scratch memory. */
-int specdec_int4_rows_linear(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t Kp, int64_t N,
-                             const float *d, const float *mn, const float *bias, float *y, int32_t threads) {
-    const int64_t G = Kp / 32;
-    int8_t *q = (int8_t *)aligned_alloc(32, (size_t)(M * Kp));
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+#define ROW4(r, body) { enum { r = 0 }; body } { enum { r = 1 }; body } { enum { r = 2 }; body } { enum { r = 3 }; body }
+#define ROW8(r, body) ROW4(r, body) { enum { r = 4 }; body } { enum { r = 5 }; body } { enum { r = 6 }; body } \
+    { enum { r = 7 }; body }
+
+/* Up to RMAX rows (q: int8 [R][K] in step order at stride K; qsum: int16 [R][K/32]) against the
+ * first nc (<= QTILE) channels of one tile (qs, meta: the tile's), super-block by super-block, so that a super-block's activations
+ * (R x 256 bytes) serve every channel of the tile from L1: out[c * RMAX + r] = sum_b d_b sum_i
+ * sc_i P_bi - sum_b dmin_b J_b for channel c and row r, each channel's floats in super-block order
+ * whatever the tile. DOT4(acc, u, x): acc + the 4-byte dot products of u (unsigned) and x
+ * (signed) in each lane. */
+#define QTILE 8
+#define Q4K_TILE(NAME, ATTR, RMAX, ROWS, DOT4)                                                             \
+    ATTR static inline void NAME(const int8_t *q, const int16_t *qsum, int64_t R, int64_t K, const uint8_t *qs, \
+                                 const uint8_t *meta, int64_t nb, int64_t nc, float *out) {                \
+        const __m256i low = _mm256_set1_epi8(0x0F);                                                        \
+        __m256 f[QTILE][RMAX];                                                                             \
+        for (int c = 0; c < QTILE; c++)                                                                    \
+            for (int r = 0; r < RMAX; r++) f[c][r] = _mm256_setzero_ps();                                  \
+        for (int64_t b = 0; b < nb; b++) {                                                                 \
+            const int8_t *xq = q + b * QK;                                                                 \
+            for (int64_t c = 0; c < nc; c++) {                                                             \
+                const uint8_t *w = qs + (b * QTILE + c) * 128, *mt = meta + (b * QTILE + c) * QMETA;       \
+                _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);                                   \
+                _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);                              \
+                __m256i a[RMAX];                                                                           \
+                for (int r = 0; r < RMAX; r++) a[r] = _mm256_setzero_si256();                              \
+                for (int v = 0; v < 4; v++) {                                                              \
+                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * v));                  \
+                    const __m256i lo = _mm256_and_si256(wv, low);                                          \
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);                    \
+                    ROWS(r, if ((r) < R) {                                                                 \
+                        a[r] = DOT4(a[r], lo, _mm256_loadu_si256((const __m256i *)(xq + (r) * K + 64 * v))); \
+                        a[r] = DOT4(a[r], hi, _mm256_loadu_si256((const __m256i *)(xq + (r) * K + 64 * v + 32))); \
+                    })                                                                                     \
+                }                                                                                          \
+                const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mt));             \
+                const __m256 d = _mm256_set1_ps(half_at(mt + 16));                                         \
+                ROWS(r, if ((r) < R) f[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(a[r], sc)), d, f[c][r]);) \
+            }                                                                                              \
+        }                                                                                                  \
+        const int64_t G = K / 32;                                                                          \
+        for (int64_t c = 0; c < nc; c++) { /* the offsets: J_b from the channel's meta */                  \
+            __m128 g[RMAX];                                                                                \
+            for (int r = 0; r < RMAX; r++) g[r] = _mm_setzero_ps();                                        \
+            const uint8_t *mt = meta + c * QMETA;                                                          \
+            for (int64_t b = 0; b < nb; b++, mt += QTILE * QMETA) {                                        \
+                const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(mt + 8)));          \
+                const __m128 dmin = _mm_set1_ps(half_at(mt + 18));                                         \
+                ROWS(r, if ((r) < R) g[r] = _mm_fmadd_ps(                                                  \
+                    _mm_cvtepi32_ps(_mm_madd_epi16(mn, _mm_loadu_si128((const __m128i *)(qsum + (r) * G + 8 * b)))), dmin, g[r]);) \
+            }                                                                                              \
+            for (int64_t r = 0; r < R; r++) out[c * RMAX + r] = hsum8_ps(f[c][r]) - hsum4_ps(g[r]);        \
+        }                                                                                                  \
+    }
+
+#define DOT4_AVX2(acc, u, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)))
+#define DOT4_VNNI(acc, u, x) _mm256_dpbusd_epi32(acc, u, x)
+Q4K_TILE(q4k_tile_avx2, , 4, ROW4, DOT4_AVX2)
+Q4K_TILE(q4k_tile_vnni, VNNI, 8, ROW8, DOT4_VNNI)
+
+/* A row's super-blocks in step order: [256] as [8 sub-blocks][8 steps][4] -> [8 steps][8 sub-blocks][4]. */
+static void q4k_steps(const int8_t *q, int64_t K, int8_t *out) {
+    for (int64_t b = 0; b < K; b += QK)
+        for (int t = 0; t < 8; t++)
+            for (int i = 0; i < 8; i++) memcpy(out + b + 32 * t + 4 * i, q + b + 32 * i + 4 * t, 4);
+}
+
+/* x: float32 [M, K], K a multiple of 256; qs, meta: as above; bias: float32 [N] or NULL;
+ * y: float32 [M, N]. Returns 0, or -1 without scratch memory. */
+int specdec_q4k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
+                            const float *bias, float *y, int32_t threads) {
+    if (use_vnni < 0) specdec_native_isa(0);
+    const int64_t G = K / 32, nb = K / QK;
+    int8_t *q = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    int16_t *qsum = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * G));
     float *s = (float *)malloc(sizeof(float) * (size_t)M);
-    float *qs = (float *)malloc(sizeof(float) * (size_t)(M * G));
-    if (q == NULL || s == NULL || qs == NULL) {
+    if (q == NULL || xq == NULL || qsum == NULL || s == NULL) {
         free(q);
+        free(xq);
+        free(qsum);
         free(s);
-        free(qs);
         return -1;
     }
     for (int64_t m = 0; m < M; m++) {
-        s[m] = quantize_row(x + m * K, K, Kp, q + m * Kp, 0);
-        for (int64_t g = 0; g < G; g++) {
+        s[m] = quantize_row(x + m * K, K, K, q + m * K, 0);
+        for (int64_t j = 0; j < G; j++) {
             int32_t t = 0;
-            for (int j = 0; j < 32; j++) t += q[m * Kp + 32 * g + j];
-            qs[m * G + g] = (float)t;
+            for (int i = 0; i < 32; i++) t += q[m * K + 32 * j + i];
+            qsum[m * G + j] = (int16_t)t;
         }
+        q4k_steps(q + m * K, K, xq + m * K);
     }
-    const int64_t tiles = (N + TILE - 1) / TILE;
+    const int vnni = use_vnni;
+    const int64_t block = vnni ? 8 : 4; /* rows a pass over a tile's weights */
+    const int64_t tiles = (N + QTILE - 1) / QTILE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
     for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * TILE;
-        const int64_t nc = N - n0 < TILE ? N - n0 : TILE;
-        for (int64_t m = 0; m < M; m++) {
-            float sums[TILE];
-            tile4_1(q + m * Kp, qs + m * G, G, w + t * G * 16 * TILE, d + t * G * TILE, mn + t * G * TILE, sums);
-            for (int64_t c = 0; c < nc; c++) {
-                float v = sums[c] * s[m];
-                if (bias != NULL) v = v + bias[n0 + c];
-                y[m * N + n0 + c] = v;
-            }
+        const int64_t n0 = t * QTILE, nc = N - n0 < QTILE ? N - n0 : QTILE;
+        const uint8_t *wq = qs + t * nb * QTILE * 128, *wm = meta + t * nb * QTILE * QMETA;
+        for (int64_t m = 0; m < M; m += block) {
+            const int64_t R = M - m < block ? M - m : block;
+            float out[QTILE * 8];
+            if (vnni)
+                q4k_tile_vnni(xq + m * K, qsum + m * G, R, K, wq, wm, nb, nc, out);
+            else
+                q4k_tile_avx2(xq + m * K, qsum + m * G, R, K, wq, wm, nb, nc, out);
+            const int64_t stride = vnni ? 8 : 4;
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t r = 0; r < R; r++) {
+                    float v = out[c * stride + r] * s[m + r];
+                    if (bias != NULL) v = v + bias[n0 + c];
+                    y[(m + r) * N + n0 + c] = v;
+                }
         }
     }
     free(q);
+    free(xq);
+    free(qsum);
     free(s);
-    free(qs);
     return 0;
 }

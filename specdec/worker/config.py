@@ -23,7 +23,7 @@ FLAGS = FlagTable("SPECDEC_{role}", [
          choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows"],
          help="Linear layers on CPU: auto = int8-rows (int8 weights and per-row activations: rows independent; "
               "the native AVX2 kernel where it builds, else fbgemm) for a target, and for a draft where the native "
-              "kernel builds (else int8); int4-rows = 4-bit weights where they lie on 4-bit grids (Q4_K blocks), "
+              "kernel builds (else int8); int4-rows = the source GGUF's own Q4_K blocks where it has them, "
               "int8-rows elsewhere (native kernel only); fp16 = fp16 weights (rows independent with AVX-512 "
               "only); int8 = one activation scale per pass; none = plain"),
     Flag("--draft-vocab", int, 0, "propose only from the first N token ids (smaller output head; 0 = all)",

@@ -93,6 +93,56 @@ def build_perturbed_copy(source: Path, path: Path, *, seed: int, noise: float) -
     return Path(path)
 
 
+def random_q4k_blocks(n: int, k: int, generator: torch.Generator, scale: float = 2e-4) -> torch.Tensor:
+    """Random ggml Q4_K blocks for an [n, k] weight (k a multiple of 256): uint8 [n, k / 256 * 144],
+    random 6-bit scales and mins and nibbles, float16 d ~ scale and dmin ~ 7 scale (weights about
+    +-0.1 around zero), as a GGUF's Q4_K tensor holds them."""
+    nb = k // 256
+    blocks = torch.randint(0, 256, (n, nb, 144), dtype=torch.uint8, generator=generator)
+    d = (torch.rand(n, nb, generator=generator) + 0.5) * scale
+    halves = torch.stack([d, d * 7], dim=-1).half().view(torch.uint8).reshape(n, nb, 4)
+    blocks[..., :4] = halves
+    return blocks.reshape(n, nb * 144)
+
+
+def build_gguf_model_dir(path: Path, *, seed: int, layers: int = 2, mismatch: tuple[str, ...] = ()) -> Path:
+    """A tiny Qwen2 (hidden 256, so every Linear's input is a multiple of 256 columns) converted as
+    model_store converts a GGUF: each Linear but the head holds the float16 rounding of random
+    Q4_K blocks' values, and `model.gguf` beside it holds those blocks under their GGUF names,
+    named by source.json. The Linears named in `mismatch` get other blocks in the GGUF than the
+    store holds (as a tensor the conversion permuted would)."""
+    import json
+
+    import gguf
+
+    from specdec.kernels import q4k_dequantize
+
+    path = Path(path)
+    build_model_dir(path, seed=seed, layers=layers, hidden=256, dtype=torch.float16)
+    model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float16)
+    arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == "qwen2")
+    names = gguf.get_tensor_name_map(arch, layers)
+    writer = gguf.GGUFWriter(str(path / "model.gguf"), "qwen2")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or module is model.lm_head:
+                continue
+            n, k = module.weight.shape
+            blocks = random_q4k_blocks(n, k, gen)
+            module.weight.copy_(q4k_dequantize(blocks).half())
+            stored = random_q4k_blocks(n, k, gen) if name in mismatch else blocks
+            writer.add_tensor(names.get_name(f"{name}.weight", try_suffixes=(".weight",)), stored.numpy(),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.save_pretrained(path)
+    (path / "source.json").write_text(json.dumps({"source_gguf": str((path / "model.gguf").resolve())}))
+    return path
+
+
 # The shapes of real models (their config.json on the hub), for benchmarks on machines that have
 # no weights (a GPU machine here has no network): pass costs, batching and round trips are real,
 # acceptance is not (specdec bench-serve --synthetic-acceptance).

@@ -266,77 +266,128 @@ def test_the_native_kernel_is_built_once_and_reused(tmp_path, monkeypatch):
     assert built[0].stat().st_mtime_ns == stamp
 
 
-# ---- int4-rows: 4-bit weights where they lie on 4-bit grids -------------------------------------
+# ---- int4-rows: the GGUF's own Q4_K blocks -------------------------------------------------------
 
 needs_native = pytest.mark.skipif(native_library() is None, reason="int4-rows needs the native kernel")
+FORMATS = ["Q4_K"]  # kernels.GGUF_KERNELS
 
 
-def _on_grids(shape, seed=0, fp16=True):
-    """Weights as Q4_K blocks dequantize them: per 32 columns w = d_j q - m_j, q in 0..15, with
-    some groups using only part of the range (their ends unused), stored as float16."""
+def _blocks(kind, n, k, g):
+    from specdec_tools.testing.tiny_models import random_q4k_blocks
+
+    return {"Q4_K": random_q4k_blocks}[kind](n, k, g)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_gguf_blocks_dequantize_as_gguf_py_does(kind):
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from specdec.kernels import GGUF_KERNELS
+
+    blocks = _blocks(kind, 24, 512, torch.Generator().manual_seed(0))
+    expected = dequantize(np.ascontiguousarray(blocks.numpy()), GGMLQuantizationType[kind])
+    assert torch.equal(GGUF_KERNELS[kind].dequantize(blocks), torch.from_numpy(expected).float())
+
+
+def _gguf_linear(kind, k, n, seed=1):
+    from specdec.kernels import GGUF_KERNELS
+
     g = torch.Generator().manual_seed(seed)
-    n, k = shape
-    groups = -(-k // 32)
-    q = torch.randint(0, 16, (n, groups, 32), generator=g).float()
-    q[::3] = q[::3].clamp(2, 11)  # a third of the groups never reach their grid's ends
-    d = torch.rand(n, groups, 1, generator=g) * 0.01 + 1e-3
-    m = torch.rand(n, groups, 1, generator=g) * 0.05
-    w = (d * q - m).view(n, groups * 32)[:, :k]
-    return w.half().float() if fp16 else w
+    blocks = _blocks(kind, n, k, g)
+    module = GGUF_KERNELS[kind]
+    return module(k, n, blocks, torch.randn(n, generator=g)), module.dequantize(blocks)
 
 
 @needs_native
-def test_int4_groups_recover_q4_levels_exactly_and_refuse_others():
-    from specdec.kernels import int4_groups
-
-    w = _on_grids((48, 200))
-    u, d, m, share = int4_groups(w)
-    assert share == 1.0 and u.max() <= 15
-    back = (u.float().view(48, -1, 32) * d[..., None] + m[..., None]).view(48, -1)[:, :200]
-    assert torch.allclose(back, w, rtol=0, atol=float(w.abs().max()) * 2 ** -10)  # float16 rounding only
-    assert int4_groups(torch.randn(48, 200))[3] < 0.01  # gaussian weights are on no 4-bit grid
-
-
-@needs_native
-@pytest.mark.parametrize("shape", [(200, 48), (1536, 258), (96, 7)])
-def test_int4_rows_are_independent_and_compute_the_formula(shape):
-    from specdec.kernels import Int4RowLinear, int4_groups
-
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("shape", [(256, 48), (512, 130), (1536, 7)])
+def test_int4_rows_are_independent_and_compute_the_formula(kind, shape, isa):
     k, n = shape
-    torch.manual_seed(3)
-    lin = torch.nn.Linear(k, n)
-    lin.weight.data.copy_(_on_grids((n, k), seed=1))
-    m = Int4RowLinear(lin)
-    x = torch.randn(9, k) * torch.logspace(-2, 1, 9)[:, None]
+    m, w = _gguf_linear(kind, k, n)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * torch.logspace(-2, 1, 9)[:, None]
     y = m(x)
-    for rows in (2, 5, 9):
+    for rows in (2, 3, 4, 5, 8, 9):  # row blocks of 4 (8 on the VNNI path) and their remainders
         assert torch.equal(m(x[:rows]), torch.cat([m(x[i:i + 1]) for i in range(rows)])), rows
-    u, d, off, _ = int4_groups(lin.weight)
-    wq = (u.double().view(n, -1, 32) * d.double()[..., None] + off.double()[..., None]).view(n, -1)[:, :k]
     amax = x.abs().amax(1, keepdim=True)
     q = torch.round(x * (127.0 / amax))  # the rows' int8 activations, as quantize_rows makes them
-    expected = (q.double() @ wq.t()) * (amax.double() / 127) + lin.bias.double()
+    expected = (q.double() @ w.double().t()) * (amax.double() / 127) + m.bias.double()
     assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-    assert float((y - lin(x)).norm() / lin(x).norm()) < 0.03  # the weights are exact; activations 8-bit
+    exact = x @ w.t() + m.bias
+    assert float((y - exact).norm() / exact.norm()) < 0.05  # the weights are the blocks'; activations 8-bit
     assert m(torch.randn(0, k)).shape == (0, n)
 
 
 @needs_native
-def test_int4_rows_takes_4_bits_only_where_the_weights_are_on_grids():
-    from specdec.kernels import Int4RowLinear, replace_linears
+@pytest.mark.parametrize("kind", FORMATS)
+def test_int4_rows_vnni_path_gives_the_avx2_paths_bits(kind):
+    lib = native_library()
+    if lib.set_isa("best") != "avx512-vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    m, _ = _gguf_linear(kind, 1536, 96)
+    x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(3)) * 3
+    try:
+        lib.set_isa("avx2")
+        avx2 = m(x)
+    finally:
+        lib.set_isa("best")
+    assert torch.equal(m(x), avx2)
 
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
-    model[0].weight.data.copy_(_on_grids((32, 64)))
-    replace_linears(model, "int4-rows")
-    assert isinstance(model[0], Int4RowLinear) and isinstance(model[1], Int8RowLinear)
+
+@needs_native
+@pytest.mark.parametrize("kind", FORMATS)
+def test_int4_rows_refuses_blocks_of_another_shape(kind):
+    from specdec.kernels import GGUF_KERNELS
+
+    blocks = _blocks(kind, 8, 256, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="do not hold"):
+        GGUF_KERNELS[kind](512, 8, blocks)
+    with pytest.raises(ValueError, match="do not hold"):
+        GGUF_KERNELS[kind](200, 8, blocks)
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    from specdec_tools.testing.tiny_models import build_gguf_model_dir
+
+    return build_gguf_model_dir(tmp_path_factory.mktemp("gguf") / "tiny-gguf", seed=4,
+                                mismatch=("model.layers.1.mlp.up_proj",))
+
+
+@needs_native
+def test_int4_rows_takes_the_gguf_blocks_that_match_the_store_and_int8_rows_elsewhere(gguf_dir):
+    from specdec.kernels import Q4KRowLinear
+
+    loaded = _int4_target(gguf_dir).loaded
+    assert loaded.quantization == "int4-rows"
+    model = loaded.model
+    kinds = {name: type(mod).__name__ for name, mod in model.named_modules()
+             if isinstance(mod, (Q4KRowLinear, Int8RowLinear))}
+    assert kinds.pop("lm_head") == "Int8RowLinear"  # not in the GGUF
+    assert kinds.pop("model.layers.1.mlp.up_proj") == "Int8RowLinear"  # the GGUF's blocks are not the store's
+    assert len(kinds) == 13 and set(kinds.values()) == {"Q4KRowLinear"}
+    stored = load_model(str(gguf_dir), dtype="float32", quantization="none").model
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    for name in ("model.layers.0.mlp.gate_proj", "model.layers.1.self_attn.k_proj"):
+        exact = stored.get_submodule(name)(x)  # the store's weights: the blocks' values to float16
+        got = model.get_submodule(name)(x)
+        assert float((got - exact).norm() / exact.norm()) < 0.05, name
+
+
+@needs_native
+def test_int4_rows_without_a_source_gguf_runs_int8_rows_everywhere(model_dirs):
+    loaded = load_model(str(model_dirs["target"]), quantization="int4-rows")
+    assert loaded.quantization == "int8-rows"  # what it is without blocks, as ModelInfo reports it
+    linears = [m for m in loaded.model.modules() if isinstance(m, (torch.nn.Linear, Int8RowLinear))]
+    assert linears and all(isinstance(m, Int8RowLinear) for m in linears)
 
 
 @needs_native
 @pytest.mark.parametrize("k", [2, 5, 9])
-def test_an_int4_rows_target_verifies_k_rows_as_k_single_steps(model_dirs, k):
-    """The whole tiny target with its weights snapped to 4-bit grids first (as the default
-    target's Q4_K tensors are), then int4-rows: a k-row verify equals k one-row steps bitwise."""
-    engine = _int4_target(model_dirs)
+def test_an_int4_rows_target_verifies_k_rows_as_k_single_steps(gguf_dir, k):
+    """The tiny GGUF target under int4-rows: a k-row verify equals k one-row steps bitwise."""
+    engine = _int4_target(gguf_dir)
     prompt, drafts = [5, 9, 14, 20, 31, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48][: k - 1]
     engine.open_session("whole", prompt)
     engine.open_session("steps", prompt)
@@ -355,19 +406,7 @@ def test_an_int4_rows_target_verifies_k_rows_as_k_single_steps(model_dirs, k):
 _INT4: dict = {}
 
 
-def _int4_target(model_dirs):
-    from specdec.kernels import Int4RowLinear, int4_groups
-    from specdec.modeling import quantize
-
-    if "engine" not in _INT4:
-        loaded = load_model(str(model_dirs["target"]), dtype="float32", quantization="none")
-        with torch.no_grad():
-            for module in loaded.model.modules():
-                if isinstance(module, torch.nn.Linear) and module is not loaded.model.get_output_embeddings():
-                    u, d, m, _ = int4_groups(module.weight)  # snapped onto their own 4-bit grids
-                    n, k = module.weight.shape
-                    module.weight.copy_((u.float().view(n, -1, 32) * d[..., None] + m[..., None]).view(n, -1)[:, :k])
-        quantize(loaded.model, "int4-rows")
-        assert sum(isinstance(mod, Int4RowLinear) for mod in loaded.model.modules()) >= 4
-        _INT4["engine"] = TargetEngine(loaded)
-    return _INT4["engine"]
+def _int4_target(path):
+    if path not in _INT4:
+        _INT4[path] = TargetEngine(load_model(str(path), quantization="int4-rows"))
+    return _INT4[path]
