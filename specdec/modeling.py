@@ -109,7 +109,8 @@ def quantize(model: torch.nn.Module, quantization: str, blocks: dict | None = No
 
 def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
     """int4-rows: for each Linear that the model's source GGUF (`source.json` of a directory
-    model_store converted) holds in a block format a native kernel runs (kernels.GGUF_KERNELS:
+    model_store converted; where that path is gone, the same file name in the cache's gguf/
+    beside the converted directory, as when the cache is mounted at another path) holds in a block format a native kernel runs (kernels.GGUF_KERNELS:
     Q4_K), (format, its blocks as uint8 rows [N, K / 256 * block bytes]), by the
     Linear's qualified name. Each is checked against the weight loaded from the store on 16 rows
     (the blocks' values, rounded to the store's dtype, must be its very values): a tensor the
@@ -123,9 +124,13 @@ def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, tuple[str, torc
     except (OSError, ValueError, KeyError):
         log.info("int4-rows: %s has no source GGUF (source.json); every Linear runs int8-rows", path)
         return {}
-    if not source.is_file():
-        log.warning("int4-rows: the source GGUF %s is gone; every Linear runs int8-rows", source)
-        return {}
+    if not source.is_file():  # the cache mounted elsewhere (another container's path): look beside it
+        moved = Path(path).resolve().parent.parent / "gguf" / source.name
+        if not moved.is_file():
+            log.warning("int4-rows: the source GGUF %s is gone (nor at %s); every Linear runs int8-rows",
+                        source, moved)
+            return {}
+        source = moved
     from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 
     arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == model.config.model_type), None)

@@ -384,6 +384,25 @@ def test_int4_rows_without_a_source_gguf_runs_int8_rows_everywhere(model_dirs):
 
 
 @needs_native
+def test_int4_rows_finds_the_gguf_in_a_cache_mounted_elsewhere(tmp_path, caplog):
+    """source.json names the GGUF by the path it had when converted; a cache mounted at another
+    path (a container's volume) still has it in gguf/ beside converted/."""
+    import json
+
+    from specdec_tools.testing.tiny_models import build_gguf_model_dir
+
+    model = build_gguf_model_dir(tmp_path / "converted" / "tiny", seed=6)
+    (tmp_path / "gguf").mkdir()
+    (model / "model.gguf").rename(tmp_path / "gguf" / "tiny.gguf")
+    (model / "source.json").write_text(json.dumps({"source_gguf": "/elsewhere/gguf/tiny.gguf"}))
+    assert load_model(str(model), quantization="int4-rows").quantization == "int4-rows"
+    (tmp_path / "gguf" / "tiny.gguf").unlink()
+    with caplog.at_level("WARNING"):
+        assert load_model(str(model), quantization="int4-rows").quantization == "int8-rows"
+    assert "is gone" in caplog.text
+
+
+@needs_native
 @pytest.mark.parametrize("k", [2, 5, 9])
 def test_an_int4_rows_target_verifies_k_rows_as_k_single_steps(gguf_dir, k):
     """The tiny GGUF target under int4-rows: a k-row verify equals k one-row steps bitwise."""
