@@ -21,10 +21,11 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--device-map", help="accelerate device map, e.g. 'auto' to spread the model over several GPUs"),
     Flag("--quantize", default="auto", field="quantization",
          choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows"],
-         help="Linear layers on CPU: auto = int8-rows (int8 weights and per-row activations: rows independent; "
-              "the native AVX2 kernel where it builds, else fbgemm) for a target, and for a draft where the native "
-              "kernel builds (else int8); int4-rows = the source GGUF's own Q4_K blocks where it has them, "
-              "int8-rows elsewhere (native kernel only); fp16 = fp16 weights (rows independent with AVX-512 "
+         help="Linear layers on CPU: auto = int4-rows for a target where the native kernel builds (else "
+              "int8-rows), int8-rows for a draft where it builds (else int8); int4-rows = the source GGUF's own "
+              "Q4_K blocks where it has them, int8-rows elsewhere (a model without a GGUF: int8-rows throughout); "
+              "int8-rows = int8 weights and per-row activations (rows independent; the native kernel, else "
+              "fbgemm); fp16 = fp16 weights (rows independent with AVX-512 "
               "only); int8 = one activation scale per pass; none = plain"),
     Flag("--draft-vocab", int, 0, "propose only from the first N token ids (smaller output head; 0 = all)",
          roles=["draft"]),
