@@ -32,7 +32,7 @@ turns it off.
 
 `Q4KRowLinear` (`--quantize int4-rows`, the CPU target's default where the native kernel builds):
 for each Linear whose weight the model's source GGUF holds in Q4_K blocks, those very blocks (the
-numbers llama.cpp computes with; modeling.q4k_blocks reads them and checks them against the store),
+numbers llama.cpp computes with; modeling.gguf_blocks reads them and checks them against the store),
 against the same int8 activations per row, with integer sums per 256-column super-block and one
 fixed float order per row and channel: rows bitwise independent, and ~0.58 bytes a weight read
 instead of 1. Every other Linear (the default target's Q6_K tensors, its head) stays int8-rows.
