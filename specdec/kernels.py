@@ -199,6 +199,18 @@ def native_tiles(q: torch.Tensor) -> torch.Tensor:
     return flat[start:start + tiles.numel()].copy_(tiles)
 
 
+def _native_rows(x: torch.Tensor, in_features: int, out_features: int, call) -> torch.Tensor:
+    """x [..., in_features] through a native row kernel: call(rows_ptr, n, y_ptr) fills y
+    [n, out_features] from the float32 rows and returns 0 (else: no scratch memory)."""
+    shape = x.shape
+    rows = x.reshape(-1, in_features).to(torch.float32).contiguous()
+    n = rows.shape[0]
+    y = torch.empty(n, out_features)
+    if n and call(rows.data_ptr(), n, y.data_ptr()) != 0:
+        raise MemoryError("no scratch memory for the quantized rows")
+    return y.reshape(*shape[:-1], out_features)
+
+
 class Int8RowLinear(torch.nn.Module):
     """A Linear with int8 weights (per output channel) and int8 activations (per row); see the
     module docstring. Inputs of any leading shape; float32 out. `native`: None picks the native
@@ -236,20 +248,14 @@ class Int8RowLinear(torch.nn.Module):
         return "native" if self._native is not None else "fbgemm"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native is not None:
+            bias = None if self.bias is None else self.bias.data_ptr()
+            return _native_rows(x, self.in_features, self.out_features, lambda rows, m, y: self._native(
+                rows, m, self.in_features, self._weight.data_ptr(), self._columns, self.out_features,
+                self._wsum.data_ptr(), self._scale.data_ptr(), bias, y, torch.get_num_threads()))
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         n = rows.shape[0]
-        if self._native is not None:
-            if n == 0:
-                return rows.new_empty(*shape[:-1], self.out_features)
-            rows = rows.contiguous()
-            y = torch.empty(n, self.out_features)
-            if self._native(rows.data_ptr(), n, self.in_features, self._weight.data_ptr(), self._columns,
-                            self.out_features, self._wsum.data_ptr(), self._scale.data_ptr(),
-                            None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                            torch.get_num_threads()) != 0:
-                raise MemoryError("int8-rows: no scratch memory for the quantized rows")
-            return y.reshape(*shape[:-1], self.out_features)
         q = torch.empty(n + 1, self.in_features)  # the rows' integers, then the sentinel
         s = quantize_rows(rows, self._levels, out=q[:n])
         q[n].copy_(self._sentinel[0])
@@ -335,23 +341,30 @@ def q4k_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return d, dmin, sc, mn, b[..., 16:]
 
 
+def _q4k_values(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K nibbles [N, nb, 128] -> their 4-bit values [N, nb, 8 sub-blocks, 32 columns]
+    (32-byte chunk c holds sub-block 2c in its low nibbles, 2c + 1 in its high ones)."""
+    n, nb, _ = qs.shape
+    chunks = qs.reshape(n, nb, 4, 32)
+    return torch.stack([chunks & 15, chunks >> 4], dim=3).reshape(n, nb, 8, 32)
+
+
 def q4k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     """The float32 weights [N, K] that Q4_K blocks hold (gguf-py's Q4_K.dequantize_blocks)."""
     d, dmin, sc, mn, qs = q4k_unpack(blocks)
     n, nb = d.shape
-    u = torch.stack([qs.reshape(n, nb, 4, 32) & 15, qs.reshape(n, nb, 4, 32) >> 4], dim=3).reshape(n, nb, 8, 32)
+    u = _q4k_values(qs)
     w = (d[..., None] * sc.float())[..., None] * u.float() - (dmin[..., None] * mn.float())[..., None]
     return w.reshape(n, nb * Q4K_COLUMNS)
 
 
 def q4k_steps(qs: torch.Tensor) -> torch.Tensor:
-    """Q4_K nibbles [N, nb, 128] (the GGUF's order: 32-byte chunk c holds sub-block 2c in its low
-    nibbles, 2c + 1 in its high ones) in the native kernel's step order: [N, nb, 128] as [4][32], byte
-    4i + j of vector v holding column 4t + j of sub-block i for t = 2v (low nibble) and 2v + 1
-    (high nibble), so that lane i of a step is sub-block i's (specdec_q4k_rows_linear)."""
+    """Q4_K nibbles [N, nb, 128] (the GGUF's order) in the native kernel's step order: [N, nb, 128]
+    as [4][32], byte 4i + j of vector v holding column 4t + j of sub-block i for t = 2v (low
+    nibble) and 2v + 1 (high nibble), so that lane i of a step is sub-block i's
+    (specdec_q4k_rows_linear)."""
     n, nb, _ = qs.shape
-    chunks = qs.reshape(n, nb, 4, 32)
-    u = torch.stack([chunks & 15, chunks >> 4], dim=3).reshape(n, nb, 8, 8, 4)  # [sub-block i][step t][j]
+    u = _q4k_values(qs).reshape(n, nb, 8, 8, 4)  # [sub-block i][step t][j]
     steps = u.transpose(2, 3).reshape(n, nb, 4, 2, 32)  # [step t = 2v + h][i, j]
     return (steps[:, :, :, 0] | (steps[:, :, :, 1] << 4)).reshape(n, nb, 128)
 
@@ -375,8 +388,6 @@ class Q4KRowLinear(torch.nn.Module):
     fixed float order per row: rows bitwise independent, as int8-rows. Native kernel only
     (specdec_q4k_rows_linear in specdec/csrc/int8_rows.c)."""
 
-    dequantize = staticmethod(q4k_dequantize)  # blocks -> the float weights they hold
-
     def __init__(self, in_features: int, out_features: int, blocks: torch.Tensor, bias: torch.Tensor | None = None):
         """blocks: uint8 [out_features, in_features / 256 * 144], the GGUF tensor's rows."""
         super().__init__()
@@ -397,39 +408,30 @@ class Q4KRowLinear(torch.nn.Module):
         self.register_buffer("_meta", _aligned(_q4k_tiles(meta)), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        n = rows.shape[0]
-        if n == 0:
-            return rows.new_empty(*shape[:-1], self.out_features)
-        y = torch.empty(n, self.out_features)
-        if self._kernel(rows.data_ptr(), n, self.in_features, self._qs.data_ptr(), self._meta.data_ptr(),
-                        self.out_features, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                        torch.get_num_threads()) != 0:
-            raise MemoryError("int4-rows: no scratch memory for the quantized rows")
-        return y.reshape(*shape[:-1], self.out_features)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        return _native_rows(x, self.in_features, self.out_features, lambda rows, m, y: self._kernel(
+            rows, m, self.in_features, self._qs.data_ptr(), self._meta.data_ptr(), self.out_features, bias, y,
+            torch.get_num_threads()))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, the GGUF's Q4_K blocks"
 
 
-GGUF_KERNELS = {"Q4_K": Q4KRowLinear}  # int4-rows: a GGUF block format's module
 KERNELS = {"int8-rows": Int8RowLinear, "int8": Int8Linear, "fp16": Fp16Linear}
 
 
 def replace_linears(model: torch.nn.Module, quantization: str, blocks: dict | None = None) -> torch.nn.Module:
     """Replaces every CPU nn.Linear of the model by the module of `quantization` (a KERNELS key,
     or int4-rows), in place, calling the kernels directly (torch.ao.quantization's module
-    swapping is deprecated and warns). int4-rows: for each Linear whose qualified name `blocks`
-    maps to (a GGUF_KERNELS format, its blocks) (modeling.gguf_blocks reads them from the source
-    GGUF), that format's module; int8-rows for every other one."""
+    swapping is deprecated and warns). int4-rows: a Q4KRowLinear for each Linear whose qualified
+    name `blocks` maps to its Q4_K blocks (modeling.gguf_blocks reads them from the source GGUF),
+    int8-rows for every other one."""
     if quantization == "int4-rows":
         blocks = blocks or {}
 
         def kernel(child, name):
             if name in blocks:
-                kind, rows = blocks[name]
-                return GGUF_KERNELS[kind](child.in_features, child.out_features, rows, child.bias)
+                return Q4KRowLinear(child.in_features, child.out_features, blocks[name], child.bias)
             return Int8RowLinear(child)
     else:
         kernel = lambda child, name: KERNELS[quantization](child)  # noqa: E731

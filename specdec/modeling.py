@@ -7,7 +7,6 @@ model too large for one GPU can be spread over several. This module does not ser
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import logging
 import os
@@ -96,7 +95,7 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
 def quantize(model: torch.nn.Module, quantization: str, blocks: dict | None = None) -> torch.nn.Module:
     """Every nn.Linear (CPU only) replaced by a kernel of specdec/kernels.py: int8-rows (int8
     weights, int8 activations per row: rows independent; the native AVX2 kernel where it builds,
-    else fbgemm), int4-rows (the GGUF blocks `blocks` maps Linear names to, from gguf_blocks,
+    else fbgemm), int4-rows (the Q4_K blocks `blocks` maps Linear names to, from gguf_blocks,
     and int8-rows for the rest), int8 (fbgemm, one activation scale per pass) or fp16 (fbgemm, fp16
     weights, fp32 activations); 'none' returns the model unchanged."""
     if quantization == "none":
@@ -107,17 +106,17 @@ def quantize(model: torch.nn.Module, quantization: str, blocks: dict | None = No
         return replace_linears(model, quantization, blocks)
 
 
-def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
-    """int4-rows: for each Linear that the model's source GGUF (`source.json` of a directory
-    model_store converted; where that path is gone, the same file name in the cache's gguf/
-    beside the converted directory, as when the cache is mounted at another path) holds in a block format a native kernel runs (kernels.GGUF_KERNELS:
-    Q4_K), (format, its blocks as uint8 rows [N, K / 256 * block bytes]), by the
-    Linear's qualified name. Each is checked against the weight loaded from the store on 16 rows
-    (the blocks' values, rounded to the store's dtype, must be its very values): a tensor the
-    conversion changed (permuted, requantized) stays int8-rows. {} (logged) where there is no GGUF."""
+def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """int4-rows: the Q4_K blocks (uint8 rows [N, K / 256 * 144]) of each Linear that the model's
+    source GGUF holds in Q4_K, by the Linear's qualified name. The GGUF is the one `source.json`
+    (of a directory model_store converted) names, or, where that path is gone, the same file name
+    in the cache's gguf/ beside the converted directory (a cache mounted at another path). Each is
+    checked against the weight loaded from the store on 16 rows (the blocks' values, rounded to the
+    store's dtype, must be its very values): a tensor the conversion changed (permuted,
+    requantized) stays int8-rows. {} (logged) where there is no GGUF."""
     import json
 
-    from specdec.kernels import GGUF_KERNELS
+    from specdec.kernels import q4k_dequantize
 
     try:
         source = Path(json.loads((Path(path) / "source.json").read_text())["source_gguf"])
@@ -131,7 +130,7 @@ def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, tuple[str, torc
                         source, moved)
             return {}
         source = moved
-    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map
 
     arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == model.config.model_type), None)
     if arch is None:
@@ -146,23 +145,19 @@ def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, tuple[str, torc
             continue
         linears += 1
         tensor = tensors.get(names.get_name(f"{name}.weight", try_suffixes=(".weight",)) or "")
-        if tensor is None or tensor.tensor_type.name not in GGUF_KERNELS:
+        if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q4_K:
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a read-only memory map: read, never written
             rows = torch.from_numpy(tensor.data)
         weight = module.weight.detach()
         sample = torch.linspace(0, weight.shape[0] - 1, 16).long()
-        dequantize = GGUF_KERNELS[tensor.tensor_type.name].dequantize
-        if rows.shape[0] != weight.shape[0] or not torch.equal(dequantize(rows[sample]).to(weight.dtype),
+        if rows.shape[0] != weight.shape[0] or not torch.equal(q4k_dequantize(rows[sample]).to(weight.dtype),
                                                                weight[sample]):
-            log.warning("int4-rows: %s's %s blocks are not the weights the store holds; it runs int8-rows",
-                        name, tensor.tensor_type.name)
+            log.warning("int4-rows: %s's Q4_K blocks are not the weights the store holds; it runs int8-rows", name)
             continue
-        blocks[name] = (tensor.tensor_type.name, rows)
-    kinds = collections.Counter(kind for kind, _ in blocks.values())
-    log.info("int4-rows: of %d Linears, %s from the GGUF's own blocks, the rest int8-rows", linears,
-             ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) or "none")
+        blocks[name] = rows
+    log.info("int4-rows: %d of %d Linears from the GGUF's own Q4_K blocks, the rest int8-rows", len(blocks), linears)
     return blocks
 
 

@@ -269,43 +269,35 @@ def test_the_native_kernel_is_built_once_and_reused(tmp_path, monkeypatch):
 # ---- int4-rows: the GGUF's own Q4_K blocks -------------------------------------------------------
 
 needs_native = pytest.mark.skipif(native_library() is None, reason="int4-rows needs the native kernel")
-FORMATS = ["Q4_K"]  # kernels.GGUF_KERNELS
 
 
-def _blocks(kind, n, k, g):
-    from specdec_tools.testing.tiny_models import random_q4k_blocks
-
-    return {"Q4_K": random_q4k_blocks}[kind](n, k, g)
-
-
-@pytest.mark.parametrize("kind", FORMATS)
-def test_gguf_blocks_dequantize_as_gguf_py_does(kind):
+def test_q4k_blocks_dequantize_as_gguf_py_does():
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from specdec.kernels import GGUF_KERNELS
+    from specdec.kernels import q4k_dequantize
+    from specdec_tools.testing.tiny_models import random_q4k_blocks
 
-    blocks = _blocks(kind, 24, 512, torch.Generator().manual_seed(0))
-    expected = dequantize(np.ascontiguousarray(blocks.numpy()), GGMLQuantizationType[kind])
-    assert torch.equal(GGUF_KERNELS[kind].dequantize(blocks), torch.from_numpy(expected).float())
+    blocks = random_q4k_blocks(24, 512, torch.Generator().manual_seed(0))
+    expected = dequantize(np.ascontiguousarray(blocks.numpy()), GGMLQuantizationType.Q4_K)
+    assert torch.equal(q4k_dequantize(blocks), torch.from_numpy(expected).float())
 
 
-def _gguf_linear(kind, k, n, seed=1):
-    from specdec.kernels import GGUF_KERNELS
+def _q4k_linear(k, n, seed=1):
+    from specdec.kernels import Q4KRowLinear, q4k_dequantize
+    from specdec_tools.testing.tiny_models import random_q4k_blocks
 
     g = torch.Generator().manual_seed(seed)
-    blocks = _blocks(kind, n, k, g)
-    module = GGUF_KERNELS[kind]
-    return module(k, n, blocks, torch.randn(n, generator=g)), module.dequantize(blocks)
+    blocks = random_q4k_blocks(n, k, g)
+    return Q4KRowLinear(k, n, blocks, torch.randn(n, generator=g)), q4k_dequantize(blocks)
 
 
 @needs_native
-@pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("shape", [(256, 48), (512, 130), (1536, 7)])
-def test_int4_rows_are_independent_and_compute_the_formula(kind, shape, isa):
+def test_int4_rows_are_independent_and_compute_the_formula(shape, isa):
     k, n = shape
-    m, w = _gguf_linear(kind, k, n)
+    m, w = _q4k_linear(k, n)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * torch.logspace(-2, 1, 9)[:, None]
     y = m(x)
     for rows in (2, 3, 4, 5, 8, 9):  # row blocks of 4 (8 on the VNNI path) and their remainders
@@ -320,12 +312,11 @@ def test_int4_rows_are_independent_and_compute_the_formula(kind, shape, isa):
 
 
 @needs_native
-@pytest.mark.parametrize("kind", FORMATS)
-def test_int4_rows_vnni_path_gives_the_avx2_paths_bits(kind):
+def test_int4_rows_vnni_path_gives_the_avx2_paths_bits():
     lib = native_library()
     if lib.set_isa("best") != "avx512-vnni":
         pytest.skip("this CPU has no AVX-512 VNNI")
-    m, _ = _gguf_linear(kind, 1536, 96)
+    m, _ = _q4k_linear(1536, 96)
     x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(3)) * 3
     try:
         lib.set_isa("avx2")
@@ -336,15 +327,15 @@ def test_int4_rows_vnni_path_gives_the_avx2_paths_bits(kind):
 
 
 @needs_native
-@pytest.mark.parametrize("kind", FORMATS)
-def test_int4_rows_refuses_blocks_of_another_shape(kind):
-    from specdec.kernels import GGUF_KERNELS
+def test_int4_rows_refuses_blocks_of_another_shape():
+    from specdec.kernels import Q4KRowLinear
+    from specdec_tools.testing.tiny_models import random_q4k_blocks
 
-    blocks = _blocks(kind, 8, 256, torch.Generator().manual_seed(0))
+    blocks = random_q4k_blocks(8, 256, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="do not hold"):
-        GGUF_KERNELS[kind](512, 8, blocks)
+        Q4KRowLinear(512, 8, blocks)
     with pytest.raises(ValueError, match="do not hold"):
-        GGUF_KERNELS[kind](200, 8, blocks)
+        Q4KRowLinear(200, 8, blocks)
 
 
 @pytest.fixture(scope="module")
