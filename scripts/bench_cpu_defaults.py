@@ -1,7 +1,8 @@
 """The CPU defaults of issue 21, ablated side by side in one run: the target's kernel (fp16
 weights vs int8-rows) x OpenMP's idle threads (PASSIVE vs a bounded spin, GOMP_SPINCOUNT); then
 int8-rows on fbgemm vs the native AVX2 kernel (specdec/csrc/int8_rows.c), the draft's kernel, the
-native kernel's AVX-512 VNNI path, and the GGUF's own 4-bit blocks (int4-rows, the default).
+native kernel's AVX-512 VNNI path, and the GGUF's own 4-bit blocks (int4-rows, the default), with
+its weights on 4 KiB pages and on huge pages (the default).
 
 Each setup starts the three services as `make run` does (specdec_tools.stack.ProcessStack, the
 default pair, draft vocabulary 32k), then times 4 of `specdec bench`'s prompts, greedy, 48 new
@@ -35,7 +36,9 @@ SETUPS = {  # name: (--quantize, environment, more draft flags)
     # the native kernel held to AVX2 on a CPU with AVX-512 VNNI (the ablation of its VNNI path), and not
     "int8-rows native AVX2 (VNNI off)": ("int8-rows", {**SPIN, "SPECDEC_NATIVE_ISA": "avx2"}, ()),
     "int8-rows native, VNNI where the CPU has it": ("int8-rows", SPIN, ()),
-    # the GGUF's own Q4_K blocks for the target (specdec/kernels.py, int4-rows), the draft int8-rows
+    # the GGUF's own Q4_K blocks for the target (specdec/kernels.py, int4-rows), the draft int8-rows,
+    # the native kernels' weights on 4 KiB pages (the ablation of weight_memory's huge pages) and not
+    "int4-rows target, 4 KiB pages": ("auto", {**SPIN, "SPECDEC_HUGE_PAGES": "0"}, ()),
     "int4-rows target (the default)": ("auto", SPIN, ()),
 }
 

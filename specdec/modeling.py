@@ -179,9 +179,12 @@ def own_memory(model: torch.nn.Module, dtype: torch.dtype) -> None:
     out tensors that live in the mapping: the pages read stay in the process's RSS (the target
     held 5.9 GiB of its fp32 file mapped while serving, beside 3.3 GiB of its own) even where
     quantization replaced the Linear weights. A container's memory limit should not have to
-    cover a file the worker no longer reads."""
+    cover a file the worker no longer reads. A kernel's module (specdec/kernels.py) made its
+    tensors itself, its weights on huge pages: they stay where they are."""
     with torch.no_grad():
         for module in model.modules():
+            if getattr(module, "owns_memory", False):
+                continue
             for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
                 if tensor is not None and tensor.device.type == "cpu":
                     tensor.data = tensor.data.to(dtype, copy=True) if tensor.is_floating_point() \

@@ -35,8 +35,8 @@ from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
 from specdec import telemetry as t
 from specdec.protocol import ModelInfo
 from specdec.threads import PassLock
-from specdec.worker.batching import DEFAULT_MAX_BATCH_TOKENS, NO_MASK, Batcher, Pass, RaggedCache, Work, \
-    use_ragged_attention
+from specdec.worker.batching import DEFAULT_MAX_BATCH_TOKENS, Batcher, Pass, RaggedCache, Work, use_ragged_attention
+from specdec.worker.forward import model_forward
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,7 @@ class WorkerEngine:
         self._owns_model_thread = model_thread is None
         self._model_thread = model_thread or new_model_thread()
         use_ragged_attention(self.model)
+        self._forward = model_forward(self.model)  # specdec/worker/forward.py: lean for the Llama/Qwen2 family
         self._batcher = Batcher(self._run_pass, max_batch_tokens)
         # the calls of a batched RPC run on threads of their own, their passes shared (run_calls)
         self._call_pool = ThreadPoolExecutor(max_workers=max(1, max_sessions), thread_name_prefix="call")
@@ -498,15 +499,14 @@ class WorkerEngine:
         try:
             with self._pass_lock:
                 t0 = time.perf_counter()  # the pass itself: not the wait for the other worker's
-                out = self.model(input_ids=torch.tensor([ids], device=self.input_device),
-                                 position_ids=torch.tensor([positions], device=self.input_device),
-                                 attention_mask=NO_MASK, past_key_values=RaggedCache([s.cache for s in sessions],
-                                                                                     [n for _, n in batch.items]),
-                                 use_cache=True, logits_to_keep=torch.tensor(keep_rows, dtype=torch.long))
-                if out.logits.device.type == "cuda":
+                logits = self._forward(torch.tensor([ids], device=self.input_device),
+                                       torch.tensor([positions], device=self.input_device),
+                                       RaggedCache([s.cache for s in sessions], [n for _, n in batch.items]),
+                                       torch.tensor(keep_rows, dtype=torch.long))
+                if logits.device.type == "cuda":
                     # kernels run after their launch: the pass's seconds (the gamma policy's costs)
                     # and the lock's turn end when the GPU is done, not when Python is
-                    torch.cuda.synchronize(out.logits.device)
+                    torch.cuda.synchronize(logits.device)
                 elapsed = time.perf_counter() - t0
         except BaseException:
             # a pass that failed half-way leaves layers of different lengths; start those caches
@@ -523,7 +523,7 @@ class WorkerEngine:
             self._forward_duration.record(elapsed, {t.FORWARD_KIND: work.kind})
         for session in sessions:
             session.last_pass_rows, session.last_pass_s = len(ids), elapsed
-        logits, row = out.logits[0], 0
+        logits, row = logits[0], 0
         for work in done:
             try:
                 work.future.set_result(work.post(logits[row : row + work.keep]))

@@ -420,3 +420,59 @@ def _int4_target(path):
     if path not in _INT4:
         _INT4[path] = TargetEngine(load_model(str(path), quantization="int4-rows"))
     return _INT4[path]
+
+
+def _huge_pages_of(ptr: int) -> int:
+    """kB of transparent huge pages in this process's mapping that holds address `ptr`."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "none"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+@needs_native
+def test_the_kernels_weights_sit_on_huge_pages_with_the_same_bits(monkeypatch):
+    """A 1-row pass streams every weight once: the native kernels' weights are on 2 MiB pages
+    (fewer page walks), 64-byte aligned, and compute the same bits as on ordinary pages."""
+    if _thp_mode() not in ("madvise", "always"):
+        pytest.skip(f"transparent huge pages are {_thp_mode()} here")
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(1024, 4096)
+    x = torch.randn(3, 1024)
+    on_huge = Int8RowLinear(linear, native=True)
+    ptr = on_huge._weight.data_ptr()
+    assert ptr % 64 == 0 and _huge_pages_of(ptr) >= 2048
+    monkeypatch.setenv("SPECDEC_HUGE_PAGES", "0")
+    ordinary = Int8RowLinear(linear, native=True)
+    assert ordinary._weight.data_ptr() % 64 == 0 and _huge_pages_of(ordinary._weight.data_ptr()) == 0
+    assert torch.equal(on_huge(x), ordinary(x))
+
+
+@needs_native
+def test_loading_leaves_the_kernels_weights_where_they_were_made(gguf_dir, monkeypatch):
+    """modeling.own_memory copies what the model shares with its weight files, not the kernels'
+    own tensors: they would leave their huge pages (and cost a second copy while loading)."""
+    from specdec import kernels
+    from specdec.kernels import Q4KRowLinear
+
+    made = []
+    take = kernels.weight_memory.take
+    monkeypatch.setattr(kernels.weight_memory, "take", lambda n: made.append(take(n)) or made[-1])
+    model = load_model(str(gguf_dir), quantization="int4-rows").model
+    pointers = {t.data_ptr() for t in made}
+    mods = [m for m in model.modules() if isinstance(m, (Q4KRowLinear, Int8RowLinear))]
+    buffers = [b for m in mods for b in m.buffers() if b.dtype in (torch.uint8, torch.int8)]
+    assert mods and buffers and all(b.data_ptr() in pointers for b in buffers)

@@ -1,0 +1,89 @@
+"""specdec.worker.forward: the lean pass computes transformers' own forward bit for bit (logits and
+the keys and values it caches) on ragged batches, for the model families it takes; others keep
+transformers' forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+    Qwen2ForCausalLM
+
+from specdec.worker.batching import NO_MASK, RaggedCache, use_ragged_attention
+from specdec.worker.forward import lean_forward, lean_forward_fits, model_forward
+
+SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _model(kind: str, dtype: torch.dtype):
+    torch.manual_seed(7)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=True))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE, attention_bias=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
+    model = model.to(dtype).eval()
+    use_ragged_attention(model)
+    return model
+
+
+def _transformers(model, ids, positions, cache, keep):
+    return model(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, past_key_values=cache,
+                 use_cache=True, logits_to_keep=keep).logits
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@torch.inference_mode()
+def test_the_lean_pass_is_transformers_forward_bit_for_bit(kind, dtype):
+    """Two sessions: prefills of 7 and 3 tokens in one pass, then decoding work (1 row and a
+    5-row verify) in another, then a pass of one session alone: each pass's logits and every
+    cached key and value equal what transformers' forward computes."""
+    model = _model(kind, dtype)
+    assert lean_forward_fits(model)
+    g = torch.Generator().manual_seed(3)
+    ours = [DynamicCache(config=model.config) for _ in range(2)]
+    theirs = [DynamicCache(config=model.config) for _ in range(2)]
+    lengths = [0, 0]
+    for new, keep in [((7, 3), [6, 9]), ((1, 5), [0, 1, 2, 3, 4, 5]), ((0, 2), [0, 1])]:
+        sessions = [i for i, n in enumerate(new) if n]
+        ids = torch.randint(0, SHAPE["vocab_size"], (1, sum(new)), generator=g)
+        positions = torch.tensor([[p for i in sessions for p in range(lengths[i], lengths[i] + new[i])]])
+        keep_rows = torch.tensor(keep)
+        rows = [new[i] for i in sessions]
+        got = lean_forward(model, ids, positions, RaggedCache([ours[i] for i in sessions], rows), keep_rows)
+        want = _transformers(model, ids, positions, RaggedCache([theirs[i] for i in sessions], rows), keep_rows)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        for i in sessions:
+            lengths[i] += new[i]
+    for mine, its in zip(ours, theirs):
+        for a, b in zip(mine.layers, its.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_other_models_keep_transformers_forward(monkeypatch):
+    """A family the lean pass does not repeat (Mistral: sliding windows), and any model with
+    SPECDEC_LEAN_FORWARD=0, runs its own forward."""
+    mistral = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=16)).eval()
+    assert not lean_forward_fits(mistral)
+    qwen = _model("qwen2", torch.float32)
+    assert lean_forward_fits(qwen)
+    calls = []
+    monkeypatch.setattr("specdec.worker.forward.lean_forward", lambda *a: calls.append(a))
+    ids, positions, keep = torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), torch.tensor([1])
+    model_forward(qwen)(ids, positions, RaggedCache([DynamicCache(config=qwen.config)], [2]), keep)
+    assert len(calls) == 1
+    monkeypatch.setenv("SPECDEC_LEAN_FORWARD", "0")
+    logits = model_forward(qwen)(ids, positions, RaggedCache([DynamicCache(config=qwen.config)], [2]), keep)
+    assert len(calls) == 1 and logits.shape == (1, 1, SHAPE["vocab_size"])
+
+
+def test_a_model_with_a_layer_of_another_kind_keeps_transformers_forward():
+    model = _model("qwen2", torch.float32)
+    odd = copy.deepcopy(model)
+    odd.model.layers[1] = torch.nn.Identity()
+    assert not lean_forward_fits(odd)
