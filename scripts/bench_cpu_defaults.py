@@ -2,7 +2,7 @@
 weights vs int8-rows) x OpenMP's idle threads (PASSIVE vs a bounded spin, GOMP_SPINCOUNT); then
 int8-rows on fbgemm vs the native AVX2 kernel (specdec/csrc/int8_rows.c), the draft's kernel, the
 native kernel's AVX-512 VNNI path, and the GGUF's own 4-bit blocks (int4-rows, the default), with
-its weights on 4 KiB pages and on huge pages (the default).
+its weights on 4 KiB pages or huge pages and transformers' forward or the lean one (the default: both).
 
 Each setup starts the three services as `make run` does (specdec_tools.stack.ProcessStack, the
 default pair, draft vocabulary 32k), then times 4 of `specdec bench`'s prompts, greedy, 48 new
@@ -37,8 +37,12 @@ SETUPS = {  # name: (--quantize, environment, more draft flags)
     "int8-rows native AVX2 (VNNI off)": ("int8-rows", {**SPIN, "SPECDEC_NATIVE_ISA": "avx2"}, ()),
     "int8-rows native, VNNI where the CPU has it": ("int8-rows", SPIN, ()),
     # the GGUF's own Q4_K blocks for the target (specdec/kernels.py, int4-rows), the draft int8-rows,
-    # the native kernels' weights on 4 KiB pages (the ablation of weight_memory's huge pages) and not
+    # the native kernels' weights on 4 KiB pages (the ablation of weight_memory's huge pages), transformers'
+    # forward instead of specdec/worker/forward.py's lean one (its ablation), both, and neither
+    "int4-rows target, 4 KiB pages, transformers' forward": (
+        "auto", {**SPIN, "SPECDEC_HUGE_PAGES": "0", "SPECDEC_LEAN_FORWARD": "0"}, ()),
     "int4-rows target, 4 KiB pages": ("auto", {**SPIN, "SPECDEC_HUGE_PAGES": "0"}, ()),
+    "int4-rows target, transformers' forward": ("auto", {**SPIN, "SPECDEC_LEAN_FORWARD": "0"}, ()),
     "int4-rows target (the default)": ("auto", SPIN, ()),
 }
 

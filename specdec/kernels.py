@@ -209,20 +209,39 @@ def _native_rows(x: torch.Tensor, in_features: int, out_features: int, call) -> 
     """x [..., in_features] through a native row kernel: call(rows_ptr, n, y_ptr) fills y
     [n, out_features] from the float32 rows and returns 0 (else: no scratch memory)."""
     shape = x.shape
-    rows = x.reshape(-1, in_features).to(torch.float32).contiguous()
+    if x.dtype == torch.float32 and x.is_contiguous():  # a pass's activations: no copy
+        rows = x.view(-1, in_features)
+    else:
+        rows = x.reshape(-1, in_features).to(torch.float32).contiguous()
     n = rows.shape[0]
     y = torch.empty(n, out_features)
     if n and call(rows.data_ptr(), n, y.data_ptr()) != 0:
         raise MemoryError("no scratch memory for the quantized rows")
-    return y.reshape(*shape[:-1], out_features)
+    return y.view(*shape[:-1], out_features)
 
 
-class Int8RowLinear(torch.nn.Module):
+class _NativeRows(torch.nn.Module):
+    """What the native kernels' modules share: their tensors' addresses, taken once (`_bind`, again
+    whenever torch moves or converts the module's tensors) rather than on every call: a decoding
+    step makes ~200 calls, and reading 4 addresses through nn.Module's attribute lookup took ~2 of
+    each call's ~12 us of Python around the kernel."""
+
+    owns_memory = True  # its tensors are made here (modeling.own_memory leaves them)
+    _ptrs: tuple = ()
+
+    def _bind(self) -> None:
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._bind()
+        return module
+
+
+class Int8RowLinear(_NativeRows):
     """A Linear with int8 weights (per output channel) and int8 activations (per row); see the
     module docstring. Inputs of any leading shape; float32 out. `native`: None picks the native
     kernel where it builds, else fbgemm."""
-
-    owns_memory = True  # its tensors are made here (modeling.own_memory leaves them)
 
     def __init__(self, linear: torch.nn.Linear, native: bool | None = None):
         super().__init__()
@@ -241,6 +260,7 @@ class Int8RowLinear(torch.nn.Module):
             wsum[:self.out_features] = weight.sum(dim=1, dtype=torch.int32)  # the VNNI path's offsets
             self.register_buffer("_wsum", wsum, persistent=False)
             self.register_buffer("_scale", scale, persistent=False)
+            self._bind()
             return
         self._packed = _prepack(linear.weight)
         bits = activation_bits()
@@ -255,12 +275,17 @@ class Int8RowLinear(torch.nn.Module):
     def backend(self) -> str:
         return "native" if self._native is not None else "fbgemm"
 
+    def _bind(self) -> None:
+        if self._native is not None:
+            self._ptrs = (self._weight.data_ptr(), self._wsum.data_ptr(), self._scale.data_ptr(),
+                          None if self.bias is None else self.bias.data_ptr())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native is not None:
-            bias = None if self.bias is None else self.bias.data_ptr()
+            weight, wsum, scale, bias = self._ptrs
             return _native_rows(x, self.in_features, self.out_features, lambda rows, m, y: self._native(
-                rows, m, self.in_features, self._weight.data_ptr(), self._columns, self.out_features,
-                self._wsum.data_ptr(), self._scale.data_ptr(), bias, y, torch.get_num_threads()))
+                rows, m, self.in_features, weight, self._columns, self.out_features, wsum, scale, bias, y,
+                torch.get_num_threads()))
         shape = x.shape
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         n = rows.shape[0]
@@ -434,14 +459,12 @@ def _q4k_tiles(per_block: torch.Tensor) -> torch.Tensor:
     return padded.view(np_ // _Q4K_TILE, _Q4K_TILE, nb, width).transpose(1, 2).contiguous()
 
 
-class Q4KRowLinear(torch.nn.Module):
+class Q4KRowLinear(_NativeRows):
     """`--quantize int4-rows`, for a weight the source GGUF holds in Q4_K blocks: those very blocks
     (4.5 bits a weight, the numbers llama.cpp computes with; 4.625 bits here, the 6-bit scales
     stored as bytes), int8 activations per row, integer sums per 256-column super-block and one
     fixed float order per row: rows bitwise independent, as int8-rows. Native kernel only
     (specdec_q4k_rows_linear in specdec/csrc/int8_rows.c)."""
-
-    owns_memory = True  # its tensors are made here (modeling.own_memory leaves them)
 
     def __init__(self, in_features: int, out_features: int, blocks: torch.Tensor, bias: torch.Tensor | None = None):
         """blocks: uint8 [out_features, in_features / 256 * 144], the GGUF tensor's rows."""
@@ -461,12 +484,15 @@ class Q4KRowLinear(torch.nn.Module):
         meta = torch.cat([sc, mn, halves.reshape(*d.shape, 4)], dim=-1)
         self.register_buffer("_qs", _aligned(_q4k_tiles(q4k_steps(qs))), persistent=False)
         self.register_buffer("_meta", _aligned(_q4k_tiles(meta)), persistent=False)
+        self._bind()
+
+    def _bind(self) -> None:
+        self._ptrs = (self._qs.data_ptr(), self._meta.data_ptr(), None if self.bias is None else self.bias.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.data_ptr()
+        qs, meta, bias = self._ptrs
         return _native_rows(x, self.in_features, self.out_features, lambda rows, m, y: self._kernel(
-            rows, m, self.in_features, self._qs.data_ptr(), self._meta.data_ptr(), self.out_features, bias, y,
-            torch.get_num_threads()))
+            rows, m, self.in_features, qs, meta, self.out_features, bias, y, torch.get_num_threads()))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, the GGUF's Q4_K blocks"

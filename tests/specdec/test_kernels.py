@@ -476,3 +476,23 @@ def test_loading_leaves_the_kernels_weights_where_they_were_made(gguf_dir, monke
     mods = [m for m in model.modules() if isinstance(m, (Q4KRowLinear, Int8RowLinear))]
     buffers = [b for m in mods for b in m.buffers() if b.dtype in (torch.uint8, torch.int8)]
     assert mods and buffers and all(b.data_ptr() in pointers for b in buffers)
+
+
+@needs_native
+def test_a_native_module_follows_its_tensors_when_torch_moves_them():
+    """The modules keep their tensors' addresses (a step makes ~200 calls): when torch replaces the
+    tensors (Module._apply, behind .to(), .float(), share_memory(): here a copy of each), the
+    addresses follow."""
+    from specdec.kernels import Q4KRowLinear
+    from specdec_tools.testing.tiny_models import random_q4k_blocks
+
+    torch.manual_seed(2)
+    x = torch.randn(2, 512)
+    for module in (Int8RowLinear(torch.nn.Linear(512, 64), native=True),
+                   Q4KRowLinear(512, 64, random_q4k_blocks(64, 512, torch.Generator().manual_seed(3)), torch.randn(64))):
+        want = module(x)
+        before = module._ptrs
+        module._apply(lambda t: t.clone())
+        tensors = [t for t in (*module.buffers(), module.bias) if t is not None]
+        assert module._ptrs != before and set(module._ptrs) - {None} <= {t.data_ptr() for t in tensors}
+        assert torch.equal(module(x), want)
