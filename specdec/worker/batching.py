@@ -7,7 +7,11 @@ own session's cache and its session's earlier new tokens:
 
 - `RaggedCache` is the cache object the model gets for one pass. Its `update` (called by every
   attention layer) appends each session's slice of the new keys and values to that session's
-  cache and hands back the per-session key/value tensors.
+  cache and hands back the per-session key/value tensors. A session's layer keeps its keys and
+  values in buffers with room to grow (`grow_append`), its tensors views of their first rows: a
+  step writes its new rows in place where transformers' DynamicLayer concatenated, copying the
+  session's whole cache in every layer at every step (at 1000 cached tokens ~57 MB a target step).
+  A rollback (`crop`) shortens the views; the next step writes over what was cut.
 - `ragged_attention`, registered with transformers' AttentionInterface as "specdec_ragged", runs
   scaled-dot-product attention once per session: its queries against its own keys, causal within
   its new tokens. A session's attention is therefore computed by exactly the same call whatever
@@ -75,14 +79,48 @@ class RaggedKV:
     # built by the first layer and shared by all: they depend only on the lengths
 
 
+GROW_MIN = 256  # a layer's buffers grow in multiples of this many rows, to a quarter more than needed
+
+
+def grow_append(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Appends [1, kv_heads, n, head_dim] keys and values to a DynamicLayer along its sequence,
+    as its `update` does (the same values, so the same bits downstream), into buffers with room to
+    grow: layer.keys / layer.values become views of their first rows. Buffers are (re)made when
+    there are none, when the layer's tensors are not views of them (a copied cache, a layer
+    transformers filled), or when full; a crop leaves the views shorter and the next append writes
+    over what it cut. -> (layer.keys, layer.values)."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    old_k, old_v = layer.keys, layer.values
+    length = old_k.shape[-2] if old_k.numel() else 0
+    need = length + keys.shape[-2]
+    buffers = getattr(layer, "specdec_buffers", None)
+    if (buffers is None or buffers[0].shape[-2] < need or length and (
+            old_k.data_ptr() != buffers[0].data_ptr() or old_v.data_ptr() != buffers[1].data_ptr()
+            or old_k.stride() != buffers[0].stride())):
+        rows = -(-(need + need // 4) // GROW_MIN) * GROW_MIN  # at most a quarter and GROW_MIN rows unused
+        shape = (*keys.shape[:-2], rows, keys.shape[-1])
+        buffers = keys.new_empty(shape), values.new_empty(shape)
+        if length:
+            buffers[0][..., :length, :].copy_(old_k)
+            buffers[1][..., :length, :].copy_(old_v)
+        layer.specdec_buffers = buffers
+    buffers[0][..., length:need, :].copy_(keys)
+    buffers[1][..., length:need, :].copy_(values)
+    layer.keys, layer.values = buffers[0][..., :need, :], buffers[1][..., :need, :]
+    return layer.keys, layer.values
+
+
 class RaggedCache:
     """The past_key_values of one ragged pass: caches[i] gets the keys/values of new[i] tokens."""
 
     is_compileable = False
 
-    def __init__(self, caches: list, new: list[int]):
+    def __init__(self, caches: list, new: list[int], append=grow_append):
+        """append(layer, keys, values) -> the layer's whole keys and values: grow_append, or (a
+        test's reference) transformers' own DynamicLayer.update."""
         assert len(caches) == len(new) and all(n >= 1 for n in new), new
-        self.caches, self.new = caches, new
+        self.caches, self.new, self.append = caches, new, append
         self.masks: list = []  # filled by ragged_attention in the first layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
@@ -90,7 +128,7 @@ class RaggedCache:
         assert key_states.shape[2] == sum(self.new), (key_states.shape, self.new)
         keys, values = [], []
         for cache, k, v in zip(self.caches, key_states.split(self.new, dim=2), value_states.split(self.new, dim=2)):
-            full_k, full_v = cache.layers[layer_idx].update(k, v, cache_kwargs)
+            full_k, full_v = self.append(cache.layers[layer_idx], k, v)
             keys.append(full_k)
             values.append(full_v)
         return RaggedKV(keys, self.new, self.masks), RaggedKV(values, self.new, self.masks)

@@ -87,3 +87,45 @@ def test_a_model_with_a_layer_of_another_kind_keeps_transformers_forward():
     odd = copy.deepcopy(model)
     odd.model.layers[1] = torch.nn.Identity()
     assert not lean_forward_fits(odd)
+
+
+@torch.inference_mode()
+def test_caches_that_grow_in_place_compute_what_concatenation_computes(monkeypatch):
+    """grow_append (keys and values written into buffers with room to grow) against transformers'
+    DynamicLayer.update (concatenation), through prefills of 40 and 3 tokens, decoding work of 1
+    and 5 rows, rollbacks (crop) that the next pass writes over, buffers that fill and move, and a
+    copied session (a fork): every pass's logits and the caches' keys and values, bit for bit."""
+    from transformers.cache_utils import DynamicLayer
+
+    from specdec.worker import batching
+
+    monkeypatch.setattr(batching, "GROW_MIN", 16)  # buffers fill and move several times
+    model = _model("qwen2", torch.float32)
+    forward = model_forward(model)
+    g = torch.Generator().manual_seed(5)
+    grown = [DynamicCache(config=model.config) for _ in range(2)]
+    joined = [DynamicCache(config=model.config) for _ in range(2)]
+    lengths = [0, 0]
+    steps = [(40, 3), (1, 5), ("crop", 3), (5, 1), (1, 1), ("fork", 0), ("crop", 1), (2, 5)] + [(1, 5)] * 45
+    for step in steps:
+        if step[0] == "crop":  # a rollback: both sessions drop their last tokens
+            for caches in (grown, joined):
+                for cache in caches:
+                    cache.crop(-step[1])
+            lengths = [n - step[1] for n in lengths]
+            continue
+        if step[0] == "fork":
+            grown[0], joined[0] = copy.deepcopy(grown[0]), copy.deepcopy(joined[0])
+            continue
+        ids = torch.randint(0, SHAPE["vocab_size"], (1, sum(step)), generator=g)
+        positions = torch.tensor([[p for i in range(2) for p in range(lengths[i], lengths[i] + step[i])]])
+        keep = torch.arange(sum(step))
+        got = forward(ids, positions, RaggedCache(grown, list(step)), keep)
+        want = forward(ids, positions, RaggedCache(joined, list(step), append=DynamicLayer.update), keep)
+        assert torch.equal(got, want), step
+        lengths = [n + k for n, k in zip(lengths, step)]
+    assert max(lengths) > 4 * batching.GROW_MIN  # the buffers filled and moved, more than once
+    for a_cache, b_cache in zip(grown, joined):
+        for a, b in zip(a_cache.layers, b_cache.layers):
+            assert a.keys.shape[-2] == b.keys.shape[-2] == a_cache.get_seq_length()
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
