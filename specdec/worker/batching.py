@@ -67,6 +67,12 @@ GATHER_MAX_S = 0.05
 # computes exactly what k single steps compute. Longer work (prefill chunks) takes one SDPA call.
 # Cost (default target, 2 cores): about that of one SDPA call over the rows, up to 16 rows.
 ROWWISE_MAX_ROWS = 32
+# One query row over at least this many keys (on CPU) is attended by one_row_attention, two batched
+# matmuls around a softmax, instead of SDPA's flash kernel, which is slower there from ~150 keys
+# (default target's shapes: 2000 keys 171 against 376 us a layer, 1000 keys 96 against 172; 100
+# keys 26 against 20). The choice depends on the row's key count alone, so a row computes the same
+# bits in a k-row verify as in a single step.
+ONE_ROW_MATMUL_MIN_KEYS = 160
 
 
 @dataclass
@@ -137,6 +143,22 @@ class RaggedCache:
         return 0  # positions come from position_ids; nothing asks otherwise
 
 
+def one_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row: q [1, heads, 1, head_dim] against k, v [1, kv_heads, keys, head_dim] (query
+    head j reads kv head j // (heads / kv_heads), as SDPA's enable_gqa) -> [1, heads, 1, head_dim]."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    grouped = q.reshape(kv_heads, heads // kv_heads, q.shape[-1])
+    weights = torch.softmax(torch.bmm(grouped, k[0].transpose(1, 2)) * scale, dim=-1)
+    return torch.bmm(weights, v[0]).reshape(1, heads, 1, -1)
+
+
+def _row_attention(q, k, v, scale, gqa):
+    """One query row against its keys: one_row_attention on CPU from ONE_ROW_MATMUL_MIN_KEYS keys, else SDPA."""
+    if k.device.type == "cpu" and k.shape[2] >= ONE_ROW_MATMUL_MIN_KEYS:
+        return one_row_attention(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+
+
 def ragged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query: [1, heads, sum(new), head_dim]; key/value: RaggedKV -> ([1, sum(new), heads, head_dim], None).
 
@@ -156,10 +178,10 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     sdpa = torch.nn.functional.scaled_dot_product_attention
     outputs = []
     for q, k, v, mask, n in zip(query.split(key.new, dim=2), key.tensors, value.tensors, key.masks, key.new):
-        if 1 < n <= ROWWISE_MAX_ROWS:  # decoding work: each row exactly as a one-row step computes it
+        if n <= ROWWISE_MAX_ROWS:  # decoding work: each row exactly as a one-row step computes it
             past = k.shape[2] - n
-            outputs.extend(sdpa(q[:, :, i:i + 1], k[:, :, :past + i + 1], v[:, :, :past + i + 1], scale=scaling,
-                                enable_gqa=gqa) for i in range(n))
+            outputs.extend(_row_attention(q[:, :, i:i + 1], k[:, :, :past + i + 1], v[:, :, :past + i + 1], scaling,
+                                          gqa) for i in range(n))
         else:
             outputs.append(sdpa(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)

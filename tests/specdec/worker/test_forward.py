@@ -129,3 +129,31 @@ def test_caches_that_grow_in_place_compute_what_concatenation_computes(monkeypat
         for a, b in zip(a_cache.layers, b_cache.layers):
             assert a.keys.shape[-2] == b.keys.shape[-2] == a_cache.get_seq_length()
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@torch.inference_mode()
+def test_rows_over_long_contexts_verify_as_single_steps():
+    """From ONE_ROW_MATMUL_MIN_KEYS keys a decoding row's attention is two matmuls around a
+    softmax (not SDPA): a 6-row verify over ~200 cached tokens still equals 6 single steps bit
+    for bit (the rows cross the threshold inside the verify), and the attention stays within
+    float32 rounding of SDPA's."""
+    from specdec.modeling import quantize
+    from specdec.worker.batching import ONE_ROW_MATMUL_MIN_KEYS, one_row_attention
+
+    model = quantize(_model("qwen2", torch.float32), "int8-rows")  # rows independent in the Linears too
+    forward = model_forward(model)
+    g = torch.Generator().manual_seed(9)
+    context = ONE_ROW_MATMUL_MIN_KEYS - 3
+    prompt = torch.randint(0, SHAPE["vocab_size"], (1, context), generator=g)
+    cache = DynamicCache(config=model.config)
+    forward(prompt, torch.arange(context)[None], RaggedCache([cache], [context]), torch.tensor([context - 1]))
+    rows = torch.randint(0, SHAPE["vocab_size"], (1, 6), generator=g)
+    single = copy.deepcopy(cache)
+    verify = forward(rows, torch.arange(context, context + 6)[None], RaggedCache([cache], [6]), torch.arange(6))
+    steps = torch.cat([forward(rows[:, i:i + 1], torch.tensor([[context + i]]), RaggedCache([single], [1]),
+                               torch.tensor([0])) for i in range(6)], dim=1)
+    assert torch.equal(verify, steps)
+    q, k, v = torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 300, 16, generator=g), \
+        torch.randn(1, 2, 300, 16, generator=g)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
+    assert torch.allclose(one_row_attention(q, k, v, 0.25), want, atol=1e-6, rtol=1e-5)
