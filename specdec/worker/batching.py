@@ -67,7 +67,7 @@ GATHER_MAX_S = 0.05
 # computes exactly what k single steps compute. Longer work (prefill chunks) takes one SDPA call.
 # Cost (default target, 2 cores): about that of one SDPA call over the rows, up to 16 rows.
 ROWWISE_MAX_ROWS = 32
-# One query row over at least this many keys (on CPU) is attended by one_row_attention, two batched
+# One query row over at least this many keys (on CPU, float32) is attended by one_row_attention, two batched
 # matmuls around a softmax, instead of SDPA's flash kernel, which is slower there from ~150 keys
 # (default target's shapes: 2000 keys 171 against 376 us a layer, 1000 keys 96 against 172; 100
 # keys 26 against 20). The choice depends on the row's key count alone, so a row computes the same
@@ -153,8 +153,9 @@ def one_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 def _row_attention(q, k, v, scale, gqa):
-    """One query row against its keys: one_row_attention on CPU from ONE_ROW_MATMUL_MIN_KEYS keys, else SDPA."""
-    if k.device.type == "cpu" and k.shape[2] >= ONE_ROW_MATMUL_MIN_KEYS:
+    """One query row against its keys: one_row_attention from ONE_ROW_MATMUL_MIN_KEYS keys on CPU in
+    float32 (other dtypes keep SDPA's internal upcasts), else SDPA."""
+    if k.device.type == "cpu" and k.dtype == torch.float32 and k.shape[2] >= ONE_ROW_MATMUL_MIN_KEYS:
         return one_row_attention(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
 
