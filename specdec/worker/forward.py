@@ -7,8 +7,9 @@ without its per-layer plumbing: the output-capturing and config-merging decorato
 arguments every module passes on, the mask functions, the attention-interface lookup, the module
 calls around each norm, attention block and MLP, and the dtype casts that do nothing in float32.
 A decoding step runs 28 such layers in the default target and 24 in its draft; on this 2-core VM
-that plumbing was ~0.1 ms a layer. Any other model, and a model whose layers look otherwise,
-runs transformers' own forward.
+that plumbing was 1.5 ms of a 47 ms target pass and 1.8 ms of a 22 ms draft step. Any other model,
+a model whose layers look otherwise, and one that accelerate spread over devices (`--device-map`:
+its hooks on each layer move the tensors) runs transformers' own forward.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def lean_forward_fits(model) -> bool:
     """Whether lean_forward computes exactly what this model's own forward does."""
     layer_class = _FAMILY.get(type(model).__name__)
     inner = getattr(model, "model", None)
-    if layer_class is None or inner is None:
+    if layer_class is None or inner is None or getattr(model, "hf_device_map", None):
         return False
     config = inner.config
     return (all(type(layer).__name__ == layer_class for layer in inner.layers)

@@ -82,11 +82,13 @@ def test_other_models_keep_transformers_forward(monkeypatch):
     assert len(calls) == 1 and logits.shape == (1, 1, SHAPE["vocab_size"])
 
 
-def test_a_model_with_a_layer_of_another_kind_keeps_transformers_forward():
+def test_a_model_with_a_layer_of_another_kind_or_spread_over_devices_keeps_transformers_forward():
     model = _model("qwen2", torch.float32)
     odd = copy.deepcopy(model)
     odd.model.layers[1] = torch.nn.Identity()
     assert not lean_forward_fits(odd)
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}  # accelerate's hooks move tensors per layer
+    assert not lean_forward_fits(model)
 
 
 @torch.inference_mode()
