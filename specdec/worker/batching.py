@@ -171,7 +171,7 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
         for k, n in zip(key.tensors, key.new):
             past = k.shape[2] - n
             # token i of the new ones (absolute position past + i) sees keys 0 .. past + i
-            key.masks.append(None if n == 1 or n <= ROWWISE_MAX_ROWS else
+            key.masks.append(None if n <= ROWWISE_MAX_ROWS else  # decoding work goes row by row
                              torch.ones(n, past + n, dtype=torch.bool, device=k.device).tril(diagonal=past))
     # grouped-query heads share their key/value head inside SDPA: no repeat_kv copy of the whole
     # cache per layer (measured, 8 sessions of 100 tokens: 29 ms of a pass down to 9)
