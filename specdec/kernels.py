@@ -66,6 +66,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "int8_rows.c"
+# compiled with it into one library: the decoder layers around the kernels (worker/forward.py's native_forward)
+_SOURCES = (_SOURCE, _SOURCE.with_name("decoder.c"))
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -113,12 +115,12 @@ def _native_wanted() -> bool:
 
 
 def _library_name() -> str:
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_CFLAGS).encode()).hexdigest()[:16]
     return f"int8_rows-{digest}.so"
 
 
 def build_native(directory: Path) -> Path | None:
-    """Compiles specdec/csrc/int8_rows.c into `directory` (named by the source's and flags' hash)
+    """Compiles specdec/csrc/int8_rows.c and decoder.c into `directory` (named by the source's and flags' hash)
     unless it is there; the library's path, or None (logged) where no compiler builds it. Written
     to a temporary name and renamed: workers starting together each see a whole library."""
     target = Path(directory) / _library_name()
@@ -131,7 +133,7 @@ def build_native(directory: Path) -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        done = subprocess.run([compiler, *_CFLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *_CFLAGS, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True)
         if done.returncode != 0:
             log.warning("the native int8-rows kernel did not build (int8-rows runs on fbgemm): %s",
                         done.stderr.strip()[-2000:])
@@ -175,6 +177,12 @@ def native_library() -> ctypes._CFuncPtr | None:
                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
     q4k.restype = ctypes.c_int
     fn.q4k = q4k  # the library's second kernel (Q4KRowLinear)
+    decoder = lib.specdec_decoder_pass
+    decoder.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
+                        ctypes.c_float, ctypes.c_int32]
+    decoder.restype = ctypes.c_int
+    fn.decoder = decoder  # the decoder layers around them (worker/forward.py's native_forward)
     return fn
 
 
@@ -220,6 +228,15 @@ def _native_rows(x: torch.Tensor, in_features: int, out_features: int, call) -> 
     return y.view(*shape[:-1], out_features)
 
 
+_bindings = 0  # how many times torch moved a native module's tensors (their addresses changed)
+
+
+def bind_generation() -> int:
+    """Changes whenever a native module rebinds its tensors' addresses (worker/forward.py's native
+    forward keeps a table of them)."""
+    return _bindings
+
+
 class _NativeRows(torch.nn.Module):
     """What the native kernels' modules share: their tensors' addresses, taken once (`_bind`, again
     whenever torch moves or converts the module's tensors) rather than on every call: a decoding
@@ -235,6 +252,8 @@ class _NativeRows(torch.nn.Module):
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
         self._bind()
+        global _bindings
+        _bindings += 1
         return module
 
 

@@ -57,29 +57,41 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _pass(model, cache, tokens: list[int], start: int, keep: int):
-    return _batched_pass(model, [cache], tokens, start, keep)
+def _pass(model, forward, cache, tokens: list[int], start: int, keep: int):
+    return _batched_pass(model, forward, [cache], tokens, start, keep)
 
 
-def _batched_pass(model, caches: list, tokens: list[int], start: int, keep: int):
+def _batched_pass(model, forward, caches: list, tokens: list[int], start: int, keep: int):
     """The same new `tokens` (at positions start..) appended to each of `caches` in one ragged
-    pass; the logits of the last `keep` rows of each session, [len(caches) * keep, vocab]."""
-    from specdec.worker.batching import NO_MASK, RaggedCache
+    pass of `forward` (the worker's: specdec/worker/forward.py); the logits of the last `keep` rows
+    of each session, [len(caches) * keep, vocab]."""
+    from specdec.worker.batching import RaggedCache
 
     n, s, device = len(tokens), len(caches), model.device
     keep_rows = [i * n + j for i in range(s) for j in range(n - keep, n)]
-    return model(input_ids=torch.tensor([tokens * s], device=device),
-                 position_ids=torch.tensor([list(range(start, start + n)) * s], device=device),
-                 attention_mask=NO_MASK, past_key_values=RaggedCache(caches, [n] * s), use_cache=True,
-                 logits_to_keep=torch.tensor(keep_rows, device=device)).logits[0]
+    return forward(torch.tensor([tokens * s], device=device),
+                   torch.tensor([list(range(start, start + n)) * s], device=device),
+                   RaggedCache(caches, [n] * s), torch.tensor(keep_rows, device=device))[0]
+
+
+def _forward(mode: str, model):
+    """The worker's forward for the model (model_forward); for a mode ending in -lean, lean_forward
+    (the decoder layers in torch ops: the ablation of specdec/csrc/decoder.c)."""
+    from specdec.worker.forward import lean_forward, model_forward
+
+    if mode.endswith("-lean"):
+        return lambda ids, positions, cache, keep: lean_forward(model, ids, positions, cache, keep)
+    return model_forward(model)
 
 
 def _load(path: str, mode: str, a: argparse.Namespace):
     """`mode` is a --quantize value, or int8-rows-fbgemm: int8-rows without its native kernel (the
     ablation of specdec/csrc/int8_rows.c), or int8-rows-avx2: the native kernel without its
-    AVX-512 VNNI path (the same bits; timed with the kernel held to AVX2)."""
+    AVX-512 VNNI path (the same bits; timed with the kernel held to AVX2), or a mode with -lean
+    after it: that quantization with its decoder layers in torch ops (see _forward)."""
     from specdec.modeling import load_model
 
+    mode = mode.removesuffix("-lean")
     if mode == "int8-rows-avx2":
         mode = "int8-rows"
     if mode != "int8-rows-fbgemm":
@@ -110,6 +122,7 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     if a.reference and a.reference not in modes:
         modes.append(a.reference)
     models = {m: _load(path, m, a) for m in modes}
+    forwards = {m: _forward(m, loaded.model) for m, loaded in models.items()}
     tok = next(iter(models.values())).tokenizer
     prefix = tok("def merge(a, b):\n    result = []\n    i = j = 0\n" * 16).input_ids[: a.cached]
     rows_list = [int(r) for r in a.rows.split(",") if r]
@@ -125,7 +138,7 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
         for limit in rowwise:
             batching.ROWWISE_MAX_ROWS = limit
             label = mode if len(rowwise) == 1 else f"{mode}, {'row-wise attention' if limit > 1 else 'SDPA'}"
-            table, exact = _time_passes(loaded.model, prefix, rows_list, sessions_list, a, log, label, profiles)
+            table, exact = _time_passes(loaded.model, forwards[mode], prefix, rows_list, sessions_list, a, log, label, profiles)
             for sessions, cells in table.items():
                 lines.append(f"| {label} | {sessions} | " + " | ".join(cells) + f" | {'yes' if exact else 'no'} |")
                 log(lines[-1])
@@ -138,7 +151,7 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     if profiles:
         text += "\nWhere the time goes (self CPU time, top 5 ops):\n\n" + "\n".join(profiles) + "\n"
     if a.reference:
-        text += "\n" + _quality(models, a, PROMPTS[: a.prompts], log) + "\n"
+        text += "\n" + _quality(models, forwards, a, PROMPTS[: a.prompts], log) + "\n"
     (out / "table.md").write_text(text)
     print(text, flush=True)
     return 0
@@ -152,7 +165,7 @@ def _native_isa(want: str) -> None:
         lib.set_isa(want)
 
 
-def _time_passes(model, prefix: list[int], rows_list: list[int], sessions_list: list[int], a, log, label: str,
+def _time_passes(model, forward, prefix: list[int], rows_list: list[int], sessions_list: list[int], a, log, label: str,
                  profiles: list[str]) -> tuple[dict, bool]:
     """({sessions: [median ms of a pass of each rows_list entry]}, whether a 9-row pass is 9 steps bitwise)."""
     from transformers import DynamicCache
@@ -161,7 +174,7 @@ def _time_passes(model, prefix: list[int], rows_list: list[int], sessions_list: 
     with torch.inference_mode():
         caches = [DynamicCache(config=model.config) for _ in range(max(sessions_list))]
         for cache in caches:
-            _pass(model, cache, prefix, 0, 1)
+            _pass(model, forward, cache, prefix, 0, 1)
         cache = caches[0]
         start = len(prefix)
         table = {}
@@ -173,7 +186,7 @@ def _time_passes(model, prefix: list[int], rows_list: list[int], sessions_list: 
                 for i in range(a.repeats + 2):
                     _sync(device)
                     t0 = time.perf_counter()
-                    _batched_pass(model, caches[:sessions], new, start, rows)
+                    _batched_pass(model, forward, caches[:sessions], new, start, rows)
                     _sync(device)
                     times.append(time.perf_counter() - t0)
                     for c in caches[:sessions]:
@@ -181,9 +194,9 @@ def _time_passes(model, prefix: list[int], rows_list: list[int], sessions_list: 
                 cells.append(f"{statistics.median(times[2:]) * 1e3:.1f}")
             table[sessions] = cells
         new = prefix[-9:]
-        whole = _pass(model, cache, new, start, 9)
+        whole = _pass(model, forward, cache, new, start, 9)
         cache.crop(-9)
-        steps = torch.stack([_pass(model, cache, [token], start + i, 1)[0] for i, token in enumerate(new)])
+        steps = torch.stack([_pass(model, forward, cache, [token], start + i, 1)[0] for i, token in enumerate(new)])
         cache.crop(-9)
         exact = torch.equal(whole, steps)
         if not exact:
@@ -196,7 +209,7 @@ def _time_passes(model, prefix: list[int], rows_list: list[int], sessions_list: 
             for rows in (1, 5):
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     for i in range(3):
-                        _pass(model, cache, prefix[-rows:], start, rows)
+                        _pass(model, forward, cache, prefix[-rows:], start, rows)
                         cache.crop(-rows)
                 total = sum(e.self_cpu_time_total for e in prof.key_averages())
                 top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:5]
@@ -205,7 +218,7 @@ def _time_passes(model, prefix: list[int], rows_list: list[int], sessions_list: 
     return table, exact
 
 
-def _quality(models: dict, a: argparse.Namespace, prompts: list[str], log) -> str:
+def _quality(models: dict, forwards: dict, a: argparse.Namespace, prompts: list[str], log) -> str:
     ref = models[a.reference]
     tok = ref.tokenizer
     lines = [f"Against {a.reference}, {len(prompts)} prompts, {a.new_tokens} greedy tokens each:", "",
@@ -214,26 +227,38 @@ def _quality(models: dict, a: argparse.Namespace, prompts: list[str], log) -> st
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
                add_special_tokens=False).input_ids for p in prompts]
 
-    def greedy(model, prompt):
-        with torch.inference_mode():
-            return model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  max_new_tokens=a.new_tokens, do_sample=False, top_k=None, top_p=None,
-                                  temperature=None)[0, len(prompt):].tolist()
+    def greedy(mode, prompt):
+        """--new-tokens greedy tokens through the worker's forward, one row a step as at gamma 0."""
+        from transformers import DynamicCache
 
-    texts = [greedy(ref.model, p) for p in ids]
-    for mode, loaded in models.items():
+        model, cache, out = models[mode].model, DynamicCache(config=models[mode].model.config), []
+        with torch.inference_mode():
+            logits = _pass(model, forwards[mode], cache, prompt, 0, 1)
+            for i in range(a.new_tokens):
+                out.append(int(logits[-1].argmax()))
+                logits = _pass(model, forwards[mode], cache, out[-1:], len(prompt) + i, 1)
+        return out
+
+    def teacher_forced(mode, prompt, text):
+        """Log-probabilities of each position of `text` after the prompt, in one pass."""
+        from transformers import DynamicCache
+
+        model = models[mode].model
+        with torch.inference_mode():
+            logits = _pass(model, forwards[mode], DynamicCache(config=model.config), prompt + text, 0, len(text) + 1)
+        return torch.log_softmax(logits[:-1].double(), -1)
+
+    texts = [greedy(a.reference, p) for p in ids]
+    for mode in models:
         if mode == a.reference:
             continue
         same, firsts, agree, total, kls, diffs = 0, [], 0, 0, [], []
         for prompt, text in zip(ids, texts):
-            mine = greedy(loaded.model, prompt)
+            mine = greedy(mode, prompt)
             first = next((i for i, (x, y) in enumerate(zip(mine, text)) if x != y), None)
             same += first is None
             firsts.append("-" if first is None else str(first))
-            with torch.inference_mode():
-                seq = torch.tensor([prompt + text])
-                lp_r = torch.log_softmax(ref.model(seq).logits[0, len(prompt) - 1:-1].double(), -1)
-                lp_m = torch.log_softmax(loaded.model(seq).logits[0, len(prompt) - 1:-1].double(), -1)
+            lp_r, lp_m = teacher_forced(a.reference, prompt, text), teacher_forced(mode, prompt, text)
             agree += int((lp_r.argmax(-1) == lp_m.argmax(-1)).sum())
             total += len(text)
             kls.append((lp_r.exp() * (lp_r - lp_m)).sum(-1))

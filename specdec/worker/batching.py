@@ -95,26 +95,35 @@ def grow_append(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.
     there are none, when the layer's tensors are not views of them (a copied cache, a layer
     transformers filled), or when full; a crop leaves the views shorter and the next append writes
     over what it cut. -> (layer.keys, layer.values)."""
+    length, buffers = cache_room(layer, keys, keys.shape[-2])
+    need = length + keys.shape[-2]
+    buffers[0][..., length:need, :].copy_(keys)
+    buffers[1][..., length:need, :].copy_(values)
+    layer.keys, layer.values = buffers[0][..., :need, :], buffers[1][..., :need, :]
+    return layer.keys, layer.values
+
+
+def cache_room(layer, like: torch.Tensor, new: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
+    """grow_append's buffers of a DynamicLayer, with room for `new` more rows after its current
+    ones (made, or moved into larger ones, as grow_append describes; `like`: a [1, kv_heads, *,
+    head_dim] tensor of the cache's dtype and device) -> (rows cached, (key buffer, value buffer))."""
     if not layer.is_initialized:
-        layer.lazy_initialization(keys, values)
+        layer.lazy_initialization(like, like)
     old_k, old_v = layer.keys, layer.values
     length = old_k.shape[-2] if old_k.numel() else 0
-    need = length + keys.shape[-2]
+    need = length + new
     buffers = getattr(layer, "specdec_buffers", None)
     if (buffers is None or buffers[0].shape[-2] < need or length and (
             old_k.data_ptr() != buffers[0].data_ptr() or old_v.data_ptr() != buffers[1].data_ptr()
             or old_k.stride() != buffers[0].stride())):
         rows = -(-(need + need // 4) // GROW_MIN) * GROW_MIN  # at most a quarter and GROW_MIN rows unused
-        shape = (*keys.shape[:-2], rows, keys.shape[-1])
-        buffers = keys.new_empty(shape), values.new_empty(shape)
+        shape = (*like.shape[:-2], rows, like.shape[-1])
+        buffers = like.new_empty(shape), like.new_empty(shape)
         if length:
             buffers[0][..., :length, :].copy_(old_k)
             buffers[1][..., :length, :].copy_(old_v)
         layer.specdec_buffers = buffers
-    buffers[0][..., length:need, :].copy_(keys)
-    buffers[1][..., length:need, :].copy_(values)
-    layer.keys, layer.values = buffers[0][..., :need, :], buffers[1][..., :need, :]
-    return layer.keys, layer.values
+    return length, buffers
 
 
 class RaggedCache:

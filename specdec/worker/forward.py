@@ -1,6 +1,10 @@
 """One forward pass of a worker's model over a ragged batch (specdec/worker/batching.py).
 
-`model_forward(model)` gives the function the engine's passes call: for the Llama/Qwen2 family
+`model_forward(model)` gives the function the engine's passes call: where every projection of a
+Llama/Qwen2-family model runs on the native row kernels (the CPU defaults, int4-rows and int8-rows),
+`NativeForward`: the decoder layers in C (specdec/csrc/decoder.c), one call a pass, where torch's
+ops cost ~35 dispatches a layer (measured on this 2-core VM: a 1-row target pass 47 -> 38 ms, a
+draft step 24 -> 18). Otherwise, for the Llama/Qwen2 family
 (decoder layers of norm, attention with rotary positions, norm, gated MLP) `lean_forward`, the
 very ops of transformers' forward in the same order, so the same bits (tested against it), but
 without its per-layer plumbing: the output-capturing and config-merging decorators, the keyword
@@ -18,8 +22,10 @@ import os
 from typing import Callable
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
-from specdec.worker.batching import NO_MASK, RaggedCache, ragged_attention
+from specdec import kernels
+from specdec.worker.batching import NO_MASK, RaggedCache, cache_room, ragged_attention
 
 # (model class, decoder layer class) pairs whose forward lean_forward repeats op for op
 _FAMILY = {"Qwen2ForCausalLM": "Qwen2DecoderLayer", "LlamaForCausalLM": "LlamaDecoderLayer"}
@@ -29,8 +35,12 @@ Forward = Callable[[torch.Tensor, torch.Tensor, RaggedCache, torch.Tensor], torc
 
 def model_forward(model) -> Forward:
     """forward(ids [1, n], positions [1, n], cache, keep_rows) -> logits [1, len(keep_rows), vocab].
-    SPECDEC_LEAN_FORWARD=0 keeps transformers' forward for every model (the ablation)."""
-    if os.environ.get("SPECDEC_LEAN_FORWARD", "1") != "0" and lean_forward_fits(model):
+    SPECDEC_NATIVE_FORWARD=0 keeps lean_forward where native_forward would run, SPECDEC_LEAN_FORWARD=0
+    transformers' forward for every model (the ablations)."""
+    lean = os.environ.get("SPECDEC_LEAN_FORWARD", "1") != "0" and lean_forward_fits(model)
+    if lean and os.environ.get("SPECDEC_NATIVE_FORWARD", "1") != "0" and native_forward_fits(model):
+        return NativeForward(model)
+    if lean:
         return lambda ids, positions, cache, keep: lean_forward(model, ids, positions, cache, keep)
 
     def plain(ids, positions, cache, keep):
@@ -90,3 +100,106 @@ def lean_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache: Ragge
         h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
     h = _rms_norm(inner.norm, h)
     return model.lm_head(h[:, keep, :])
+
+
+# ---- the native forward: the decoder layers in C (specdec/csrc/decoder.c) ----------------------
+
+_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))  # decoder.c's sd_layer order
+
+
+def native_forward_fits(model) -> bool:
+    """Whether NativeForward runs this model: lean_forward's family (checked by the caller), float32 on
+    CPU, SiLU MLPs, one norm epsilon, and every projection on the native row kernels (int8-rows or
+    the GGUF's Q4_K blocks: quantize int8-rows or int4-rows where the kernel builds)."""
+    inner, config = model.model, model.config
+    if kernels.native_library() is None or getattr(config, "hidden_act", None) != "silu":
+        return False
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = inner.layers[0].self_attn.head_dim
+    if heads % kv_heads or head_dim % 2 or head_dim > 512:
+        return False
+    norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    tensors = [inner.embed_tokens.weight] + [n.weight for n in norms]
+    return (all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+            and len({n.variance_epsilon for n in norms}) == 1
+            and len({layer.self_attn.scaling for layer in inner.layers}) == 1
+            and all(_native_kind(getattr(getattr(layer, block), name)) for layer in inner.layers
+                    for block, name in _PROJECTIONS))
+
+
+def _native_kind(module) -> int:
+    """decoder.c's sd_linear kind of a projection: 1 int8-rows on the native kernel, 2 Q4_K blocks, 0 neither."""
+    if isinstance(module, kernels.Q4KRowLinear):
+        return 2
+    return 1 if isinstance(module, kernels.Int8RowLinear) and module.backend == "native" else 0
+
+
+def _linear_fields(module) -> list[int]:
+    """decoder.c's sd_linear: kind, K, N, Kp, weights, their second tensor, scales, bias (0: none)."""
+    if _native_kind(module) == 2:
+        qs, meta, bias = module._ptrs
+        return [2, module.in_features, module.out_features, module.in_features, qs, meta, 0, bias or 0]
+    weight, wsum, scale, bias = module._ptrs
+    return [1, module.in_features, module.out_features, module._columns, weight, wsum, scale, bias or 0]
+
+
+class NativeForward:
+    """The pass of a model native_forward_fits: embeddings and rotary angles in torch, every decoder layer
+    and the final norm in one call to specdec_decoder_pass (specdec/csrc/decoder.c), the head in torch.
+    Each session's keys and values go straight into its grow_append buffers (batching.cache_room makes
+    room first; the layers' tensors become views of the rows written after the call, so a failed call
+    leaves the caches as they were), whatever `append` the RaggedCache names. Rows are computed one by one in a fixed order
+    (decoder.c): a k-row verify is bitwise k single steps, as with lean_forward; against lean_forward's
+    float32 ops the results differ by rounding (other summation orders and exp)."""
+
+    def __init__(self, model):
+        self.model, self.inner = model, model.model
+        config, attn = model.config, self.inner.layers[0].self_attn
+        self.layers = len(self.inner.layers)
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
+        self.eps, self.scaling = self.inner.norm.variance_epsilon, attn.scaling
+        self._like = torch.empty(1, self.kv_heads, 0, self.head_dim)  # the caches' dtype, device and shape
+        self._decoder = kernels.native_library().decoder
+        self._generation = -1
+        self._tables: tuple = ()
+
+    def _model_table(self) -> int:
+        """decoder.c's sd_model (and its sd_layer array), remade whenever torch moved the kernels' tensors."""
+        if self._generation != kernels.bind_generation():
+            inner = self.inner
+            layers = torch.tensor([[layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()]
+                                   + [f for block, name in _PROJECTIONS for f in _linear_fields(getattr(getattr(layer, block), name))]
+                                   for layer in inner.layers], dtype=torch.int64)
+            model = torch.tensor([self.layers, self.model.config.hidden_size, self.heads, self.kv_heads, self.head_dim,
+                                  inner.layers[0].mlp.gate_proj.out_features, inner.norm.weight.data_ptr(),
+                                  layers.data_ptr()], dtype=torch.int64)
+            self._tables, self._generation = (model, layers), kernels.bind_generation()
+        return self._tables[0].data_ptr()
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: RaggedCache, keep: torch.Tensor) -> torch.Tensor:
+        inner = self.inner
+        h = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(h, positions)
+        cos, sin, h = cos.contiguous(), sin.contiguous(), h.contiguous()
+        n, sessions = ids.shape[1], len(cache.caches)
+        for c in cache.caches:  # a cache made without the config has no layers yet
+            c.layers.extend(DynamicLayer() for _ in range(self.layers - len(c.layers)))
+        kv, past, buffers = [], [], []
+        for layer_idx in range(self.layers):
+            for c, new in zip(cache.caches, cache.new):
+                length, (keys, values) = cache_room(c.layers[layer_idx], self._like, new)
+                kv += (keys.data_ptr(), values.data_ptr(), keys.shape[-2])
+                buffers.append((c.layers[layer_idx], keys, values, length + new))
+                if layer_idx == 0:
+                    past.append(length)
+        kv_table = torch.tensor(kv, dtype=torch.int64)
+        rows = torch.tensor(cache.new + past, dtype=torch.int64)
+        rc = self._decoder(self._model_table(), h.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), sessions,
+                           rows.data_ptr(), rows.data_ptr() + 8 * sessions, kv_table.data_ptr(), self.eps, self.scaling,
+                           torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"the native decoder pass failed ({rc}): no scratch memory")
+        for layer, keys, values, length in buffers:
+            layer.keys, layer.values = keys[..., :length, :], values[..., :length, :]
+        return self.model.lm_head(h[:, keep, :])

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
     Qwen2ForCausalLM
 
+from specdec.kernels import native_available
 from specdec.worker.batching import NO_MASK, RaggedCache, use_ragged_attention
 from specdec.worker.forward import lean_forward, lean_forward_fits, model_forward
 
@@ -159,3 +160,118 @@ def test_rows_over_long_contexts_verify_as_single_steps():
         torch.randn(1, 2, 300, 16, generator=g)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
     assert torch.allclose(one_row_attention(q, k, v, 0.25), want, atol=1e-6, rtol=1e-5)
+
+
+# ---- the native forward (specdec/csrc/decoder.c) ----------------------------------------------
+
+native = pytest.mark.skipif(not native_available(), reason="the native kernels do not build here")
+
+
+def _native_model(kind: str):
+    from specdec.modeling import quantize
+
+    return quantize(_model(kind, torch.float32), "int8-rows")  # every projection on the native row kernel
+
+
+@native
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@torch.inference_mode()
+def test_the_native_pass_computes_the_lean_one_through_rollbacks_forks_and_moving_buffers(kind, monkeypatch):
+    """Two sessions through prefills (40 and 3 tokens), decoding work of 1 and 5 rows, rollbacks
+    that the next pass writes over, a fork, and cache buffers that fill and move: every pass's
+    logits and the cached keys and values within float32 rounding of lean_forward's on the same model
+    (each path on its own caches; int8 activations turn a rounding difference into a step of 1/127
+    now and then), where a key written to the wrong row or a wrong mask differs by ~the logits."""
+    from specdec.worker import batching
+    from specdec.worker.forward import NativeForward, native_forward_fits
+
+    monkeypatch.setattr(batching, "GROW_MIN", 16)
+    model = _native_model(kind)
+    assert native_forward_fits(model) and isinstance(model_forward(model), NativeForward)
+    forward = NativeForward(model)
+    g = torch.Generator().manual_seed(5)
+    ours = [DynamicCache(config=model.config) for _ in range(2)]
+    lean = [DynamicCache(config=model.config) for _ in range(2)]
+    lengths = [0, 0]
+    for step in [(40, 3), (1, 5), ("crop", 3), (5, 1), ("fork", 0), ("crop", 1), (2, 5)] + [(1, 5)] * 12:
+        if step[0] == "crop":
+            for cache in ours + lean:
+                cache.crop(-step[1])
+            lengths = [n - step[1] for n in lengths]
+            continue
+        if step[0] == "fork":
+            ours[0], lean[0] = copy.deepcopy(ours[0]), copy.deepcopy(lean[0])
+            continue
+        ids = torch.randint(0, SHAPE["vocab_size"], (1, sum(step)), generator=g)
+        positions = torch.tensor([[p for i in range(2) for p in range(lengths[i], lengths[i] + step[i])]])
+        keep = torch.arange(sum(step))
+        got = forward(ids, positions, RaggedCache(ours, list(step)), keep)
+        want = lean_forward(model, ids, positions, RaggedCache(lean, list(step)), keep)
+        diff = (got - want).abs()  # measured: mean <= 3.3e-4 and max <= 5e-3 against mean |logit| 0.13
+        assert diff.mean() < 2e-3 and diff.max() < 0.03, (step, diff.mean(), diff.max())
+        lengths = [n + k for n, k in zip(lengths, step)]
+    assert max(lengths) > 4 * batching.GROW_MIN
+    for mine, its in zip(ours, lean):
+        assert mine.get_seq_length() == its.get_seq_length()
+        for a, b in zip(mine.layers, its.layers):
+            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                assert (x - y).abs().mean() < 2e-3 and (x - y).abs().max() < 0.05
+
+
+@native
+@torch.inference_mode()
+def test_native_rows_verify_as_single_steps_whatever_else_the_pass_holds():
+    """Over ~300 cached tokens (where the attention of a pass runs on two threads, one row and head
+    to a thread, and that of a single step on one): a 6-row verify equals 6 single steps bit for
+    bit, and so does the same verify in a pass beside another session's prefill."""
+    model = _native_model("qwen2")
+    forward = model_forward(model)
+    g = torch.Generator().manual_seed(9)
+    context = 300
+    prompt = torch.randint(0, SHAPE["vocab_size"], (1, context), generator=g)
+    cache = DynamicCache(config=model.config)
+    forward(prompt, torch.arange(context)[None], RaggedCache([cache], [context]), torch.tensor([context - 1]))
+    rows = torch.randint(0, SHAPE["vocab_size"], (1, 6), generator=g)
+    single, beside = copy.deepcopy(cache), copy.deepcopy(cache)
+    verify = forward(rows, torch.arange(context, context + 6)[None], RaggedCache([cache], [6]), torch.arange(6))
+    steps = torch.cat([forward(rows[:, i:i + 1], torch.tensor([[context + i]]), RaggedCache([single], [1]),
+                               torch.tensor([0])) for i in range(6)], dim=1)
+    assert torch.equal(verify, steps)
+    other = torch.randint(0, SHAPE["vocab_size"], (1, 50), generator=g)
+    both = forward(torch.cat([other, rows], dim=1), torch.cat([torch.arange(50), torch.arange(context, context + 6)])[None],
+                   RaggedCache([DynamicCache(config=model.config), beside], [50, 6]), torch.arange(50, 56))
+    assert torch.equal(both, verify)
+    for a, b in zip(cache.layers, beside.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@native
+@torch.inference_mode()
+def test_the_native_pass_follows_its_tensors_when_torch_moves_them():
+    """After the model's tensors move (Module._apply: here each one cloned, the old memory freed),
+    the native pass reads them where they are now: the same logits as before the move."""
+    model = _native_model("llama")
+    forward = model_forward(model)
+    ids, positions = torch.tensor([[5, 17, 42, 9]]), torch.arange(4)[None]
+    before = forward(ids, positions, RaggedCache([DynamicCache(config=model.config)], [4]), torch.arange(4))
+    model._apply(lambda t: t.clone())
+    after = forward(ids, positions, RaggedCache([DynamicCache(config=model.config)], [4]), torch.arange(4))
+    assert torch.equal(before, after)
+
+
+def test_models_off_the_native_kernels_keep_the_lean_pass(monkeypatch):
+    """The native pass only where every projection runs on the native row kernels, the MLP is SiLU
+    and the weights float32; SPECDEC_NATIVE_FORWARD=0 keeps the lean pass (the ablation)."""
+    from specdec.modeling import quantize
+    from specdec.worker.forward import NativeForward, native_forward_fits
+
+    assert not native_forward_fits(_model("qwen2", torch.float32))  # plain Linears
+    assert not native_forward_fits(quantize(_model("qwen2", torch.float32), "int8"))  # fbgemm's kernels
+    if native_available():
+        model = _native_model("qwen2")
+        assert native_forward_fits(model)
+        monkeypatch.setenv("SPECDEC_NATIVE_FORWARD", "0")
+        assert not isinstance(model_forward(model), NativeForward)
+        monkeypatch.delenv("SPECDEC_NATIVE_FORWARD")
+        model.config.hidden_act = "gelu"
+        assert not native_forward_fits(model)
