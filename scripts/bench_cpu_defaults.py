@@ -3,7 +3,8 @@ weights vs int8-rows) x OpenMP's idle threads (PASSIVE vs a bounded spin, GOMP_S
 int8-rows on fbgemm vs the native AVX2 kernel (specdec/csrc/int8_rows.c), the draft's kernel, the
 native kernel's AVX-512 VNNI path, and the GGUF's own 4-bit blocks (int4-rows, the default), with
 its weights on 4 KiB pages or huge pages and transformers' forward or the lean one, and the lean
-forward's decoder layers in torch ops or in C (specdec/csrc/decoder.c: the default).
+forward's decoder layers in torch ops or in C (specdec/csrc/decoder.c: the default), and the GGUF's
+Q6_K tensors requantized to int8-rows or read as their own blocks (the default).
 
 Each setup starts the three services as `make run` does (specdec_tools.stack.ProcessStack, the
 default pair, draft vocabulary 32k), then times 4 of `specdec bench`'s prompts, greedy, 48 new
@@ -46,6 +47,9 @@ SETUPS = {  # name: (--quantize, environment, more draft flags)
     "int4-rows target, transformers' forward": ("auto", {**SPIN, "SPECDEC_LEAN_FORWARD": "0"}, ()),
     # the decoder layers in torch ops (lean_forward) instead of C (NativeForward: the ablation of decoder.c)
     "int4-rows target, decoder layers in torch": ("auto", {**SPIN, "SPECDEC_NATIVE_FORWARD": "0"}, ()),
+    # the GGUF's Q6_K tensors (the head, half the attention values and MLP outputs) requantized to
+    # int8-rows instead of read as their own blocks (the ablation of Q6KRowLinear)
+    "int4-rows target, Q6_K tensors as int8-rows": ("auto", {**SPIN, "SPECDEC_Q6K": "0"}, ()),
     "int4-rows target (the default)": ("auto", SPIN, ()),
 }
 

@@ -177,6 +177,9 @@ def native_library() -> ctypes._CFuncPtr | None:
                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
     q4k.restype = ctypes.c_int
     fn.q4k = q4k  # the library's second kernel (Q4KRowLinear)
+    q6k = lib.specdec_q6k_rows_linear
+    q6k.argtypes, q6k.restype = q4k.argtypes, ctypes.c_int
+    fn.q6k = q6k  # and its third (Q6KRowLinear)
     decoder = lib.specdec_decoder_pass
     decoder.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
@@ -517,22 +520,102 @@ class Q4KRowLinear(_NativeRows):
         return f"in_features={self.in_features}, out_features={self.out_features}, the GGUF's Q4_K blocks"
 
 
+Q6K_BLOCK = 210  # ggml's block_q6_K: ql[128], qh[64], scales[16] (signed), d (float16); 256 columns
+
+
+def q6k_unpack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml Q6_K blocks, uint8 [N, K / 256 * 210] (a GGUF tensor's rows), as (d: float32 [N, nb];
+    sc: int8 [N, nb, 16]; u: uint8 [N, nb, 256], each column's 6-bit value): w = d sc_j (u - 32)
+    for sub-block j of 16 columns (gguf-py's Q6_K.dequantize_blocks, in torch)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, Q6K_BLOCK)
+    nb = b.shape[1]
+    ql, qh = b[..., :128].reshape(n, nb, 2, 1, 64), b[..., 128:192].reshape(n, nb, 2, 1, 32)
+    low = (ql >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 15  # [n, nb, 2 halves, 2, 64]
+    top = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3  # [n, nb, 2 halves, 4, 32]
+    u = low.reshape(n, nb, 256) | (top.reshape(n, nb, 256) << 4)
+    sc = b[..., 192:208].contiguous().view(torch.int8)
+    d = b[..., 208:210].contiguous().view(torch.float16).squeeze(-1).float()
+    return d, sc, u
+
+
+def q6k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    """The float32 weights [N, K] that Q6_K blocks hold (gguf-py's Q6_K.dequantize_blocks)."""
+    d, sc, u = q6k_unpack(blocks)
+    n, nb = d.shape
+    w = (d[..., None] * sc.float())[..., None] * (u.view(n, nb, 16, 16).float() - 32)
+    return w.reshape(n, nb * Q4K_COLUMNS)
+
+
+def q6k_packed(u: torch.Tensor) -> torch.Tensor:
+    """6-bit values [N, nb, 256] in the native kernel's order (int8_rows.c, Q6_K): [N, nb, 192],
+    four vectors of 32 bytes (vector t: step t of the first half in the low nibbles, of the second
+    in the high ones; byte 4i + j of a step: column 16i + 4t + j of the half) and two of top bits
+    (vector h: half h, step t in bits 2t and 2t + 1)."""
+    n, nb, _ = u.shape
+    steps = u.view(n, nb, 2, 8, 4, 4).transpose(3, 4).reshape(n, nb, 2, 4, 32)  # [half][step][32]
+    nibbles = (steps[:, :, 0] & 15) | ((steps[:, :, 1] & 15) << 4)  # [n, nb, 4, 32]
+    tops = steps >> 4
+    top = tops[..., 0, :] | (tops[..., 1, :] << 2) | (tops[..., 2, :] << 4) | (tops[..., 3, :] << 6)  # [n, nb, 2, 32]
+    return torch.cat([nibbles.reshape(n, nb, 128), top.reshape(n, nb, 64)], dim=-1)
+
+
+class Q6KRowLinear(_NativeRows):
+    """`--quantize int4-rows`, for a weight the source GGUF holds in Q6_K blocks (in the default
+    target: the head and the Q6_K half of its attention values and MLP outputs): those very blocks,
+    6.5625 bits a weight (6.625 here: scales and d padded to 20 bytes) where int8-rows read 8 and a
+    fresh rounding, int8 activations per row, integer sums per 256-column super-block: rows bitwise
+    independent, as Q4KRowLinear. Native kernel only (specdec_q6k_rows_linear in int8_rows.c)."""
+
+    def __init__(self, in_features: int, out_features: int, blocks: torch.Tensor, bias: torch.Tensor | None = None):
+        """blocks: uint8 [out_features, in_features / 256 * 210], the GGUF tensor's rows."""
+        super().__init__()
+        lib = native_library()
+        if lib is None:
+            raise RuntimeError("int4-rows needs the native kernel (Linux x86-64 with AVX2 and a C compiler)")
+        if in_features % Q4K_COLUMNS or tuple(blocks.shape) != (out_features, in_features // Q4K_COLUMNS * Q6K_BLOCK):
+            raise ValueError(f"Q6_K blocks of shape {tuple(blocks.shape)} do not hold a {out_features}x{in_features} weight")
+        self._kernel = lib.q6k
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else torch.nn.Parameter(
+            bias.detach().to(torch.float32, copy=True), requires_grad=False)
+        d, sc, u = q6k_unpack(torch.as_tensor(blocks, dtype=torch.uint8))
+        meta = torch.cat([sc.view(torch.uint8), d.half()[..., None].view(torch.uint8),
+                          torch.zeros(*d.shape, 2, dtype=torch.uint8)], dim=-1)  # [N, nb, 20]
+        self.register_buffer("_qs", _aligned(_q4k_tiles(q6k_packed(u))), persistent=False)
+        self.register_buffer("_meta", _aligned(_q4k_tiles(meta)), persistent=False)
+        self._bind()
+
+    def _bind(self) -> None:
+        self._ptrs = (self._qs.data_ptr(), self._meta.data_ptr(), None if self.bias is None else self.bias.data_ptr())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qs, meta, bias = self._ptrs
+        return _native_rows(x, self.in_features, self.out_features, lambda rows, m, y: self._kernel(
+            rows, m, self.in_features, qs, meta, self.out_features, bias, y, torch.get_num_threads()))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, the GGUF's Q6_K blocks"
+
+
 KERNELS = {"int8-rows": Int8RowLinear, "int8": Int8Linear, "fp16": Fp16Linear}
 
 
 def replace_linears(model: torch.nn.Module, quantization: str, blocks: dict | None = None) -> torch.nn.Module:
     """Replaces every CPU nn.Linear of the model by the module of `quantization` (a KERNELS key,
     or int4-rows), in place, calling the kernels directly (torch.ao.quantization's module
-    swapping is deprecated and warns). int4-rows: a Q4KRowLinear for each Linear whose qualified
-    name `blocks` maps to its Q4_K blocks (modeling.gguf_blocks reads them from the source GGUF),
-    int8-rows for every other one."""
+    swapping is deprecated and warns). int4-rows: a Q4KRowLinear (Q6KRowLinear) for each Linear whose
+    qualified name `blocks` maps to its Q4_K (Q6_K) blocks (modeling.gguf_blocks reads them from the
+    source GGUF), int8-rows for every other one."""
     if quantization == "int4-rows":
         blocks = blocks or {}
 
         def kernel(child, name):
-            if name in blocks:
-                return Q4KRowLinear(child.in_features, child.out_features, blocks[name], child.bias)
-            return Int8RowLinear(child)
+            rows = blocks.get(name)
+            if rows is None:
+                return Int8RowLinear(child)
+            q6k = rows.shape[1] == child.in_features // Q4K_COLUMNS * Q6K_BLOCK  # else Q4_K's 144 bytes a block
+            return (Q6KRowLinear if q6k else Q4KRowLinear)(child.in_features, child.out_features, rows, child.bias)
     else:
         kernel = lambda child, name: KERNELS[quantization](child)  # noqa: E731
     for prefix, parent in list(model.named_modules()):

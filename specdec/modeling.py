@@ -108,7 +108,8 @@ def quantize(model: torch.nn.Module, quantization: str, blocks: dict | None = No
 
 def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """int4-rows: the Q4_K blocks (uint8 rows [N, K / 256 * 144]) of each Linear that the model's
-    source GGUF holds in Q4_K, by the Linear's qualified name. The GGUF is the one `source.json`
+    source GGUF holds in Q4_K, and the Q6_K blocks ([N, K / 256 * 210]) of each it holds in Q6_K
+    (SPECDEC_Q6K=0: those stay int8-rows, the ablation), by the Linear's qualified name. The GGUF is the one `source.json`
     (of a directory model_store converted) names, or, where that path is gone, the same file name
     in the cache's gguf/ beside the converted directory (a cache mounted at another path). Each is
     checked against the weight loaded from the store on 16 rows (the blocks' values, rounded to the
@@ -116,7 +117,7 @@ def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     requantized) stays int8-rows. {} (logged) where there is no GGUF."""
     import json
 
-    from specdec.kernels import q4k_dequantize
+    from specdec.kernels import q4k_dequantize, q6k_dequantize
 
     try:
         source = Path(json.loads((Path(path) / "source.json").read_text())["source_gguf"])
@@ -139,25 +140,30 @@ def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {}
     tensors = {t.name: t for t in GGUFReader(source).tensors}
     names = get_tensor_name_map(arch, model.config.num_hidden_layers)
-    blocks, linears = {}, 0
+    blocks, linears, q6k = {}, 0, 0
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
         linears += 1
         tensor = tensors.get(names.get_name(f"{name}.weight", try_suffixes=(".weight",)) or "")
-        if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q4_K:
+        dequantize = {GGMLQuantizationType.Q4_K: q4k_dequantize, GGMLQuantizationType.Q6_K: q6k_dequantize}.get(
+            None if tensor is None else tensor.tensor_type)
+        if dequantize is None or dequantize is q6k_dequantize and os.environ.get("SPECDEC_Q6K", "1") == "0":
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a read-only memory map: read, never written
             rows = torch.from_numpy(tensor.data)
         weight = module.weight.detach()
         sample = torch.linspace(0, weight.shape[0] - 1, 16).long()
-        if rows.shape[0] != weight.shape[0] or not torch.equal(q4k_dequantize(rows[sample]).to(weight.dtype),
+        if rows.shape[0] != weight.shape[0] or not torch.equal(dequantize(rows[sample]).to(weight.dtype),
                                                                weight[sample]):
-            log.warning("int4-rows: %s's Q4_K blocks are not the weights the store holds; it runs int8-rows", name)
+            log.warning("int4-rows: %s's %s blocks are not the weights the store holds; it runs int8-rows", name,
+                        tensor.tensor_type.name)
             continue
         blocks[name] = rows
-    log.info("int4-rows: %d of %d Linears from the GGUF's own Q4_K blocks, the rest int8-rows", len(blocks), linears)
+        q6k += dequantize is q6k_dequantize
+    log.info("int4-rows: %d of %d Linears from the GGUF's own blocks (%d Q4_K, %d Q6_K), the rest int8-rows",
+             len(blocks), linears, len(blocks) - q6k, q6k)
     return blocks
 
 

@@ -34,13 +34,15 @@ int specdec_int8_rows_linear(const float *x, int64_t M, int64_t K, const int8_t 
                              const int32_t *wsum, const float *ws, const float *bias, float *y, int32_t threads);
 int specdec_q4k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
                             const float *bias, float *y, int32_t threads);
+int specdec_q6k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
+                            const float *bias, float *y, int32_t threads);
 
-/* One projection: the fields of kernels.py's Int8RowLinear (kind 1) or Q4KRowLinear (kind 2), all
+/* One projection: the fields of kernels.py's Int8RowLinear (kind 1), Q4KRowLinear (2) or Q6KRowLinear (3), all
  * eight bytes wide (forward.py writes them as an int64 tensor). */
 typedef struct {
     int64_t kind, K, N, Kp;
-    const void *w;      /* int8 tiles | Q4_K qs */
-    const void *aux;    /* int32 channel sums | Q4_K meta */
+    const void *w;      /* int8 tiles | Q4_K or Q6_K qs */
+    const void *aux;    /* int32 channel sums | Q4_K or Q6_K meta */
     const float *scale; /* int8: one per channel | unused */
     const float *bias;  /* or NULL */
 } sd_linear;
@@ -66,7 +68,10 @@ static int linear(const sd_linear *l, const float *x, int64_t M, float *y, int32
     if (l->kind == 1)
         return specdec_int8_rows_linear(x, M, l->K, (const int8_t *)l->w, l->Kp, l->N, (const int32_t *)l->aux,
                                         l->scale, l->bias, y, threads);
-    return specdec_q4k_rows_linear(x, M, l->K, (const uint8_t *)l->w, (const uint8_t *)l->aux, l->N, l->bias, y,
+    if (l->kind == 2)
+        return specdec_q4k_rows_linear(x, M, l->K, (const uint8_t *)l->w, (const uint8_t *)l->aux, l->N, l->bias, y,
+                                       threads);
+    return specdec_q6k_rows_linear(x, M, l->K, (const uint8_t *)l->w, (const uint8_t *)l->aux, l->N, l->bias, y,
                                    threads);
 }
 

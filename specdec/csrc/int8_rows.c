@@ -417,3 +417,143 @@ int specdec_q4k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t 
     free(s);
     return 0;
 }
+
+/* ---- int4-rows' other half: the GGUF's own Q6_K blocks x int8 activations per row ------------
+ *
+ * A Q6_K super-block covers 256 columns of one channel in 16 sub-blocks j of 16:
+ * w[k] = d * sc[j] * (u[k] - 32), u in 0..63, sc a signed byte, d float16 (ggml's block_q6_K). With
+ * row m quantized as above (q, s[m]) and X[m, j] the integer sum of its q over sub-block j:
+ *
+ * y[m, n] = s[m] * sum_b d_b * T_b + bias[n],   T_b = sum_j sc_j (P_bj - 32 X_bj),
+ * P_bj = sum_{k in sub-block j} q[m, k] u[n, k]
+ *
+ * all integer up to d_b (|P - 32 X| <= 193040, |T_b| < 4e8: exact in int32). Each half of a
+ * super-block (8 sub-blocks, 128 columns) is four steps of 4 columns of each sub-block (lane i of
+ * a vector: sub-block i of the half), as Q4_K's; the row's activations are laid out the same way
+ * (q6k_steps). One float step a super-block per row and channel (d_b times T_b's eight lanes), in
+ * super-block order, then a fixed tree: rows bitwise independent, the AVX2 and VNNI paths the same
+ * bits.
+ *
+ * Layout (kernels.py's Q6KRowLinear writes it): tiles of QTILE channels, super-block by
+ * super-block: qs [N/8][K/256][8][192]: four vectors of 32 bytes, vector t holding step t of the
+ * first half in its low nibbles and step t of the second half in its high ones, then two vectors
+ * of the values' top two bits (vector h for half h, step t in bits 2t, 2t + 1); meta
+ * [N/8][K/256][8][20]: sc[16] as bytes, d as float16 bits, two bytes unused.
+ */
+
+#define Q6META 20
+#define Q6K_TILE(NAME, ATTR, RMAX, ROWS, DOT4)                                                             \
+    ATTR static inline void NAME(const int8_t *q, const int32_t *xsum, int64_t R, int64_t K, const uint8_t *qs, \
+                                 const uint8_t *meta, int64_t nb, int64_t nc, float *out) {                \
+        const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);                           \
+        const int64_t G = K / 16;                                                                          \
+        __m256 f[QTILE][RMAX];                                                                             \
+        for (int c = 0; c < QTILE; c++)                                                                    \
+            for (int r = 0; r < RMAX; r++) f[c][r] = _mm256_setzero_ps();                                  \
+        for (int64_t b = 0; b < nb; b++) {                                                                 \
+            const int8_t *xq = q + b * QK;                                                                 \
+            for (int64_t c = 0; c < nc; c++) {                                                             \
+                const uint8_t *w = qs + (b * QTILE + c) * 192, *mt = meta + (b * QTILE + c) * Q6META;      \
+                _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);                                   \
+                _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);                              \
+                _mm_prefetch((const char *)(w + PREFETCH + 128), _MM_HINT_T0);                             \
+                __m256i a[RMAX], e[RMAX];                                                                  \
+                for (int r = 0; r < RMAX; r++) a[r] = e[r] = _mm256_setzero_si256();                       \
+                const __m256i h0 = _mm256_loadu_si256((const __m256i *)(w + 128));                         \
+                const __m256i h1 = _mm256_loadu_si256((const __m256i *)(w + 160));                         \
+                Q6K_STEP(0, ROWS, DOT4) Q6K_STEP(1, ROWS, DOT4)                                            \
+                Q6K_STEP(2, ROWS, DOT4) Q6K_STEP(3, ROWS, DOT4)                                            \
+                const __m128i s16 = _mm_loadu_si128((const __m128i *)mt);                                  \
+                const __m256i sa = _mm256_cvtepi8_epi32(s16), sb = _mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8)); \
+                const __m256 d = _mm256_set1_ps(half_at(mt + 16));                                         \
+                ROWS(r, if ((r) < R) {                                                                     \
+                    const int32_t *xs = xsum + (r) * G + 16 * b;                                           \
+                    const __m256i ta = _mm256_mullo_epi32(_mm256_sub_epi32(a[r], _mm256_slli_epi32(        \
+                        _mm256_loadu_si256((const __m256i *)xs), 5)), sa);                                 \
+                    const __m256i tb = _mm256_mullo_epi32(_mm256_sub_epi32(e[r], _mm256_slli_epi32(        \
+                        _mm256_loadu_si256((const __m256i *)(xs + 8)), 5)), sb);                           \
+                    f[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ta, tb)), d, f[c][r]);   \
+                })                                                                                         \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int64_t c = 0; c < nc; c++)                                                                   \
+            for (int64_t r = 0; r < R; r++) out[c * RMAX + r] = hsum8_ps(f[c][r]);                         \
+    }
+/* step t of both halves: the 6-bit values (low nibbles | top bits << 4), times the row's activations */
+#define Q6K_STEP(t, ROWS, DOT4)                                                                                      \
+    {                                                                                                      \
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * (t)));                            \
+        const __m256i ua = _mm256_or_si256(_mm256_and_si256(wv, low),                                      \
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h0, 2 * (t)), three), 4)); \
+        const __m256i ub = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(wv, 4), low),                \
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h1, 2 * (t)), three), 4)); \
+        ROWS(r, if ((r) < R) {                                                                             \
+            a[r] = DOT4(a[r], ua, _mm256_loadu_si256((const __m256i *)(xq + (r) * K + 32 * (t))));         \
+            e[r] = DOT4(e[r], ub, _mm256_loadu_si256((const __m256i *)(xq + (r) * K + 128 + 32 * (t))));   \
+        })                                                                                                 \
+    }
+Q6K_TILE(q6k_tile_avx2, , 4, ROW4, DOT4_AVX2)
+Q6K_TILE(q6k_tile_vnni, VNNI, 8, ROW8, DOT4_VNNI)
+
+/* A row's super-blocks in step order: each half [8 sub-blocks][4 steps][4] -> [4 steps][8 sub-blocks][4]. */
+static void q6k_steps(const int8_t *q, int64_t K, int8_t *out) {
+    for (int64_t b = 0; b < K; b += 128)
+        for (int t = 0; t < 4; t++)
+            for (int i = 0; i < 8; i++) memcpy(out + b + 32 * t + 4 * i, q + b + 16 * i + 4 * t, 4);
+}
+
+/* x: float32 [M, K], K a multiple of 256; qs, meta: as above; bias: float32 [N] or NULL;
+ * y: float32 [M, N]. Returns 0, or -1 without scratch memory. */
+int specdec_q6k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
+                            const float *bias, float *y, int32_t threads) {
+    if (use_vnni < 0) specdec_native_isa(0);
+    const int64_t G = K / 16, nb = K / QK;
+    int8_t *q = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    int32_t *xsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * G));
+    float *s = (float *)malloc(sizeof(float) * (size_t)M);
+    if (q == NULL || xq == NULL || xsum == NULL || s == NULL) {
+        free(q);
+        free(xq);
+        free(xsum);
+        free(s);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        s[m] = quantize_row(x + m * K, K, K, q + m * K, 0);
+        for (int64_t j = 0; j < G; j++) {
+            int32_t t = 0;
+            for (int i = 0; i < 16; i++) t += q[m * K + 16 * j + i];
+            xsum[m * G + j] = t;
+        }
+        q6k_steps(q + m * K, K, xq + m * K);
+    }
+    const int vnni = use_vnni;
+    const int64_t block = vnni ? 8 : 4;
+    const int64_t tiles = (N + QTILE - 1) / QTILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * QTILE, nc = N - n0 < QTILE ? N - n0 : QTILE;
+        const uint8_t *wq = qs + t * nb * QTILE * 192, *wm = meta + t * nb * QTILE * Q6META;
+        for (int64_t m = 0; m < M; m += block) {
+            const int64_t R = M - m < block ? M - m : block;
+            float out[QTILE * 8];
+            if (vnni)
+                q6k_tile_vnni(xq + m * K, xsum + m * G, R, K, wq, wm, nb, nc, out);
+            else
+                q6k_tile_avx2(xq + m * K, xsum + m * G, R, K, wq, wm, nb, nc, out);
+            const int64_t stride = vnni ? 8 : 4;
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t r = 0; r < R; r++) {
+                    float v = out[c * stride + r] * s[m + r];
+                    if (bias != NULL) v = v + bias[n0 + c];
+                    y[(m + r) * N + n0 + c] = v;
+                }
+        }
+    }
+    free(q);
+    free(xq);
+    free(xsum);
+    free(s);
+    return 0;
+}

@@ -129,17 +129,18 @@ def native_forward_fits(model) -> bool:
 
 
 def _native_kind(module) -> int:
-    """decoder.c's sd_linear kind of a projection: 1 int8-rows on the native kernel, 2 Q4_K blocks, 0 neither."""
-    if isinstance(module, kernels.Q4KRowLinear):
-        return 2
+    """decoder.c's sd_linear kind of a projection: 1 int8-rows on the native kernel, 2 Q4_K blocks,
+    3 Q6_K blocks, 0 none of them."""
+    if isinstance(module, (kernels.Q4KRowLinear, kernels.Q6KRowLinear)):
+        return 2 if isinstance(module, kernels.Q4KRowLinear) else 3
     return 1 if isinstance(module, kernels.Int8RowLinear) and module.backend == "native" else 0
 
 
 def _linear_fields(module) -> list[int]:
     """decoder.c's sd_linear: kind, K, N, Kp, weights, their second tensor, scales, bias (0: none)."""
-    if _native_kind(module) == 2:
+    if _native_kind(module) in (2, 3):
         qs, meta, bias = module._ptrs
-        return [2, module.in_features, module.out_features, module.in_features, qs, meta, 0, bias or 0]
+        return [_native_kind(module), module.in_features, module.out_features, module.in_features, qs, meta, 0, bias or 0]
     weight, wsum, scale, bias = module._ptrs
     return [1, module.in_features, module.out_features, module._columns, weight, wsum, scale, bias or 0]
 
