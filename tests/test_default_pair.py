@@ -54,19 +54,23 @@ def test_greedy_over_grpc_equals_the_same_workers_gamma_0_output(dirs, stack):
 
 
 def test_a_k_row_verify_on_the_real_target_equals_k_single_steps(dirs):
-    """The default CPU target (int4-rows: the 168 Linears the GGUF holds in Q4_K from its own
-    blocks, the rest int8-rows): for k = 2..9, every position of a k-row verify pass has bitwise
-    the log-probability and argmax of k one-row steps."""
+    """The default CPU target (int4-rows: the 168 Linears the GGUF holds in Q4_K and the 29 it
+    holds in Q6_K from their own blocks; its decoder layers in C, NativeForward): for k = 2..9,
+    every position of a k-row verify pass has bitwise the log-probability and argmax of k one-row
+    steps."""
     from specdec.protocol import SamplingParams
     from target_service.engine import TargetEngine
 
     torch.set_num_threads(2)
     engine = TargetEngine(load_model(dirs[0]))
-    from specdec.kernels import Q4KRowLinear, native_available
+    from specdec.kernels import Q4KRowLinear, Q6KRowLinear, native_available
+    from specdec.worker.forward import NativeForward
 
     assert engine.loaded.quantization == ("int4-rows" if native_available() else "int8-rows")
     if native_available():
         assert sum(isinstance(m, Q4KRowLinear) for m in engine.loaded.model.modules()) == 168
+        assert sum(isinstance(m, Q6KRowLinear) for m in engine.loaded.model.modules()) == 29
+        assert isinstance(engine._forward, NativeForward)
     greedy = SamplingParams(temperature=0)
     prompt = engine.tokenizer("def merge(a, b):\n    result = []\n    i = j = 0\n").input_ids
     drafts = engine.tokenizer("    while i < len(a) and j < len(b):").input_ids[:8]

@@ -170,7 +170,7 @@ class WorkerEngine:
         self._owns_model_thread = model_thread is None
         self._model_thread = model_thread or new_model_thread()
         use_ragged_attention(self.model)
-        self._forward = model_forward(self.model)  # specdec/worker/forward.py: lean for the Llama/Qwen2 family
+        self._forward = model_forward(self.model)  # specdec/worker/forward.py: native or lean for Llama/Qwen2
         self._batcher = Batcher(self._run_pass, max_batch_tokens)
         # the calls of a batched RPC run on threads of their own, their passes shared (run_calls)
         self._call_pool = ThreadPoolExecutor(max_workers=max(1, max_sessions), thread_name_prefix="call")

@@ -105,17 +105,34 @@ def random_q4k_blocks(n: int, k: int, generator: torch.Generator, scale: float =
     return blocks.reshape(n, nb * 144)
 
 
-def build_gguf_model_dir(path: Path, *, seed: int, layers: int = 2, mismatch: tuple[str, ...] = ()) -> Path:
+def random_q6k_blocks(n: int, k: int, generator: torch.Generator, scale: float = 5e-5) -> torch.Tensor:
+    """Random ggml Q6_K blocks for an [n, k] weight (k a multiple of 256): uint8 [n, k / 256 * 210],
+    random 6-bit values, signed 8-bit sub-block scales in [-64, 63] and float16 d ~ scale (weights
+    about +-0.1), as a GGUF's Q6_K tensor holds them."""
+    nb = k // 256
+    blocks = torch.randint(0, 256, (n, nb, 210), dtype=torch.uint8, generator=generator)
+    blocks[..., 192:208] = torch.randint(-64, 64, (n, nb, 16), dtype=torch.int8, generator=generator).view(torch.uint8)
+    d = (torch.rand(n, nb, generator=generator) + 0.5) * scale
+    blocks[..., 208:210] = d.half()[..., None].view(torch.uint8)
+    return blocks.reshape(n, nb * 210)
+
+
+# the Linears build_gguf_model_dir gives Q6_K blocks (as a Q4_K_M GGUF holds some MLP outputs and values)
+GGUF_Q6K = ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.v_proj")
+
+
+def build_gguf_model_dir(path: Path, *, seed: int, layers: int = 2, mismatch: tuple[str, ...] = (),
+                         q6k: tuple[str, ...] = GGUF_Q6K) -> Path:
     """A tiny Qwen2 (hidden 256, so every Linear's input is a multiple of 256 columns) converted as
     model_store converts a GGUF: each Linear but the head holds the float16 rounding of random
-    Q4_K blocks' values, and `model.gguf` beside it holds those blocks under their GGUF names,
-    named by source.json. The Linears named in `mismatch` get other blocks in the GGUF than the
-    store holds (as a tensor the conversion permuted would)."""
+    Q4_K blocks' values (Q6_K for those named in `q6k`), and `model.gguf` beside it holds those
+    blocks under their GGUF names, named by source.json. The Linears named in `mismatch` get other
+    blocks in the GGUF than the store holds (as a tensor the conversion permuted would)."""
     import json
 
     import gguf
 
-    from specdec.kernels import q4k_dequantize
+    from specdec.kernels import q4k_dequantize, q6k_dequantize
 
     path = Path(path)
     build_model_dir(path, seed=seed, layers=layers, hidden=256, dtype=torch.float16)
@@ -129,11 +146,14 @@ def build_gguf_model_dir(path: Path, *, seed: int, layers: int = 2, mismatch: tu
             if not isinstance(module, torch.nn.Linear) or module is model.lm_head:
                 continue
             n, k = module.weight.shape
-            blocks = random_q4k_blocks(n, k, gen)
-            module.weight.copy_(q4k_dequantize(blocks).half())
-            stored = random_q4k_blocks(n, k, gen) if name in mismatch else blocks
+            random_blocks, dequantize, kind = ((random_q6k_blocks, q6k_dequantize, gguf.GGMLQuantizationType.Q6_K)
+                                               if name in q6k else
+                                               (random_q4k_blocks, q4k_dequantize, gguf.GGMLQuantizationType.Q4_K))
+            blocks = random_blocks(n, k, gen)
+            module.weight.copy_(dequantize(blocks).half())
+            stored = random_blocks(n, k, gen) if name in mismatch else blocks
             writer.add_tensor(names.get_name(f"{name}.weight", try_suffixes=(".weight",)), stored.numpy(),
-                              raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+                              raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -338,6 +338,74 @@ def test_int4_rows_refuses_blocks_of_another_shape():
         Q4KRowLinear(200, 8, blocks)
 
 
+def test_q6k_blocks_dequantize_as_gguf_py_does():
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from specdec.kernels import q6k_dequantize
+    from specdec_tools.testing.tiny_models import random_q6k_blocks
+
+    blocks = random_q6k_blocks(24, 512, torch.Generator().manual_seed(0))
+    expected = dequantize(np.ascontiguousarray(blocks.numpy()), GGMLQuantizationType.Q6_K)
+    assert torch.equal(q6k_dequantize(blocks), torch.from_numpy(expected).float())
+
+
+def _q6k_linear(k, n, seed=1):
+    from specdec.kernels import Q6KRowLinear, q6k_dequantize
+    from specdec_tools.testing.tiny_models import random_q6k_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    blocks = random_q6k_blocks(n, k, g)
+    return Q6KRowLinear(k, n, blocks, torch.randn(n, generator=g)), q6k_dequantize(blocks)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(256, 48), (512, 130), (1536, 7)])
+def test_q6k_rows_are_independent_and_compute_the_formula(shape, isa):
+    """The Q6_K kernel: rows bitwise independent; the result is the int8 rows times the blocks'
+    weights (integer sums: exact but for the float steps); close to the float product."""
+    k, n = shape
+    m, w = _q6k_linear(k, n)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * torch.logspace(-2, 1, 9)[:, None]
+    y = m(x)
+    for rows in (2, 3, 4, 5, 8, 9):  # row blocks of 4 (8 on the VNNI path) and their remainders
+        assert torch.equal(m(x[:rows]), torch.cat([m(x[i:i + 1]) for i in range(rows)])), rows
+    amax = x.abs().amax(1, keepdim=True)
+    q = torch.round(x * (127.0 / amax))
+    expected = (q.double() @ w.double().t()) * (amax.double() / 127) + m.bias.double()
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    exact = x @ w.t() + m.bias
+    assert float((y - exact).norm() / exact.norm()) < 0.05
+    assert m(torch.randn(0, k)).shape == (0, n)
+
+
+@needs_native
+def test_q6k_vnni_path_gives_the_avx2_paths_bits():
+    lib = native_library()
+    if lib.set_isa("best") != "avx512-vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    m, _ = _q6k_linear(1536, 96)
+    x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(3)) * 3
+    try:
+        lib.set_isa("avx2")
+        avx2 = m(x)
+    finally:
+        lib.set_isa("best")
+    assert torch.equal(m(x), avx2)
+
+
+@needs_native
+def test_q6k_refuses_blocks_of_another_shape():
+    from specdec.kernels import Q6KRowLinear
+    from specdec_tools.testing.tiny_models import random_q4k_blocks, random_q6k_blocks
+
+    with pytest.raises(ValueError, match="do not hold"):
+        Q6KRowLinear(256, 8, random_q4k_blocks(8, 256, torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match="do not hold"):
+        Q6KRowLinear(512, 8, random_q6k_blocks(8, 256, torch.Generator().manual_seed(0)))
+
+
 @pytest.fixture(scope="module")
 def gguf_dir(tmp_path_factory):
     from specdec_tools.testing.tiny_models import build_gguf_model_dir
@@ -347,23 +415,29 @@ def gguf_dir(tmp_path_factory):
 
 
 @needs_native
-def test_int4_rows_takes_the_gguf_blocks_that_match_the_store_and_int8_rows_elsewhere(gguf_dir):
-    from specdec.kernels import Q4KRowLinear
+def test_int4_rows_takes_the_gguf_blocks_that_match_the_store_and_int8_rows_elsewhere(gguf_dir, monkeypatch):
+    from specdec.kernels import Q4KRowLinear, Q6KRowLinear
+    from specdec_tools.testing.tiny_models import GGUF_Q6K
 
     loaded = _int4_target(gguf_dir).loaded
     assert loaded.quantization == "int4-rows"
     model = loaded.model
     kinds = {name: type(mod).__name__ for name, mod in model.named_modules()
-             if isinstance(mod, (Q4KRowLinear, Int8RowLinear))}
+             if isinstance(mod, (Q4KRowLinear, Q6KRowLinear, Int8RowLinear))}
     assert kinds.pop("lm_head") == "Int8RowLinear"  # not in the GGUF
     assert kinds.pop("model.layers.1.mlp.up_proj") == "Int8RowLinear"  # the GGUF's blocks are not the store's
-    assert len(kinds) == 13 and set(kinds.values()) == {"Q4KRowLinear"}
+    assert all(kinds.pop(name) == "Q6KRowLinear" for name in GGUF_Q6K)  # the GGUF's Q6_K tensors
+    assert len(kinds) == 11 and set(kinds.values()) == {"Q4KRowLinear"}
     stored = load_model(str(gguf_dir), dtype="float32", quantization="none").model
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
-    for name in ("model.layers.0.mlp.gate_proj", "model.layers.1.self_attn.k_proj"):
+    g = torch.Generator().manual_seed(5)
+    for name in ("model.layers.0.mlp.gate_proj", "model.layers.1.self_attn.k_proj", *GGUF_Q6K):
+        x = torch.randn(3, model.get_submodule(name).in_features, generator=g)
         exact = stored.get_submodule(name)(x)  # the store's weights: the blocks' values to float16
         got = model.get_submodule(name)(x)
         assert float((got - exact).norm() / exact.norm()) < 0.05, name
+    monkeypatch.setenv("SPECDEC_Q6K", "0")  # the ablation: the Q6_K tensors requantized to int8-rows
+    ablated = load_model(str(gguf_dir), quantization="int4-rows").model
+    assert all(isinstance(ablated.get_submodule(name), Int8RowLinear) for name in GGUF_Q6K)
 
 
 @needs_native
