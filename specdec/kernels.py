@@ -35,7 +35,10 @@ for each Linear whose weight the model's source GGUF holds in Q4_K blocks, those
 numbers llama.cpp computes with; modeling.gguf_blocks reads them and checks them against the store),
 against the same int8 activations per row, with integer sums per 256-column super-block and one
 fixed float order per row and channel: rows bitwise independent, and ~0.58 bytes a weight read
-instead of 1. Every other Linear (the default target's Q6_K tensors, its head) stays int8-rows.
+instead of 1. `Q6KRowLinear` does the same for each Linear the GGUF holds in Q6_K blocks (the
+default target's head and half its attention values and MLP outputs: ~0.83 bytes a weight where
+int8-rows requantized them to 1; SPECDEC_Q6K=0 keeps those int8-rows, the ablation). Every other
+Linear stays int8-rows.
 
 The native kernels' weights live in `weight_memory`: anonymous mappings advised as transparent
 huge pages (MADV_HUGEPAGE), the tensors laid end to end. A 1-row pass streams every weight once,

@@ -43,11 +43,12 @@ QUANTIZATIONS = ("none", "fp16", "int8", "int8-rows", "int4-rows")
 
 def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str = "target") -> str:
     """'auto' on CPU (float32 models): int4-rows for a target where the native kernel builds
-    (the source GGUF's Q4_K blocks, int8-rows for every other Linear; plain int8-rows for a model
-    with no GGUF behind it: load_model reports which), else int8-rows; for a draft int8-rows where
-    the native kernel builds (else int8); elsewhere none.
+    (the source GGUF's Q4_K and Q6_K blocks, int8-rows for every other Linear; plain int8-rows for a
+    model with no GGUF behind it: load_model reports which), else int8-rows; for a draft int8-rows
+    where the native kernel builds (else int8); elsewhere none.
 
-    int4-rows reads ~1.07 GB a pass of the default target against int8-rows' 1.5 GB, rows as
+    int4-rows reads ~0.99 GB a pass of the default target (1.07 with its Q6_K tensors as int8-rows)
+    against int8-rows' 1.5 GB, rows as
     independent (integer sums per 256-column super-block): one projection 1.4-1.7x faster at 1-2
     rows, 1.05-1.5x at 5-9, 1.0-1.3x slower from 17 rows; through the services 1.14-1.15x one
     client at gamma 0, 1.08-1.28x at gamma 4, 0.98-1.04x four clients; 1.1 GiB less memory

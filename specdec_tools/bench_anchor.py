@@ -22,7 +22,7 @@ prefills cold as ours does. Greedy agreement per prompt: leading tokens llama.cp
 shares with ours, whether the whole outputs are equal, ours default against ours gamma 0 and
 llama.cpp with its draft against without; and, per row, whether all-at-once outputs equal
 one-at-a-time ones (batch invariance). Our default target (int4-rows) computes with the GGUF's own
-Q4_K blocks and int8 weights for its Q6_K tensors, int8 activations a row; --quantize fp16 makes
+Q4_K and Q6_K blocks, int8 activations a row; --quantize fp16 makes
 all its weights the GGUF's exactly dequantized (float activations: near-ties can differ either way).
 Writes table.md and results.json to --out; prints the tables.
 """
