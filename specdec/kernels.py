@@ -484,32 +484,35 @@ def _q4k_tiles(per_block: torch.Tensor) -> torch.Tensor:
     return padded.view(np_ // _Q4K_TILE, _Q4K_TILE, nb, width).transpose(1, 2).contiguous()
 
 
-class Q4KRowLinear(_NativeRows):
-    """`--quantize int4-rows`, for a weight the source GGUF holds in Q4_K blocks: those very blocks
-    (4.5 bits a weight, the numbers llama.cpp computes with; 4.625 bits here, the 6-bit scales
-    stored as bytes), int8 activations per row, integer sums per 256-column super-block and one
-    fixed float order per row: rows bitwise independent, as int8-rows. Native kernel only
-    (specdec_q4k_rows_linear in specdec/csrc/int8_rows.c)."""
+class _GGUFBlockRows(_NativeRows):
+    """A Linear on a GGUF tensor's own blocks (int4-rows): the blocks repacked at load into the
+    native kernel's tiles (`_qs`, `_meta`), int8 activations per row. Subclasses name the format:
+    FORMAT (its ggml name), BLOCK (bytes per 256 columns), KERNEL (native_library()'s attribute),
+    and pack(blocks) -> (per-block weight bytes, per-block meta bytes), each [N, K / 256, width]."""
+
+    FORMAT, BLOCK, KERNEL = "", 0, ""
 
     def __init__(self, in_features: int, out_features: int, blocks: torch.Tensor, bias: torch.Tensor | None = None):
-        """blocks: uint8 [out_features, in_features / 256 * 144], the GGUF tensor's rows."""
+        """blocks: uint8 [out_features, in_features / 256 * BLOCK], the GGUF tensor's rows."""
         super().__init__()
         lib = native_library()
         if lib is None:
             raise RuntimeError("int4-rows needs the native kernel (Linux x86-64 with AVX2 and a C compiler)")
-        if in_features % Q4K_COLUMNS or tuple(blocks.shape) != (out_features, in_features // Q4K_COLUMNS * Q4K_BLOCK):
-            raise ValueError(f"Q4_K blocks of shape {tuple(blocks.shape)} do not hold a {out_features}x{in_features} weight")
-        self._kernel = lib.q4k
+        if in_features % Q4K_COLUMNS or tuple(blocks.shape) != (out_features, in_features // Q4K_COLUMNS * self.BLOCK):
+            raise ValueError(f"{self.FORMAT} blocks of shape {tuple(blocks.shape)} do not hold a "
+                             f"{out_features}x{in_features} weight")
+        self._kernel = getattr(lib, self.KERNEL)
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else torch.nn.Parameter(
             bias.detach().to(torch.float32, copy=True), requires_grad=False)
-        blocks = torch.as_tensor(blocks, dtype=torch.uint8)
-        d, dmin, sc, mn, qs = q4k_unpack(blocks)
-        halves = torch.stack([d, dmin], dim=-1).half().view(torch.uint8)  # exact: they were float16
-        meta = torch.cat([sc, mn, halves.reshape(*d.shape, 4)], dim=-1)
-        self.register_buffer("_qs", _aligned(_q4k_tiles(q4k_steps(qs))), persistent=False)
+        weights, meta = self.pack(torch.as_tensor(blocks, dtype=torch.uint8))
+        self.register_buffer("_qs", _aligned(_q4k_tiles(weights)), persistent=False)
         self.register_buffer("_meta", _aligned(_q4k_tiles(meta)), persistent=False)
         self._bind()
+
+    @staticmethod
+    def pack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
 
     def _bind(self) -> None:
         self._ptrs = (self._qs.data_ptr(), self._meta.data_ptr(), None if self.bias is None else self.bias.data_ptr())
@@ -520,7 +523,23 @@ class Q4KRowLinear(_NativeRows):
             rows, m, self.in_features, qs, meta, self.out_features, bias, y, torch.get_num_threads()))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, the GGUF's Q4_K blocks"
+        return f"in_features={self.in_features}, out_features={self.out_features}, the GGUF's {self.FORMAT} blocks"
+
+
+class Q4KRowLinear(_GGUFBlockRows):
+    """`--quantize int4-rows`, for a weight the source GGUF holds in Q4_K blocks: those very blocks
+    (4.5 bits a weight, the numbers llama.cpp computes with; 4.625 bits here, the 6-bit scales
+    stored as bytes), int8 activations per row, integer sums per 256-column super-block and one
+    fixed float order per row: rows bitwise independent, as int8-rows. Native kernel only
+    (specdec_q4k_rows_linear in specdec/csrc/int8_rows.c)."""
+
+    FORMAT, BLOCK, KERNEL = "Q4_K", Q4K_BLOCK, "q4k"
+
+    @staticmethod
+    def pack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d, dmin, sc, mn, qs = q4k_unpack(blocks)
+        halves = torch.stack([d, dmin], dim=-1).half().view(torch.uint8)  # exact: they were float16
+        return q4k_steps(qs), torch.cat([sc, mn, halves.reshape(*d.shape, 4)], dim=-1)
 
 
 Q6K_BLOCK = 210  # ggml's block_q6_K: ql[128], qh[64], scales[16] (signed), d (float16); 256 columns
@@ -563,42 +582,21 @@ def q6k_packed(u: torch.Tensor) -> torch.Tensor:
     return torch.cat([nibbles.reshape(n, nb, 128), top.reshape(n, nb, 64)], dim=-1)
 
 
-class Q6KRowLinear(_NativeRows):
+class Q6KRowLinear(_GGUFBlockRows):
     """`--quantize int4-rows`, for a weight the source GGUF holds in Q6_K blocks (in the default
     target: the head and the Q6_K half of its attention values and MLP outputs): those very blocks,
     6.5625 bits a weight (6.625 here: scales and d padded to 20 bytes) where int8-rows read 8 and a
     fresh rounding, int8 activations per row, integer sums per 256-column super-block: rows bitwise
     independent, as Q4KRowLinear. Native kernel only (specdec_q6k_rows_linear in int8_rows.c)."""
 
-    def __init__(self, in_features: int, out_features: int, blocks: torch.Tensor, bias: torch.Tensor | None = None):
-        """blocks: uint8 [out_features, in_features / 256 * 210], the GGUF tensor's rows."""
-        super().__init__()
-        lib = native_library()
-        if lib is None:
-            raise RuntimeError("int4-rows needs the native kernel (Linux x86-64 with AVX2 and a C compiler)")
-        if in_features % Q4K_COLUMNS or tuple(blocks.shape) != (out_features, in_features // Q4K_COLUMNS * Q6K_BLOCK):
-            raise ValueError(f"Q6_K blocks of shape {tuple(blocks.shape)} do not hold a {out_features}x{in_features} weight")
-        self._kernel = lib.q6k
-        self.in_features, self.out_features = in_features, out_features
-        self.bias = None if bias is None else torch.nn.Parameter(
-            bias.detach().to(torch.float32, copy=True), requires_grad=False)
-        d, sc, u = q6k_unpack(torch.as_tensor(blocks, dtype=torch.uint8))
+    FORMAT, BLOCK, KERNEL = "Q6_K", Q6K_BLOCK, "q6k"
+
+    @staticmethod
+    def pack(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d, sc, u = q6k_unpack(blocks)
         meta = torch.cat([sc.view(torch.uint8), d.half()[..., None].view(torch.uint8),
                           torch.zeros(*d.shape, 2, dtype=torch.uint8)], dim=-1)  # [N, nb, 20]
-        self.register_buffer("_qs", _aligned(_q4k_tiles(q6k_packed(u))), persistent=False)
-        self.register_buffer("_meta", _aligned(_q4k_tiles(meta)), persistent=False)
-        self._bind()
-
-    def _bind(self) -> None:
-        self._ptrs = (self._qs.data_ptr(), self._meta.data_ptr(), None if self.bias is None else self.bias.data_ptr())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qs, meta, bias = self._ptrs
-        return _native_rows(x, self.in_features, self.out_features, lambda rows, m, y: self._kernel(
-            rows, m, self.in_features, qs, meta, self.out_features, bias, y, torch.get_num_threads()))
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, the GGUF's Q6_K blocks"
+        return q6k_packed(u), meta
 
 
 KERNELS = {"int8-rows": Int8RowLinear, "int8": Int8Linear, "fp16": Fp16Linear}

@@ -362,61 +362,6 @@ static void q4k_steps(const int8_t *q, int64_t K, int8_t *out) {
             for (int i = 0; i < 8; i++) memcpy(out + b + 32 * t + 4 * i, q + b + 32 * i + 4 * t, 4);
 }
 
-/* x: float32 [M, K], K a multiple of 256; qs, meta: as above; bias: float32 [N] or NULL;
- * y: float32 [M, N]. Returns 0, or -1 without scratch memory. */
-int specdec_q4k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
-                            const float *bias, float *y, int32_t threads) {
-    if (use_vnni < 0) specdec_native_isa(0);
-    const int64_t G = K / 32, nb = K / QK;
-    int8_t *q = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
-    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
-    int16_t *qsum = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * G));
-    float *s = (float *)malloc(sizeof(float) * (size_t)M);
-    if (q == NULL || xq == NULL || qsum == NULL || s == NULL) {
-        free(q);
-        free(xq);
-        free(qsum);
-        free(s);
-        return -1;
-    }
-    for (int64_t m = 0; m < M; m++) {
-        s[m] = quantize_row(x + m * K, K, K, q + m * K, 0);
-        for (int64_t j = 0; j < G; j++) {
-            int32_t t = 0;
-            for (int i = 0; i < 32; i++) t += q[m * K + 32 * j + i];
-            qsum[m * G + j] = (int16_t)t;
-        }
-        q4k_steps(q + m * K, K, xq + m * K);
-    }
-    const int vnni = use_vnni;
-    const int64_t block = vnni ? 8 : 4; /* rows a pass over a tile's weights */
-    const int64_t tiles = (N + QTILE - 1) / QTILE;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * QTILE, nc = N - n0 < QTILE ? N - n0 : QTILE;
-        const uint8_t *wq = qs + t * nb * QTILE * 128, *wm = meta + t * nb * QTILE * QMETA;
-        for (int64_t m = 0; m < M; m += block) {
-            const int64_t R = M - m < block ? M - m : block;
-            float out[QTILE * 8];
-            if (vnni)
-                q4k_tile_vnni(xq + m * K, qsum + m * G, R, K, wq, wm, nb, nc, out);
-            else
-                q4k_tile_avx2(xq + m * K, qsum + m * G, R, K, wq, wm, nb, nc, out);
-            const int64_t stride = vnni ? 8 : 4;
-            for (int64_t c = 0; c < nc; c++)
-                for (int64_t r = 0; r < R; r++) {
-                    float v = out[c * stride + r] * s[m + r];
-                    if (bias != NULL) v = v + bias[n0 + c];
-                    y[(m + r) * N + n0 + c] = v;
-                }
-        }
-    }
-    free(q);
-    free(xq);
-    free(qsum);
-    free(s);
-    return 0;
-}
 
 /* ---- int4-rows' other half: the GGUF's own Q6_K blocks x int8 activations per row ------------
  *
@@ -502,20 +447,26 @@ static void q6k_steps(const int8_t *q, int64_t K, int8_t *out) {
             for (int i = 0; i < 8; i++) memcpy(out + b + 32 * t + 4 * i, q + b + 16 * i + 4 * t, 4);
 }
 
-/* x: float32 [M, K], K a multiple of 256; qs, meta: as above; bias: float32 [N] or NULL;
- * y: float32 [M, N]. Returns 0, or -1 without scratch memory. */
-int specdec_q6k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
-                            const float *bias, float *y, int32_t threads) {
+/* ---- the two block formats' entry points -------------------------------------------------------
+ *
+ * x: float32 [M, K], K a multiple of 256; qs, meta: Q4_K's or Q6_K's layout above; bias: float32
+ * [N] or NULL; y: float32 [M, N]. Each row is quantized here (quantize_row), its integer sums per
+ * sub-block taken (32 columns for Q4_K, as int16; 16 for Q6_K, as int32) and laid out in step
+ * order; then OpenMP over tiles, up to 4 rows (8 on the VNNI path) a pass over a tile's weights.
+ * Returns 0, or -1 without scratch memory. */
+static int blocks_rows_linear(int q6, const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta,
+                              int64_t N, const float *bias, float *y, int32_t threads) {
     if (use_vnni < 0) specdec_native_isa(0);
-    const int64_t G = K / 16, nb = K / QK;
+    const int64_t width = q6 ? 16 : 32, G = K / width, nb = K / QK;
+    const int64_t tile_qs = nb * QTILE * (q6 ? 192 : 128), tile_meta = nb * QTILE * (q6 ? Q6META : QMETA);
     int8_t *q = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
-    int32_t *xsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * G));
+    void *sums = malloc((q6 ? sizeof(int32_t) : sizeof(int16_t)) * (size_t)(M * G));
     float *s = (float *)malloc(sizeof(float) * (size_t)M);
-    if (q == NULL || xq == NULL || xsum == NULL || s == NULL) {
+    if (q == NULL || xq == NULL || sums == NULL || s == NULL) {
         free(q);
         free(xq);
-        free(xsum);
+        free(sums);
         free(s);
         return -1;
     }
@@ -523,29 +474,40 @@ int specdec_q6k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t 
         s[m] = quantize_row(x + m * K, K, K, q + m * K, 0);
         for (int64_t j = 0; j < G; j++) {
             int32_t t = 0;
-            for (int i = 0; i < 16; i++) t += q[m * K + 16 * j + i];
-            xsum[m * G + j] = t;
+            for (int64_t i = 0; i < width; i++) t += q[m * K + width * j + i];
+            if (q6)
+                ((int32_t *)sums)[m * G + j] = t;
+            else
+                ((int16_t *)sums)[m * G + j] = (int16_t)t;
         }
-        q6k_steps(q + m * K, K, xq + m * K);
+        (q6 ? q6k_steps : q4k_steps)(q + m * K, K, xq + m * K);
     }
     const int vnni = use_vnni;
-    const int64_t block = vnni ? 8 : 4;
+    const int64_t block = vnni ? 8 : 4; /* rows a pass over a tile's weights */
     const int64_t tiles = (N + QTILE - 1) / QTILE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t n0 = t * QTILE, nc = N - n0 < QTILE ? N - n0 : QTILE;
-        const uint8_t *wq = qs + t * nb * QTILE * 192, *wm = meta + t * nb * QTILE * Q6META;
+        const uint8_t *wq = qs + t * tile_qs, *wm = meta + t * tile_meta;
         for (int64_t m = 0; m < M; m += block) {
             const int64_t R = M - m < block ? M - m : block;
             float out[QTILE * 8];
-            if (vnni)
-                q6k_tile_vnni(xq + m * K, xsum + m * G, R, K, wq, wm, nb, nc, out);
-            else
-                q6k_tile_avx2(xq + m * K, xsum + m * G, R, K, wq, wm, nb, nc, out);
-            const int64_t stride = vnni ? 8 : 4;
+            if (q6) {
+                const int32_t *xs = (const int32_t *)sums + m * G;
+                if (vnni)
+                    q6k_tile_vnni(xq + m * K, xs, R, K, wq, wm, nb, nc, out);
+                else
+                    q6k_tile_avx2(xq + m * K, xs, R, K, wq, wm, nb, nc, out);
+            } else {
+                const int16_t *qsum = (const int16_t *)sums + m * G;
+                if (vnni)
+                    q4k_tile_vnni(xq + m * K, qsum, R, K, wq, wm, nb, nc, out);
+                else
+                    q4k_tile_avx2(xq + m * K, qsum, R, K, wq, wm, nb, nc, out);
+            }
             for (int64_t c = 0; c < nc; c++)
                 for (int64_t r = 0; r < R; r++) {
-                    float v = out[c * stride + r] * s[m + r];
+                    float v = out[c * block + r] * s[m + r];
                     if (bias != NULL) v = v + bias[n0 + c];
                     y[(m + r) * N + n0 + c] = v;
                 }
@@ -553,7 +515,17 @@ int specdec_q6k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t 
     }
     free(q);
     free(xq);
-    free(xsum);
+    free(sums);
     free(s);
     return 0;
+}
+
+int specdec_q4k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
+                            const float *bias, float *y, int32_t threads) {
+    return blocks_rows_linear(0, x, M, K, qs, meta, N, bias, y, threads);
+}
+
+int specdec_q6k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
+                            const float *bias, float *y, int32_t threads) {
+    return blocks_rows_linear(1, x, M, K, qs, meta, N, bias, y, threads);
 }

@@ -271,33 +271,47 @@ def test_the_native_kernel_is_built_once_and_reused(tmp_path, monkeypatch):
 needs_native = pytest.mark.skipif(native_library() is None, reason="int4-rows needs the native kernel")
 
 
-def test_q4k_blocks_dequantize_as_gguf_py_does():
+FORMATS = ["Q4_K", "Q6_K"]  # the GGUF block formats int4-rows runs on
+
+
+def _random_blocks(fmt, n, k, g):
+    from specdec_tools.testing.tiny_models import random_q4k_blocks, random_q6k_blocks
+
+    return (random_q4k_blocks if fmt == "Q4_K" else random_q6k_blocks)(n, k, g)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gguf_blocks_dequantize_as_gguf_py_does(fmt):
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from specdec.kernels import q4k_dequantize
-    from specdec_tools.testing.tiny_models import random_q4k_blocks
+    from specdec.kernels import q4k_dequantize, q6k_dequantize
 
-    blocks = random_q4k_blocks(24, 512, torch.Generator().manual_seed(0))
-    expected = dequantize(np.ascontiguousarray(blocks.numpy()), GGMLQuantizationType.Q4_K)
-    assert torch.equal(q4k_dequantize(blocks), torch.from_numpy(expected).float())
+    blocks = _random_blocks(fmt, 24, 512, torch.Generator().manual_seed(0))
+    expected = dequantize(np.ascontiguousarray(blocks.numpy()), GGMLQuantizationType[fmt])
+    ours = q4k_dequantize if fmt == "Q4_K" else q6k_dequantize
+    assert torch.equal(ours(blocks), torch.from_numpy(expected).float())
 
 
-def _q4k_linear(k, n, seed=1):
-    from specdec.kernels import Q4KRowLinear, q4k_dequantize
-    from specdec_tools.testing.tiny_models import random_q4k_blocks
+def _block_linear(fmt, k, n, seed=1):
+    """A Q4KRowLinear or Q6KRowLinear on random blocks, with a bias; and the blocks' float weights."""
+    from specdec.kernels import Q4KRowLinear, Q6KRowLinear, q4k_dequantize, q6k_dequantize
 
     g = torch.Generator().manual_seed(seed)
-    blocks = random_q4k_blocks(n, k, g)
-    return Q4KRowLinear(k, n, blocks, torch.randn(n, generator=g)), q4k_dequantize(blocks)
+    blocks = _random_blocks(fmt, n, k, g)
+    module, dequantize = (Q4KRowLinear, q4k_dequantize) if fmt == "Q4_K" else (Q6KRowLinear, q6k_dequantize)
+    return module(k, n, blocks, torch.randn(n, generator=g)), dequantize(blocks)
 
 
 @needs_native
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(256, 48), (512, 130), (1536, 7)])
-def test_int4_rows_are_independent_and_compute_the_formula(shape, isa):
+def test_int4_rows_are_independent_and_compute_the_formula(fmt, shape, isa):
+    """Rows bitwise independent; the result is the rows' int8 integers times the blocks' weights
+    (integer sums: exact but for the float steps); close to the float product."""
     k, n = shape
-    m, w = _q4k_linear(k, n)
+    m, w = _block_linear(fmt, k, n)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * torch.logspace(-2, 1, 9)[:, None]
     y = m(x)
     for rows in (2, 3, 4, 5, 8, 9):  # row blocks of 4 (8 on the VNNI path) and their remainders
@@ -312,11 +326,12 @@ def test_int4_rows_are_independent_and_compute_the_formula(shape, isa):
 
 
 @needs_native
-def test_int4_rows_vnni_path_gives_the_avx2_paths_bits():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int4_rows_vnni_path_gives_the_avx2_paths_bits(fmt):
     lib = native_library()
     if lib.set_isa("best") != "avx512-vnni":
         pytest.skip("this CPU has no AVX-512 VNNI")
-    m, _ = _q4k_linear(1536, 96)
+    m, _ = _block_linear(fmt, 1536, 96)
     x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(3)) * 3
     try:
         lib.set_isa("avx2")
@@ -328,82 +343,16 @@ def test_int4_rows_vnni_path_gives_the_avx2_paths_bits():
 
 @needs_native
 def test_int4_rows_refuses_blocks_of_another_shape():
-    from specdec.kernels import Q4KRowLinear
-    from specdec_tools.testing.tiny_models import random_q4k_blocks
+    from specdec.kernels import Q4KRowLinear, Q6KRowLinear
 
-    blocks = random_q4k_blocks(8, 256, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="do not hold"):
-        Q4KRowLinear(512, 8, blocks)
-    with pytest.raises(ValueError, match="do not hold"):
-        Q4KRowLinear(200, 8, blocks)
-
-
-def test_q6k_blocks_dequantize_as_gguf_py_does():
-    import numpy as np
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    from specdec.kernels import q6k_dequantize
-    from specdec_tools.testing.tiny_models import random_q6k_blocks
-
-    blocks = random_q6k_blocks(24, 512, torch.Generator().manual_seed(0))
-    expected = dequantize(np.ascontiguousarray(blocks.numpy()), GGMLQuantizationType.Q6_K)
-    assert torch.equal(q6k_dequantize(blocks), torch.from_numpy(expected).float())
-
-
-def _q6k_linear(k, n, seed=1):
-    from specdec.kernels import Q6KRowLinear, q6k_dequantize
-    from specdec_tools.testing.tiny_models import random_q6k_blocks
-
-    g = torch.Generator().manual_seed(seed)
-    blocks = random_q6k_blocks(n, k, g)
-    return Q6KRowLinear(k, n, blocks, torch.randn(n, generator=g)), q6k_dequantize(blocks)
-
-
-@needs_native
-@pytest.mark.parametrize("shape", [(256, 48), (512, 130), (1536, 7)])
-def test_q6k_rows_are_independent_and_compute_the_formula(shape, isa):
-    """The Q6_K kernel: rows bitwise independent; the result is the int8 rows times the blocks'
-    weights (integer sums: exact but for the float steps); close to the float product."""
-    k, n = shape
-    m, w = _q6k_linear(k, n)
-    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2)) * torch.logspace(-2, 1, 9)[:, None]
-    y = m(x)
-    for rows in (2, 3, 4, 5, 8, 9):  # row blocks of 4 (8 on the VNNI path) and their remainders
-        assert torch.equal(m(x[:rows]), torch.cat([m(x[i:i + 1]) for i in range(rows)])), rows
-    amax = x.abs().amax(1, keepdim=True)
-    q = torch.round(x * (127.0 / amax))
-    expected = (q.double() @ w.double().t()) * (amax.double() / 127) + m.bias.double()
-    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-    exact = x @ w.t() + m.bias
-    assert float((y - exact).norm() / exact.norm()) < 0.05
-    assert m(torch.randn(0, k)).shape == (0, n)
-
-
-@needs_native
-def test_q6k_vnni_path_gives_the_avx2_paths_bits():
-    lib = native_library()
-    if lib.set_isa("best") != "avx512-vnni":
-        pytest.skip("this CPU has no AVX-512 VNNI")
-    m, _ = _q6k_linear(1536, 96)
-    x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(3)) * 3
-    try:
-        lib.set_isa("avx2")
-        avx2 = m(x)
-    finally:
-        lib.set_isa("best")
-    assert torch.equal(m(x), avx2)
-
-
-@needs_native
-def test_q6k_refuses_blocks_of_another_shape():
-    from specdec.kernels import Q6KRowLinear
-    from specdec_tools.testing.tiny_models import random_q4k_blocks, random_q6k_blocks
-
-    with pytest.raises(ValueError, match="do not hold"):
-        Q6KRowLinear(256, 8, random_q4k_blocks(8, 256, torch.Generator().manual_seed(0)))
-    with pytest.raises(ValueError, match="do not hold"):
-        Q6KRowLinear(512, 8, random_q6k_blocks(8, 256, torch.Generator().manual_seed(0)))
+    g = torch.Generator().manual_seed(0)
+    for module, fmt, other in ((Q4KRowLinear, "Q4_K", "Q6_K"), (Q6KRowLinear, "Q6_K", "Q4_K")):
+        blocks = _random_blocks(fmt, 8, 256, g)
+        for k in (512, 200):  # another width, or one that is no multiple of 256
+            with pytest.raises(ValueError, match="do not hold"):
+                module(k, 8, blocks)
+        with pytest.raises(ValueError, match="do not hold"):  # the other format's blocks
+            module(256, 8, _random_blocks(other, 8, 256, g))
 
 
 @pytest.fixture(scope="module")
