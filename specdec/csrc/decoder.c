@@ -202,13 +202,14 @@ static void silu_mul(float *g, const float *u, int64_t n) {
 /* h: float32 [n, hidden], the embeddings in, the final-normed hidden states out; cos, sin: float32
  * [n, head_dim]; sessions: the pass's sessions in order, new[s] rows each after past[s] cached
  * ones; kv: [layers][sessions], each buffer with room for past + new rows. Returns 0, or -1
- * without scratch memory (nothing of the caches' past rows is touched either way). */
+ * without scratch memory (nothing of the caches' past rows is touched either way; the rows after
+ * them may hold part of this pass's keys, which the caller's views do not reach). */
 int specdec_decoder_pass(const sd_model *model, float *h, int64_t n, const float *cos, const float *sin,
                          int64_t sessions, const int64_t *new_rows, const int64_t *past, const sd_kv *kv, float eps,
                          float scaling, int32_t threads) {
     const int64_t H = model->hidden, hd = model->head_dim, heads = model->heads, kvh = model->kv_heads;
     const int64_t I = model->inter, qd = heads * hd, kd = kvh * hd, group = heads / kvh;
-    if (hd > 512 || hd % 2) return -2;
+    if (hd > 512 || hd % 2) return -1; /* native_forward_fits never passes such a model */
     int64_t most = 0; /* the longest attention: keys of one row */
     for (int64_t s = 0; s < sessions; s++) most = past[s] + new_rows[s] > most ? past[s] + new_rows[s] : most;
     float *x = malloc(sizeof(float) * (size_t)(n * H)), *q = malloc(sizeof(float) * (size_t)(n * qd));

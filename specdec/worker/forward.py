@@ -110,8 +110,8 @@ _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", 
 
 def native_forward_fits(model) -> bool:
     """Whether NativeForward runs this model: lean_forward's family (checked by the caller), float32 on
-    CPU, SiLU MLPs, one norm epsilon, and every projection on the native row kernels (int8-rows or
-    the GGUF's Q4_K blocks: quantize int8-rows or int4-rows where the kernel builds)."""
+    CPU, SiLU MLPs, one norm epsilon, and every projection on the native row kernels (int8-rows, or
+    the GGUF's Q4_K or Q6_K blocks: quantize int8-rows or int4-rows where the kernel builds)."""
     inner, config = model.model, model.config
     if kernels.native_library() is None or getattr(config, "hidden_act", None) != "silu":
         return False
@@ -146,13 +146,14 @@ def _linear_fields(module) -> list[int]:
 
 
 class NativeForward:
-    """The pass of a model native_forward_fits: embeddings and rotary angles in torch, every decoder layer
-    and the final norm in one call to specdec_decoder_pass (specdec/csrc/decoder.c), the head in torch.
-    Each session's keys and values go straight into its grow_append buffers (batching.cache_room makes
-    room first; the layers' tensors become views of the rows written after the call, so a failed call
-    leaves the caches as they were), whatever `append` the RaggedCache names. Rows are computed one by one in a fixed order
-    (decoder.c): a k-row verify is bitwise k single steps, as with lean_forward; against lean_forward's
-    float32 ops the results differ by rounding (other summation orders and exp)."""
+    """The pass of a model native_forward_fits: embeddings and rotary angles in torch, every decoder
+    layer and the final norm in one call to specdec_decoder_pass (specdec/csrc/decoder.c), the head
+    in torch. Each session's keys and values go straight into its grow_append buffers
+    (batching.cache_room makes room first; the layers' tensors become views of the rows written
+    after the call, so a failed call leaves the caches as they were), whatever `append` the
+    RaggedCache names. Rows are computed one by one in a fixed order (decoder.c): a k-row verify is
+    bitwise k single steps, as with lean_forward; against lean_forward's float32 ops the results
+    differ by rounding (other summation orders and exp)."""
 
     def __init__(self, model):
         self.model, self.inner = model, model.model
@@ -200,7 +201,7 @@ class NativeForward:
                            rows.data_ptr(), rows.data_ptr() + 8 * sessions, kv_table.data_ptr(), self.eps, self.scaling,
                            torch.get_num_threads())
         if rc != 0:
-            raise MemoryError(f"the native decoder pass failed ({rc}): no scratch memory")
+            raise MemoryError("the native decoder pass found no scratch memory")
         for layer, keys, values, length in buffers:
             layer.keys, layer.values = keys[..., :length, :], values[..., :length, :]
         return self.model.lm_head(h[:, keep, :])
