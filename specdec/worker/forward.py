@@ -22,7 +22,6 @@ import os
 from typing import Callable
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from specdec import kernels
 from specdec.worker.batching import NO_MASK, RaggedCache, cache_room, ragged_attention
@@ -185,8 +184,6 @@ class NativeForward:
         cos, sin = inner.rotary_emb(h, positions)
         cos, sin, h = cos.contiguous(), sin.contiguous(), h.contiguous()
         n, sessions = ids.shape[1], len(cache.caches)
-        for c in cache.caches:  # a cache made without the config has no layers yet
-            c.layers.extend(DynamicLayer() for _ in range(self.layers - len(c.layers)))
         kv, past, buffers = [], [], []
         for layer_idx in range(self.layers):
             for c, new in zip(cache.caches, cache.new):
