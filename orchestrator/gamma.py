@@ -224,8 +224,19 @@ def best_step_gamma(requests: list[StepRequest], costs: StepCosts) -> int:
     return best if step_goodput(best, requests, costs) > (1 + MARGIN) * step_goodput(0, requests, costs) else 0
 
 
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else DECAY * old + (1 - DECAY) * new
+@dataclass
+class Average:
+    """An exponentially weighted mean (DECAY per observation) that starts as the plain mean: the
+    n-th observation weighs max(1 / n, 1 - DECAY), so the first one does not stand for the ~30
+    before it (a first draft phase that also opened a session once kept drafting off for ~100
+    probes)."""
+
+    value: float = 0.0
+    count: int = 0
+
+    def observe(self, new: float) -> None:
+        self.count += 1
+        self.value += max(1.0 / self.count, 1 - DECAY) * (new - self.value)
 
 
 class GammaPolicy:
@@ -240,8 +251,8 @@ class GammaPolicy:
         self._costs: dict[str, LinearCost] = {}
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
         self._rounds_without: dict[tuple[str, str], int] = {}  # rounds since a draft was last asked for
-        self._draft_extra: dict[str, float] = {}  # step loop: draft address -> its phase beyond its passes (EWMA)
-        self._overhead: dict[str, float] = {}  # step loop: target address -> a step's other time (EWMA)
+        self._draft_extra: dict[str, Average] = {}  # step loop: draft address -> its phase beyond its passes
+        self._overhead: dict[str, Average] = {}  # step loop: target address -> a step's other time
         self._steps_without: dict[str, int] = {}  # step loop: steps since a request on the target drafted
 
     def _cost(self, address: str) -> LinearCost:
@@ -285,7 +296,8 @@ class GammaPolicy:
             drafts = {r.draft for r in requests if r.draft is not None}
             costs = StepCosts(self._cost(target), {d: self._cost(d) for d in drafts},
                               {d: self._acceptance.setdefault((target, d), Acceptance()) for d in drafts},
-                              self._overhead.get(target, 0.0), dict(self._draft_extra))
+                              self._overhead.get(target, Average()).value,
+                              {d: a.value for d, a in self._draft_extra.items()})
             g = best_step_gamma(requests, costs)
             idle = self._steps_without.get(target, 0) + 1 if g == 0 else 0
             gammas = [min(g, cap) for cap in caps]
@@ -308,11 +320,11 @@ class GammaPolicy:
         if not self.adaptive:
             return
         with self._lock:
-            self._overhead[target] = _ewma(self._overhead.get(target), overhead_s)
+            self._overhead.setdefault(target, Average()).observe(overhead_s)
             for address, (rows, pass_s, extra_s) in drafts.items():
                 if rows:
                     self._cost(address).observe(rows, pass_s)
-                self._draft_extra[address] = _ewma(self._draft_extra.get(address), extra_s)
+                self._draft_extra.setdefault(address, Average()).observe(extra_s)
 
     def observe_pass(self, address: str, rows: int, seconds: float) -> None:
         if not self.adaptive:  # the fixed policy uses none of it: keep the round path free of it

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import trace
 
-from orchestrator.gamma import GammaPolicy, StepRequest
+from orchestrator.gamma import PROBE_MAX_LAG, GammaPolicy, StepRequest
 from orchestrator.metrics import DecodingMetrics
 from orchestrator.rounds import (RequestState, Round, draft_call, draft_failed, finish, gamma_cap, new_round,
                                  take_proposals, target_failed, verify, verify_call)
@@ -222,6 +222,10 @@ class StepLoop:
         learns: (rows, seconds) per pass as the worker reported them, and the seconds of the
         phase beyond its passes (the RPC, the orchestrator's work)."""
         started = time.perf_counter()
+        # a session the draft takes in whole first (opened lazily: its first drafts) is a one-off
+        # catch-up, as for the policy's probes: a draft phase with one teaches no step's costs
+        catching_up = {i for i, (s, r) in enumerate(zip(states, rounds))
+                       if r.gamma > 0 and len(s.tokens) - s.draft_synced > PROBE_MAX_LAG}
         groups: dict[int, tuple[object, list[int]]] = {}
         for i, (state, rnd) in enumerate(zip(states, rounds)):
             if rnd.gamma > 0:
@@ -251,7 +255,7 @@ class StepLoop:
         learned = {}
         for member, members in work:
             ran = [rounds[i] for i in members if rounds[i].draft_rows]  # reported by the last proposal
-            if ran:
+            if ran and not catching_up.intersection(members):
                 widest = max(ran, key=lambda r: r.draft_rows)  # the sessions shared passes: the widest saw them all
                 model_s = max(r.draft_pass_s * r.gamma for r in ran)
                 learned[member.address] = (widest.draft_rows, widest.draft_pass_s, max(elapsed - model_s, 0.0))

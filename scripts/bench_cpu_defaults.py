@@ -51,6 +51,8 @@ SETUPS = {  # name: (--quantize, environment, more draft flags)
     # int8-rows instead of read as their own blocks (the ablation of Q6KRowLinear)
     "int4-rows target, Q6_K tensors as int8-rows": ("auto", {**SPIN, "SPECDEC_Q6K": "0"}, ()),
     "int4-rows target (the default)": ("auto", SPIN, ()),
+    # the draft's every Linear on Q4_K blocks (q4k-rows: its GGUF's Q4_K/Q6_K, the rest requantized)
+    "int4-rows target, q4k-rows draft": ("auto", SPIN, ("--quantize", "q4k-rows")),
 }
 
 

@@ -176,8 +176,8 @@ def native_library() -> ctypes._CFuncPtr | None:
     fn.set_isa = lambda want: isa_names[lib.specdec_native_isa(wants[want])]  # the ISA now in use
     fn.isa = fn.set_isa("avx2" if os.environ.get("SPECDEC_NATIVE_ISA", "").lower() == "avx2" else "best")
     q4k = lib.specdec_q4k_rows_linear
-    q4k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+    q4k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
     q4k.restype = ctypes.c_int
     fn.q4k = q4k  # the library's second kernel (Q4KRowLinear)
     q6k = lib.specdec_q6k_rows_linear
@@ -472,6 +472,67 @@ def q4k_steps(qs: torch.Tensor) -> torch.Tensor:
     return (steps[:, :, :, 0] | (steps[:, :, :, 1] << 4)).reshape(n, nb, 128)
 
 
+def _affine_4bit(x: torch.Tensor, steps: int = 4, spread: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sub-blocks x [S, 32] -> (scale, offset) [S] each, w ~ scale * u - offset with u in 0..15:
+    llama.cpp's make_qkx2_quants (ggml-quants.c) in torch: error weights rms(x) + |x|, the
+    min/max grid, then steps + 1 other grids 15 + spread * (i - steps / 2) wide, each refit by
+    weighted least squares; the best kept (the offset never negative: the min is at most 0)."""
+    w = x.square().mean(dim=1, keepdim=True).sqrt() + x.abs()
+    lo, hi = x.amin(dim=1).clamp(max=0), x.amax(dim=1)
+    flat = hi - lo <= 0
+    span = torch.where(flat, torch.ones_like(hi), hi - lo)
+    grid = lambda levels: (levels[:, None] / span[:, None] * (x - lo[:, None])).round().clamp(0, 15)  # noqa: E731
+    error = lambda scale, mn, u: (w * (scale[:, None] * u + mn[:, None] - x).square()).sum(dim=1)  # noqa: E731
+    best_scale, best_min = span / 15, lo
+    best = error(best_scale, best_min, grid(torch.full_like(span, 15.0)))
+    sw, sx = w.sum(dim=1), (w * x).sum(dim=1)
+    for i in range(steps + 1):
+        u = grid(torch.full_like(span, 15.0 + spread * (i - steps / 2)))
+        sl, sl2, sxl = (w * u).sum(dim=1), (w * u * u).sum(dim=1), (w * u * x).sum(dim=1)
+        det = sw * sl2 - sl * sl
+        fits = det > 0
+        det = torch.where(fits, det, torch.ones_like(det))
+        scale, mn = (sw * sxl - sx * sl) / det, (sl2 * sx - sl * sxl) / det
+        positive = mn > 0  # a fit above zero: through zero instead
+        scale = torch.where(positive, sxl / sl2.clamp(min=1e-30), scale)
+        mn = torch.where(positive, torch.zeros_like(mn), mn)
+        e = error(scale, mn, u)
+        better = fits & (e < best)
+        best, best_scale, best_min = (torch.where(better, e, best), torch.where(better, scale, best_scale),
+                                      torch.where(better, mn, best_min))
+    zero = torch.zeros_like(best_scale)
+    return torch.where(flat, zero, best_scale), torch.where(flat, zero, -best_min)
+
+
+def q4k_quantize(weight: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """A float weight [N, K] as ggml Q4_K blocks, uint8 [N, ceil(K / 256) * 144] (columns past K
+    zero), the way llama.cpp's quantize_row_q4_K_ref makes them: per 32 columns an affine 4-bit
+    grid (_affine_4bit), its scale and offset as 6-bit multiples of the super-block's float16 d
+    and dmin, then each weight's nearest level under those. q4k_dequantize reads them back."""
+    n, k = weight.shape
+    kp = -(-k // Q4K_COLUMNS) * Q4K_COLUMNS
+    nb = kp // Q4K_COLUMNS
+    out = torch.empty(n, nb * Q4K_BLOCK, dtype=torch.uint8)
+    for r in range(0, n, chunk):  # a chunk of rows at a time: the search's temporaries stay small
+        x = torch.nn.functional.pad(weight[r:r + chunk].to(torch.float32), (0, kp - k)).reshape(-1, nb, 8, 32)
+        m = x.shape[0]
+        scale, offset = (t.reshape(m, nb, 8) for t in _affine_4bit(x.reshape(-1, 32)))
+        top_scale, top_offset = scale.amax(dim=2), offset.amax(dim=2)
+        d, dmin = (top_scale / 63).half().float(), (top_offset / 63).half().float()
+        sc = (scale * torch.where(top_scale > 0, 63 / top_scale, 0.0)[..., None]).round().clamp(0, 63)
+        mn = (offset * torch.where(top_offset > 0, 63 / top_offset, 0.0)[..., None]).round().clamp(0, 63)
+        step, shift = d[..., None] * sc, dmin[..., None] * mn
+        u = ((x + shift[..., None]) / step.clamp(min=1e-30)[..., None]).round().clamp(0, 15)
+        u = torch.where(step[..., None] > 0, u, 0.0).to(torch.uint8)
+        sc, mn = sc.to(torch.uint8), mn.to(torch.uint8)
+        scales = torch.cat([sc[..., :4] | (sc[..., 4:] >> 4) << 6, mn[..., :4] | (mn[..., 4:] >> 4) << 6,
+                            (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4], dim=-1)  # q4k_unpack's inverse
+        halves = torch.stack([d, dmin], dim=-1).half().view(torch.uint8).reshape(m, nb, 4)
+        qs = (u[:, :, 0::2] | u[:, :, 1::2] << 4).reshape(m, nb, 128)
+        out[r:r + chunk] = torch.cat([halves, scales, qs], dim=-1).reshape(m, nb * Q4K_BLOCK)
+    return out
+
+
 _Q4K_TILE = 8  # int8_rows.c's QTILE
 
 
@@ -498,11 +559,12 @@ class _GGUFBlockRows(_NativeRows):
         lib = native_library()
         if lib is None:
             raise RuntimeError("int4-rows needs the native kernel (Linux x86-64 with AVX2 and a C compiler)")
-        if in_features % Q4K_COLUMNS or tuple(blocks.shape) != (out_features, in_features // Q4K_COLUMNS * self.BLOCK):
+        padded = -(-in_features // Q4K_COLUMNS) * Q4K_COLUMNS  # columns the blocks cover (zero past in_features)
+        if tuple(blocks.shape) != (out_features, padded // Q4K_COLUMNS * self.BLOCK):
             raise ValueError(f"{self.FORMAT} blocks of shape {tuple(blocks.shape)} do not hold a "
                              f"{out_features}x{in_features} weight")
         self._kernel = getattr(lib, self.KERNEL)
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.padded_features = in_features, out_features, padded
         self.bias = None if bias is None else torch.nn.Parameter(
             bias.detach().to(torch.float32, copy=True), requires_grad=False)
         weights, meta = self.pack(torch.as_tensor(blocks, dtype=torch.uint8))
@@ -520,7 +582,8 @@ class _GGUFBlockRows(_NativeRows):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qs, meta, bias = self._ptrs
         return _native_rows(x, self.in_features, self.out_features, lambda rows, m, y: self._kernel(
-            rows, m, self.in_features, qs, meta, self.out_features, bias, y, torch.get_num_threads()))
+            rows, m, self.in_features, self.padded_features, qs, meta, self.out_features, bias, y,
+            torch.get_num_threads()))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, the GGUF's {self.FORMAT} blocks"
@@ -608,14 +671,16 @@ def replace_linears(model: torch.nn.Module, quantization: str, blocks: dict | No
     swapping is deprecated and warns). int4-rows: a Q4KRowLinear (Q6KRowLinear) for each Linear whose
     qualified name `blocks` maps to its Q4_K (Q6_K) blocks (modeling.gguf_blocks reads them from the
     source GGUF), int8-rows for every other one."""
-    if quantization == "int4-rows":
+    if quantization in ("int4-rows", "q4k-rows"):
         blocks = blocks or {}
 
         def kernel(child, name):
             rows = blocks.get(name)
+            if rows is None and quantization == "q4k-rows":
+                rows = q4k_quantize(child.weight.detach())
             if rows is None:
                 return Int8RowLinear(child)
-            q6k = rows.shape[1] == child.in_features // Q4K_COLUMNS * Q6K_BLOCK  # else Q4_K's 144 bytes a block
+            q6k = rows.shape[1] == -(-child.in_features // Q4K_COLUMNS) * Q6K_BLOCK  # else Q4_K's 144 bytes a block
             return (Q6KRowLinear if q6k else Q4KRowLinear)(child.in_features, child.out_features, rows, child.bias)
     else:
         kernel = lambda child, name: KERNELS[quantization](child)  # noqa: E731

@@ -38,14 +38,21 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}") from None
 
 
-QUANTIZATIONS = ("none", "fp16", "int8", "int8-rows", "int4-rows")
+QUANTIZATIONS = ("none", "fp16", "int8", "int8-rows", "int4-rows", "q4k-rows")
 
 
 def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str = "target") -> str:
     """'auto' on CPU (float32 models): int4-rows for a target where the native kernel builds
     (the source GGUF's Q4_K and Q6_K blocks, int8-rows for every other Linear; plain int8-rows for a
-    model with no GGUF behind it: load_model reports which), else int8-rows; for a draft int8-rows
+    model with no GGUF behind it: load_model reports which), else int8-rows; for a draft q4k-rows
     where the native kernel builds (else int8); elsewhere none.
+
+    q4k-rows puts every Linear on Q4_K blocks: the source GGUF's own Q4_K and Q6_K where it has
+    them, every other one requantized to Q4_K at load (kernels.q4k_quantize, llama.cpp's search; a
+    width that is no multiple of 256 padded). A second rounding, so for drafts: the default
+    draft's step reads ~240 MB instead of ~390 (int8-rows), a 1-row step 14.8 -> 11.5 ms and a 2-row
+    one 13.9 -> 11.0, its 43-row prefill 95 -> 118 ms (compute-bound sooner), and the same drafts
+    accepted on the bench prompts (131 of 199 at gamma 4 both ways; docs/benchmarks/q4k-draft/).
 
     int4-rows reads ~0.99 GB a pass of the default target (1.07 with its Q6_K tensors as int8-rows)
     against int8-rows' 1.5 GB, rows as
@@ -65,8 +72,8 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
     plain `int8` computes one activation scale over all rows of a pass: rows are not independent.
 
     A draft's numerics never change the output (the target verifies every token; q is what the
-    draft really sampled from), so a draft takes whichever kernel is fastest at one row: int8-rows
-    where the native kernel builds (specdec/csrc/int8_rows.c: a 1-row pass of the default draft
+    draft really sampled from), so a draft takes whichever kernel is fastest at one row: q4k-rows
+    now (above); before it, int8-rows where the native kernel builds (specdec/csrc/int8_rows.c: a 1-row pass of the default draft
     43.9 ms against 45.0 for fbgemm's int8 and 62.7 for int8-rows on fbgemm, 2 rows 46.4 / 58.5 /
     62.7, on a 2-core AVX2 VM; its 8-bit per-row activations are also closer to the float model
     than fbgemm's 7-bit per-pass ones, and it leaves torch.ao's deprecated path), else fbgemm's
@@ -78,13 +85,13 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
         from specdec.kernels import native_available
 
         if role == "draft":
-            return "int8-rows" if native_available() else "int8"
+            return "q4k-rows" if native_available() else "int8"
         return "int4-rows" if native_available() else "int8-rows"
     if name not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {name!r}; choose one of auto, {', '.join(QUANTIZATIONS)}")
     if name != "none" and (device != "cpu" or dtype != torch.float32):
         raise ValueError(f"quantization {name!r} needs --device cpu and a float32 model")
-    if name == "int4-rows":
+    if name in ("int4-rows", "q4k-rows"):
         from specdec.kernels import native_available
 
         if not native_available():
@@ -255,7 +262,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, device)
     quantization = resolve_quantization(quantization, device, torch_dtype, role)
     load_dtype = torch_dtype
-    if quantization in ("fp16", "int8", "int8-rows", "int4-rows") and not device_map and _stored_dtype(path) == "float16":
+    if quantization in ("fp16", "int8", "int8-rows", "int4-rows", "q4k-rows") and not device_map and _stored_dtype(path) == "float16":
         # Linear weights quantized straight from the float16 store, never a float32 copy of
         # them all at once (one matrix at a time): the same model to the bit
         # (tests/specdec/test_modeling.py), and the target's load peak fell from 10.4 to 8.1 GiB
@@ -270,7 +277,7 @@ def load_model(
     model.eval()
     if head_rows:
         restrict_output_head(model, head_rows)
-    blocks = gguf_blocks(path, model) if quantization == "int4-rows" else None
+    blocks = gguf_blocks(path, model) if quantization in ("int4-rows", "q4k-rows") else None
     if quantization == "int4-rows" and not blocks:
         quantization = "int8-rows"  # what int4-rows is without GGUF blocks: say so (ModelInfo, logs)
     quantize(model, quantization, blocks)

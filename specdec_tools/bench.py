@@ -435,7 +435,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--methods", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
     p.add_argument("--modes", default="greedy,sampled")
-    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows"])
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows", "q4k-rows"])
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB)
     p.add_argument("--sweep", default="1,2,3,4,5,6,7,8", help="gammas for the sweep of c ('' to skip)")
     p.add_argument("--sweep-prompts", type=int, default=4)

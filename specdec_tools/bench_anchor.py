@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "target alone beside the first's; repeatable")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"our target model (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"our draft model (default {DEFAULT_DRAFT})")
-    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows"],
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows", "q4k-rows"],
                    help="our workers' --quantize (default auto: int4-rows for the target, int8-rows for the draft, "
                         "where the native kernel builds)")
     p.add_argument("--target-gguf", default=None, help="llama.cpp's target (default: the GGUF --target comes from)")

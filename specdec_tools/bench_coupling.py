@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=4, help="how many of `specdec bench`'s fresh prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seeds", type=int, default=200, help="seeds per position for the coupled agreement")
-    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows"])
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows", "q4k-rows"])
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB)
     p.add_argument("--out", default=None, help="results folder (default bench_results/coupling-<time>)")
 

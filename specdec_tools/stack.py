@@ -160,7 +160,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (default {DEFAULT_DRAFT})")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows"])
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows", "q4k-rows"])
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help="0 = the draft's whole vocabulary")
     p.add_argument("--compare", action="store_true", help="also run target-only decoding and print the speed-up")
     p.add_argument("--startup-timeout", type=float, default=1800.0)

@@ -32,10 +32,10 @@
 
 int specdec_int8_rows_linear(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t Kp, int64_t N,
                              const int32_t *wsum, const float *ws, const float *bias, float *y, int32_t threads);
-int specdec_q4k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
-                            const float *bias, float *y, int32_t threads);
-int specdec_q6k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
-                            const float *bias, float *y, int32_t threads);
+int specdec_q4k_rows_linear(const float *x, int64_t M, int64_t K, int64_t Kp, const uint8_t *qs, const uint8_t *meta,
+                            int64_t N, const float *bias, float *y, int32_t threads);
+int specdec_q6k_rows_linear(const float *x, int64_t M, int64_t K, int64_t Kp, const uint8_t *qs, const uint8_t *meta,
+                            int64_t N, const float *bias, float *y, int32_t threads);
 
 /* One projection: the fields of kernels.py's Int8RowLinear (kind 1), Q4KRowLinear (2) or Q6KRowLinear (3), all
  * eight bytes wide (forward.py writes them as an int64 tensor). */
@@ -69,10 +69,10 @@ static int linear(const sd_linear *l, const float *x, int64_t M, float *y, int32
         return specdec_int8_rows_linear(x, M, l->K, (const int8_t *)l->w, l->Kp, l->N, (const int32_t *)l->aux,
                                         l->scale, l->bias, y, threads);
     if (l->kind == 2)
-        return specdec_q4k_rows_linear(x, M, l->K, (const uint8_t *)l->w, (const uint8_t *)l->aux, l->N, l->bias, y,
-                                       threads);
-    return specdec_q6k_rows_linear(x, M, l->K, (const uint8_t *)l->w, (const uint8_t *)l->aux, l->N, l->bias, y,
-                                   threads);
+        return specdec_q4k_rows_linear(x, M, l->K, l->Kp, (const uint8_t *)l->w, (const uint8_t *)l->aux, l->N,
+                                       l->bias, y, threads);
+    return specdec_q6k_rows_linear(x, M, l->K, l->Kp, (const uint8_t *)l->w, (const uint8_t *)l->aux, l->N, l->bias,
+                                   y, threads);
 }
 
 /* ggml's ggml_v_expf (llama.cpp, ggml/src/ggml-cpu/vec.h, MIT): exp of 8 floats, ~1.5 ulp. */

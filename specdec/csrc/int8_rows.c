@@ -295,20 +295,29 @@ static inline float half_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-#define ROW4(r, body) { enum { r = 0 }; body } { enum { r = 1 }; body } { enum { r = 2 }; body } { enum { r = 3 }; body }
-#define ROW8(r, body) ROW4(r, body) { enum { r = 4 }; body } { enum { r = 5 }; body } { enum { r = 6 }; body } \
-    { enum { r = 7 }; body }
+/* ROWn(r, body): body n times, with r = 0 .. n - 1 as a constant */
+#define ROW1(r, body) { enum { r = 0 }; body }
+#define ROW2(r, body) ROW1(r, body) { enum { r = 1 }; body }
+#define ROW3(r, body) ROW2(r, body) { enum { r = 2 }; body }
+#define ROW4(r, body) ROW3(r, body) { enum { r = 3 }; body }
+#define ROW5(r, body) ROW4(r, body) { enum { r = 4 }; body }
+#define ROW6(r, body) ROW5(r, body) { enum { r = 5 }; body }
+#define ROW7(r, body) ROW6(r, body) { enum { r = 6 }; body }
+#define ROW8(r, body) ROW7(r, body) { enum { r = 7 }; body }
 
-/* Up to RMAX rows (q: int8 [R][K] in step order at stride K; qsum: int16 [R][K/32]) against the
- * first nc (<= QTILE) channels of one tile (qs, meta: the tile's), super-block by super-block, so that a super-block's activations
- * (R x 256 bytes) serve every channel of the tile from L1: out[c * RMAX + r] = sum_b d_b sum_i
- * sc_i P_bi - sum_b dmin_b J_b for channel c and row r, each channel's floats in super-block order
- * whatever the tile. DOT4(acc, u, x): acc + the 4-byte dot products of u (unsigned) and x
- * (signed) in each lane. */
+/* RMAX rows (q: int8 [RMAX][K] in step order at stride K; qsum: int16 [RMAX][K/32]) against the
+ * first nc (<= QTILE) channels of one tile (qs, meta: the tile's), super-block by super-block, so
+ * that a super-block's activations (RMAX x 256 bytes) serve every channel of the tile from L1:
+ * out[c * RMAX + r] = sum_b d_b sum_i sc_i P_bi - sum_b dmin_b J_b for channel c and row r, each
+ * channel's floats in super-block order whatever the tile. DOT4(acc, u, x): acc + the 4-byte dot
+ * products of u (unsigned) and x (signed) in each lane. One function per row count (Q4K_KERNELS):
+ * with the count a constant every row's sums stay in registers (10-15% faster at 1-6 rows than
+ * one function for up to 8 rows), and the low and high nibbles' products go to two chains (a, e:
+ * their sum is the same integer P_bi) so that a row's dot products do not wait on each other. */
 #define QTILE 8
 #define Q4K_TILE(NAME, ATTR, RMAX, ROWS, DOT4)                                                             \
-    ATTR static inline void NAME(const int8_t *q, const int16_t *qsum, int64_t R, int64_t K, const uint8_t *qs, \
-                                 const uint8_t *meta, int64_t nb, int64_t nc, float *out) {                \
+    ATTR static void NAME(const int8_t *q, const int16_t *qsum, int64_t K, const uint8_t *qs,               \
+                          const uint8_t *meta, int64_t nb, int64_t nc, float *out) {                       \
         const __m256i low = _mm256_set1_epi8(0x0F);                                                        \
         __m256 f[QTILE][RMAX];                                                                             \
         for (int c = 0; c < QTILE; c++)                                                                    \
@@ -319,20 +328,21 @@ static inline float half_at(const uint8_t *p) {
                 const uint8_t *w = qs + (b * QTILE + c) * 128, *mt = meta + (b * QTILE + c) * QMETA;       \
                 _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);                                   \
                 _mm_prefetch((const char *)(w + PREFETCH + 64), _MM_HINT_T0);                              \
-                __m256i a[RMAX];                                                                           \
-                for (int r = 0; r < RMAX; r++) a[r] = _mm256_setzero_si256();                              \
+                __m256i a[RMAX], e[RMAX];                                                                  \
+                for (int r = 0; r < RMAX; r++) a[r] = e[r] = _mm256_setzero_si256();                       \
                 for (int v = 0; v < 4; v++) {                                                              \
                     const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * v));                  \
                     const __m256i lo = _mm256_and_si256(wv, low);                                          \
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);                    \
-                    ROWS(r, if ((r) < R) {                                                                 \
+                    ROWS(r, {                                                                              \
                         a[r] = DOT4(a[r], lo, _mm256_loadu_si256((const __m256i *)(xq + (r) * K + 64 * v))); \
-                        a[r] = DOT4(a[r], hi, _mm256_loadu_si256((const __m256i *)(xq + (r) * K + 64 * v + 32))); \
+                        e[r] = DOT4(e[r], hi, _mm256_loadu_si256((const __m256i *)(xq + (r) * K + 64 * v + 32))); \
                     })                                                                                     \
                 }                                                                                          \
                 const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mt));             \
                 const __m256 d = _mm256_set1_ps(half_at(mt + 16));                                         \
-                ROWS(r, if ((r) < R) f[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(a[r], sc)), d, f[c][r]);) \
+                ROWS(r, f[c][r] = _mm256_fmadd_ps(                                                         \
+                    _mm256_cvtepi32_ps(_mm256_mullo_epi32(_mm256_add_epi32(a[r], e[r]), sc)), d, f[c][r]);) \
             }                                                                                              \
         }                                                                                                  \
         const int64_t G = K / 32;                                                                          \
@@ -343,17 +353,31 @@ static inline float half_at(const uint8_t *p) {
             for (int64_t b = 0; b < nb; b++, mt += QTILE * QMETA) {                                        \
                 const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(mt + 8)));          \
                 const __m128 dmin = _mm_set1_ps(half_at(mt + 18));                                         \
-                ROWS(r, if ((r) < R) g[r] = _mm_fmadd_ps(                                                  \
+                ROWS(r, g[r] = _mm_fmadd_ps(                                                               \
                     _mm_cvtepi32_ps(_mm_madd_epi16(mn, _mm_loadu_si128((const __m128i *)(qsum + (r) * G + 8 * b)))), dmin, g[r]);) \
             }                                                                                              \
-            for (int64_t r = 0; r < R; r++) out[c * RMAX + r] = hsum8_ps(f[c][r]) - hsum4_ps(g[r]);        \
+            for (int r = 0; r < RMAX; r++) out[c * RMAX + r] = hsum8_ps(f[c][r]) - hsum4_ps(g[r]);         \
         }                                                                                                  \
     }
 
 #define DOT4_AVX2(acc, u, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)))
 #define DOT4_VNNI(acc, u, x) _mm256_dpbusd_epi32(acc, u, x)
-Q4K_TILE(q4k_tile_avx2, , 4, ROW4, DOT4_AVX2)
-Q4K_TILE(q4k_tile_vnni, VNNI, 8, ROW8, DOT4_VNNI)
+/* one function per row count: NAME_1 .. NAME_4 (and NAME_5 .. NAME_8 for the VNNI path), and a
+ * table of them by row count */
+typedef void (*blocks_tile_fn)(const int8_t *, const void *, int64_t, const uint8_t *, const uint8_t *, int64_t,
+                               int64_t, float *);
+#define KERNELS4(TILE, NAME, ATTR, DOT4) TILE(NAME##_1, ATTR, 1, ROW1, DOT4) TILE(NAME##_2, ATTR, 2, ROW2, DOT4) \
+    TILE(NAME##_3, ATTR, 3, ROW3, DOT4) TILE(NAME##_4, ATTR, 4, ROW4, DOT4)
+#define KERNELS8(TILE, NAME, ATTR, DOT4) KERNELS4(TILE, NAME, ATTR, DOT4) TILE(NAME##_5, ATTR, 5, ROW5, DOT4) \
+    TILE(NAME##_6, ATTR, 6, ROW6, DOT4) TILE(NAME##_7, ATTR, 7, ROW7, DOT4) TILE(NAME##_8, ATTR, 8, ROW8, DOT4)
+#define TABLE4(NAME) {NULL, (blocks_tile_fn)NAME##_1, (blocks_tile_fn)NAME##_2, (blocks_tile_fn)NAME##_3, \
+    (blocks_tile_fn)NAME##_4}
+#define TABLE8(NAME) {NULL, (blocks_tile_fn)NAME##_1, (blocks_tile_fn)NAME##_2, (blocks_tile_fn)NAME##_3, \
+    (blocks_tile_fn)NAME##_4, (blocks_tile_fn)NAME##_5, (blocks_tile_fn)NAME##_6, (blocks_tile_fn)NAME##_7, \
+    (blocks_tile_fn)NAME##_8}
+KERNELS4(Q4K_TILE, q4k_tile_avx2, , DOT4_AVX2)
+KERNELS8(Q4K_TILE, q4k_tile_vnni, VNNI, DOT4_VNNI)
+static const blocks_tile_fn q4k_avx2[5] = TABLE4(q4k_tile_avx2), q4k_vnni[9] = TABLE8(q4k_tile_vnni);
 
 /* A row's super-blocks in step order: [256] as [8 sub-blocks][8 steps][4] -> [8 steps][8 sub-blocks][4]. */
 static void q4k_steps(const int8_t *q, int64_t K, int8_t *out) {
@@ -388,8 +412,8 @@ static void q4k_steps(const int8_t *q, int64_t K, int8_t *out) {
 
 #define Q6META 20
 #define Q6K_TILE(NAME, ATTR, RMAX, ROWS, DOT4)                                                             \
-    ATTR static inline void NAME(const int8_t *q, const int32_t *xsum, int64_t R, int64_t K, const uint8_t *qs, \
-                                 const uint8_t *meta, int64_t nb, int64_t nc, float *out) {                \
+    ATTR static void NAME(const int8_t *q, const int32_t *xsum, int64_t K, const uint8_t *qs,               \
+                          const uint8_t *meta, int64_t nb, int64_t nc, float *out) {                       \
         const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);                           \
         const int64_t G = K / 16;                                                                          \
         __m256 f[QTILE][RMAX];                                                                             \
@@ -411,7 +435,7 @@ static void q4k_steps(const int8_t *q, int64_t K, int8_t *out) {
                 const __m128i s16 = _mm_loadu_si128((const __m128i *)mt);                                  \
                 const __m256i sa = _mm256_cvtepi8_epi32(s16), sb = _mm256_cvtepi8_epi32(_mm_srli_si128(s16, 8)); \
                 const __m256 d = _mm256_set1_ps(half_at(mt + 16));                                         \
-                ROWS(r, if ((r) < R) {                                                                     \
+                ROWS(r, {                                                                                  \
                     const int32_t *xs = xsum + (r) * G + 16 * b;                                           \
                     const __m256i ta = _mm256_mullo_epi32(_mm256_sub_epi32(a[r], _mm256_slli_epi32(        \
                         _mm256_loadu_si256((const __m256i *)xs), 5)), sa);                                 \
@@ -422,7 +446,7 @@ static void q4k_steps(const int8_t *q, int64_t K, int8_t *out) {
             }                                                                                              \
         }                                                                                                  \
         for (int64_t c = 0; c < nc; c++)                                                                   \
-            for (int64_t r = 0; r < R; r++) out[c * RMAX + r] = hsum8_ps(f[c][r]);                         \
+            for (int r = 0; r < RMAX; r++) out[c * RMAX + r] = hsum8_ps(f[c][r]);                          \
     }
 /* step t of both halves: the 6-bit values (low nibbles | top bits << 4), times the row's activations */
 #define Q6K_STEP(t, ROWS, DOT4)                                                                                      \
@@ -432,13 +456,14 @@ static void q4k_steps(const int8_t *q, int64_t K, int8_t *out) {
                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h0, 2 * (t)), three), 4)); \
         const __m256i ub = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(wv, 4), low),                \
                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h1, 2 * (t)), three), 4)); \
-        ROWS(r, if ((r) < R) {                                                                             \
+        ROWS(r, {                                                                                          \
             a[r] = DOT4(a[r], ua, _mm256_loadu_si256((const __m256i *)(xq + (r) * K + 32 * (t))));         \
             e[r] = DOT4(e[r], ub, _mm256_loadu_si256((const __m256i *)(xq + (r) * K + 128 + 32 * (t))));   \
         })                                                                                                 \
     }
-Q6K_TILE(q6k_tile_avx2, , 4, ROW4, DOT4_AVX2)
-Q6K_TILE(q6k_tile_vnni, VNNI, 8, ROW8, DOT4_VNNI)
+KERNELS4(Q6K_TILE, q6k_tile_avx2, , DOT4_AVX2)
+KERNELS8(Q6K_TILE, q6k_tile_vnni, VNNI, DOT4_VNNI)
+static const blocks_tile_fn q6k_avx2[5] = TABLE4(q6k_tile_avx2), q6k_vnni[9] = TABLE8(q6k_tile_vnni);
 
 /* A row's super-blocks in step order: each half [8 sub-blocks][4 steps][4] -> [4 steps][8 sub-blocks][4]. */
 static void q6k_steps(const int8_t *q, int64_t K, int8_t *out) {
@@ -449,13 +474,15 @@ static void q6k_steps(const int8_t *q, int64_t K, int8_t *out) {
 
 /* ---- the two block formats' entry points -------------------------------------------------------
  *
- * x: float32 [M, K], K a multiple of 256; qs, meta: Q4_K's or Q6_K's layout above; bias: float32
- * [N] or NULL; y: float32 [M, N]. Each row is quantized here (quantize_row), its integer sums per
- * sub-block taken (32 columns for Q4_K, as int16; 16 for Q6_K, as int32) and laid out in step
- * order; then OpenMP over tiles, up to 4 rows (8 on the VNNI path) a pass over a tile's weights.
+ * x: float32 [M, Kx]; qs, meta: Q4_K's or Q6_K's layout above for K = Kp columns, a multiple of 256
+ * (Kx <= K: a width that is no multiple of 256 has blocks for its padding, whose activations are
+ * zero here); bias: float32 [N] or NULL; y: float32 [M, N]. Each row is quantized here
+ * (quantize_row), its integer sums per sub-block taken (32 columns for Q4_K, as int16; 16 for
+ * Q6_K, as int32) and laid out in step order; then OpenMP over tiles, up to 4 rows (8 on the VNNI
+ * path) a pass over a tile's weights, by the kernel for that many rows.
  * Returns 0, or -1 without scratch memory. */
-static int blocks_rows_linear(int q6, const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta,
-                              int64_t N, const float *bias, float *y, int32_t threads) {
+static int blocks_rows_linear(int q6, const float *x, int64_t M, int64_t Kx, int64_t K, const uint8_t *qs,
+                              const uint8_t *meta, int64_t N, const float *bias, float *y, int32_t threads) {
     if (use_vnni < 0) specdec_native_isa(0);
     const int64_t width = q6 ? 16 : 32, G = K / width, nb = K / QK;
     const int64_t tile_qs = nb * QTILE * (q6 ? 192 : 128), tile_meta = nb * QTILE * (q6 ? Q6META : QMETA);
@@ -471,7 +498,7 @@ static int blocks_rows_linear(int q6, const float *x, int64_t M, int64_t K, cons
         return -1;
     }
     for (int64_t m = 0; m < M; m++) {
-        s[m] = quantize_row(x + m * K, K, K, q + m * K, 0);
+        s[m] = quantize_row(x + m * Kx, Kx, K, q + m * K, 0);
         for (int64_t j = 0; j < G; j++) {
             int32_t t = 0;
             for (int64_t i = 0; i < width; i++) t += q[m * K + width * j + i];
@@ -492,22 +519,12 @@ static int blocks_rows_linear(int q6, const float *x, int64_t M, int64_t K, cons
         for (int64_t m = 0; m < M; m += block) {
             const int64_t R = M - m < block ? M - m : block;
             float out[QTILE * 8];
-            if (q6) {
-                const int32_t *xs = (const int32_t *)sums + m * G;
-                if (vnni)
-                    q6k_tile_vnni(xq + m * K, xs, R, K, wq, wm, nb, nc, out);
-                else
-                    q6k_tile_avx2(xq + m * K, xs, R, K, wq, wm, nb, nc, out);
-            } else {
-                const int16_t *qsum = (const int16_t *)sums + m * G;
-                if (vnni)
-                    q4k_tile_vnni(xq + m * K, qsum, R, K, wq, wm, nb, nc, out);
-                else
-                    q4k_tile_avx2(xq + m * K, qsum, R, K, wq, wm, nb, nc, out);
-            }
+            const blocks_tile_fn tile = (q6 ? (vnni ? q6k_vnni : q6k_avx2) : (vnni ? q4k_vnni : q4k_avx2))[R];
+            tile(xq + m * K, q6 ? (const void *)((const int32_t *)sums + m * G) : (const void *)((const int16_t *)sums + m * G),
+                 K, wq, wm, nb, nc, out);
             for (int64_t c = 0; c < nc; c++)
                 for (int64_t r = 0; r < R; r++) {
-                    float v = out[c * block + r] * s[m + r];
+                    float v = out[c * R + r] * s[m + r];
                     if (bias != NULL) v = v + bias[n0 + c];
                     y[(m + r) * N + n0 + c] = v;
                 }
@@ -520,12 +537,12 @@ static int blocks_rows_linear(int q6, const float *x, int64_t M, int64_t K, cons
     return 0;
 }
 
-int specdec_q4k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
-                            const float *bias, float *y, int32_t threads) {
-    return blocks_rows_linear(0, x, M, K, qs, meta, N, bias, y, threads);
+int specdec_q4k_rows_linear(const float *x, int64_t M, int64_t K, int64_t Kp, const uint8_t *qs, const uint8_t *meta,
+                            int64_t N, const float *bias, float *y, int32_t threads) {
+    return blocks_rows_linear(0, x, M, K, Kp, qs, meta, N, bias, y, threads);
 }
 
-int specdec_q6k_rows_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const uint8_t *meta, int64_t N,
-                            const float *bias, float *y, int32_t threads) {
-    return blocks_rows_linear(1, x, M, K, qs, meta, N, bias, y, threads);
+int specdec_q6k_rows_linear(const float *x, int64_t M, int64_t K, int64_t Kp, const uint8_t *qs, const uint8_t *meta,
+                            int64_t N, const float *bias, float *y, int32_t threads) {
+    return blocks_rows_linear(1, x, M, K, Kp, qs, meta, N, bias, y, threads);
 }

@@ -20,10 +20,12 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--dtype", default="auto", help="auto, float32, float16, bfloat16, float64"),
     Flag("--device-map", help="accelerate device map, e.g. 'auto' to spread the model over several GPUs"),
     Flag("--quantize", default="auto", field="quantization",
-         choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows"],
+         choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows", "q4k-rows"],
          help="Linear layers on CPU: auto = int4-rows for a target where the native kernel builds (else "
-              "int8-rows), int8-rows for a draft where it builds (else int8); int4-rows = the source GGUF's own "
-              "Q4_K blocks where it has them, int8-rows elsewhere (a model without a GGUF: int8-rows throughout); "
+              "int8-rows), q4k-rows for a draft where it builds (else int8); int4-rows = the source GGUF's own "
+              "Q4_K/Q6_K blocks where it has them, int8-rows elsewhere (a model without a GGUF: int8-rows "
+              "throughout); q4k-rows = the GGUF's blocks where it has them, every other Linear requantized to "
+              "Q4_K at load (a second rounding: for drafts); "
               "int8-rows = int8 weights and per-row activations (rows independent; the native kernel, else "
               "fbgemm); fp16 = fp16 weights (rows independent with AVX-512 "
               "only); int8 = one activation scale per pass; none = plain"),

@@ -139,7 +139,8 @@ def _linear_fields(module) -> list[int]:
     """decoder.c's sd_linear: kind, K, N, Kp, weights, their second tensor, scales, bias (0: none)."""
     if _native_kind(module) in (2, 3):
         qs, meta, bias = module._ptrs
-        return [_native_kind(module), module.in_features, module.out_features, module.in_features, qs, meta, 0, bias or 0]
+        return [_native_kind(module), module.in_features, module.out_features, module.padded_features, qs, meta, 0,
+                bias or 0]
     weight, wsum, scale, bias = module._ptrs
     return [1, module.in_features, module.out_features, module._columns, weight, wsum, scale, bias or 0]
 

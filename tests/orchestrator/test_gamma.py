@@ -188,3 +188,21 @@ def test_acceptance_judged_from_few_drafts_is_taken_optimistically():
     assert few.rate(0, optimism=0.6) > few.rate(0) + 0.15
     assert many.rate(0, optimism=0.6) - many.rate(0) < 0.02
     assert few.rate(5, optimism=0.6) == few.rate(0, optimism=0.6)  # never judged: like the last judged
+
+
+def test_a_step_cost_average_starts_as_the_plain_mean_then_forgets_slowly():
+    """The first observation must not stand for the ~30 before it: one slow first draft phase,
+    then normal ones, gives their mean (an EWMA seeded with the first value would stay near it for
+    dozens of steps, which kept drafting off while drafting off meant no new observations)."""
+    from orchestrator.gamma import DECAY, Average
+
+    extra = Average()
+    for seconds in [0.040] + [0.004] * 9:
+        extra.observe(seconds)
+    assert extra.value == pytest.approx((0.040 + 9 * 0.004) / 10)
+    for _ in range(500):
+        extra.observe(0.002)
+    assert extra.value == pytest.approx(0.002, abs=1e-6)  # by then an EWMA with DECAY per observation
+    late = Average(value=0.002, count=1000)
+    late.observe(0.102)
+    assert late.value == pytest.approx(0.002 + (1 - DECAY) * 0.1)

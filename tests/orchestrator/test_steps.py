@@ -276,3 +276,23 @@ def test_on_cuda_the_step_loop_and_ragged_batches_give_what_each_request_gives_a
         looped.close()
         target.close()
         draft.close()
+
+
+def test_a_draft_phase_that_takes_a_whole_session_in_teaches_no_step_costs(target_engine, draft_engine):
+    """On shared cores the draft's session opens only when a request first drafts, and that first
+    Propose takes its whole prompt in: a one-off catch-up, whose passes and phase are not what a
+    step's drafts cost (it once taught the policy a draft phase ~4x too slow, and kept drafting
+    off). The steps after it teach the costs as usual."""
+    policy = GammaPolicy(adaptive=True)
+    seen: list[dict] = []
+    observe = policy.observe_step
+    policy.observe_step = lambda target, overhead_s, drafts: (seen.append(drafts), observe(target, overhead_s, drafts))
+    decoder = SpeculativeDecoder(target_engine, draft_engine, gamma_policy=policy)
+    try:
+        result = decoder.generate(GenerationRequest(token_ids=list(range(40, 80)), max_new_tokens=12, temperature=0,
+                                                    gamma=3))
+    finally:
+        decoder.close()
+    assert result.stats["drafted_tokens"] > 0
+    assert seen and seen[0] == {}  # the first step drafted, after a 40-token catch-up: nothing learnt
+    assert any(seen[1:])  # later drafting steps report the draft's rows, seconds and extra time

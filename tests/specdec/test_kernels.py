@@ -348,11 +348,86 @@ def test_int4_rows_refuses_blocks_of_another_shape():
     g = torch.Generator().manual_seed(0)
     for module, fmt, other in ((Q4KRowLinear, "Q4_K", "Q6_K"), (Q6KRowLinear, "Q6_K", "Q4_K")):
         blocks = _random_blocks(fmt, 8, 256, g)
-        for k in (512, 200):  # another width, or one that is no multiple of 256
+        for k in (512, 600):  # another width (600 columns would need three blocks a row)
             with pytest.raises(ValueError, match="do not hold"):
                 module(k, 8, blocks)
         with pytest.raises(ValueError, match="do not hold"):  # the other format's blocks
             module(256, 8, _random_blocks(other, 8, 256, g))
+
+
+def test_q4k_quantize_writes_blocks_that_hold_the_weights():
+    """q4k_quantize's blocks, read back as gguf-py reads a GGUF's: within Q4_K's error of Gaussian
+    weights (a wrong scale, offset or nibble order is off by ~the weights), the sub-blocks past K
+    zero (in the one K ends in, the padding takes whatever level is nearest zero: the kernel's
+    activations there are zero), an all-zero sub-block exact, a constant one within its 6-bit
+    scale's step, and better than the plain min/max grid."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from specdec.kernels import _affine_4bit, q4k_quantize
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 600, generator=g) * 0.05
+    w[3, :32] = 0.0
+    w[4, 32:64] = 0.02
+    blocks = q4k_quantize(w.half(), chunk=16)  # float16 in, as a store holds it: converted per chunk
+    assert blocks.shape == (64, 3 * 144) and blocks.dtype == torch.uint8
+    back = torch.from_numpy(dequantize(np.ascontiguousarray(blocks.numpy()), GGMLQuantizationType.Q4_K)).float()
+    assert torch.equal(back[:, 608:], torch.zeros(64, 160))
+    back = back[:, :600]
+    assert torch.equal(back[3, :32], torch.zeros(32))
+    assert torch.allclose(back[4, 32:64], w.half().float()[4, 32:64], rtol=0.05)
+    searched = float((back - w).norm() / w.norm())
+    assert searched < 0.08
+    gaussian = w[5:, :512]
+    scale, offset = _affine_4bit(gaussian.reshape(-1, 32), steps=0)  # the min/max grid only
+    u = ((gaussian.reshape(-1, 32) + offset[:, None]) / scale[:, None]).round().clamp(0, 15)
+    plain = float(((u * scale[:, None] - offset[:, None]).reshape(gaussian.shape) - gaussian).norm() / gaussian.norm())
+    assert float((back[5:, :512] - gaussian).norm() / gaussian.norm()) < plain
+
+
+@needs_native
+def test_a_width_that_is_no_multiple_of_256_runs_on_padded_blocks(isa):
+    """q4k-rows' Linears of any width: the blocks cover the next multiple of 256 columns, the
+    kernel pads each row with zeros; rows stay bitwise independent and the result is the formula
+    on the real columns."""
+    from specdec.kernels import Q4KRowLinear, q4k_dequantize, q4k_quantize
+
+    g = torch.Generator().manual_seed(4)
+    k, n = 200, 40
+    blocks = q4k_quantize(torch.randn(n, k, generator=g) * 0.1)
+    m = Q4KRowLinear(k, n, blocks, torch.randn(n, generator=g))
+    w = q4k_dequantize(blocks)[:, :k]
+    x = torch.randn(9, k, generator=g) * torch.logspace(-2, 1, 9)[:, None]
+    y = m(x)
+    assert torch.equal(y, torch.cat([m(x[i:i + 1]) for i in range(9)]))
+    amax = x.abs().amax(1, keepdim=True)
+    expected = (torch.round(x * (127.0 / amax)).double() @ w.double().t()) * (amax.double() / 127) + m.bias.double()
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@needs_native
+def test_q4k_rows_puts_every_linear_on_blocks_the_ggufs_own_where_it_has_them(gguf_dir, model_dirs):
+    from specdec.kernels import Q4KRowLinear, Q6KRowLinear
+    from specdec_tools.testing.tiny_models import GGUF_Q6K
+
+    loaded = load_model(str(gguf_dir), quantization="q4k-rows", role="draft")
+    assert loaded.quantization == "q4k-rows"
+    model = loaded.model
+    int4 = _int4_target(gguf_dir).loaded.model
+    kinds = {name: type(mod).__name__ for name, mod in model.named_modules()
+             if isinstance(mod, (Q4KRowLinear, Q6KRowLinear, Int8RowLinear, torch.nn.Linear))}
+    assert kinds.pop("lm_head") == "Q4KRowLinear"  # not in the GGUF: quantized here
+    assert kinds.pop("model.layers.1.mlp.up_proj") == "Q4KRowLinear"  # the GGUF's blocks are not the store's
+    assert all(kinds.pop(name) == "Q6KRowLinear" for name in GGUF_Q6K)
+    assert len(kinds) == 11 and set(kinds.values()) == {"Q4KRowLinear"}
+    for name in ("model.layers.0.mlp.gate_proj", *GGUF_Q6K):  # the GGUF's blocks, as int4-rows takes them
+        assert torch.equal(model.get_submodule(name)._qs, int4.get_submodule(name)._qs), name
+    plain = load_model(str(model_dirs["draft"]), quantization="q4k-rows", role="draft")  # no GGUF behind it
+    assert plain.quantization == "q4k-rows"
+    assert all(isinstance(m, Q4KRowLinear) for m in plain.model.modules()
+               if isinstance(m, (torch.nn.Linear, Int8RowLinear, Q4KRowLinear)))
 
 
 @pytest.fixture(scope="module")

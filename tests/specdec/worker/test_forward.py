@@ -181,16 +181,18 @@ def test_rows_over_long_contexts_verify_as_single_steps():
 native = pytest.mark.skipif(not native_available(), reason="the native kernels do not build here")
 
 
-def _native_model(kind: str):
+def _native_model(kind: str, quantization: str = "int8-rows"):
     from specdec.modeling import quantize
 
-    return quantize(_model(kind, torch.float32), "int8-rows")  # every projection on the native row kernel
+    return quantize(_model(kind, torch.float32), quantization)  # every projection on a native row kernel
 
 
 @native
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind,quantization", [("qwen2", "int8-rows"), ("llama", "int8-rows"),
+                                               ("qwen2", "q4k-rows")])
 @torch.inference_mode()
-def test_the_native_pass_computes_the_lean_one_through_rollbacks_forks_and_moving_buffers(kind, monkeypatch):
+def test_the_native_pass_computes_the_lean_one_through_rollbacks_forks_and_moving_buffers(kind, quantization,
+                                                                                         monkeypatch):
     """Two sessions through prefills (40 and 3 tokens), decoding work of 1 and 5 rows, rollbacks
     that the next pass writes over, a fork, and cache buffers that fill and move: every pass's
     logits and the cached keys and values within float32 rounding of lean_forward's on the same model
@@ -200,7 +202,7 @@ def test_the_native_pass_computes_the_lean_one_through_rollbacks_forks_and_movin
     from specdec.worker.forward import NativeForward, native_forward_fits
 
     monkeypatch.setattr(batching, "GROW_MIN", 16)
-    model = _native_model(kind)
+    model = _native_model(kind, quantization)  # q4k-rows: Q4_K blocks for 256 columns, 64 of them real
     assert native_forward_fits(model) and isinstance(model_forward(model), NativeForward)
     forward = NativeForward(model)
 
