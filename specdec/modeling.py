@@ -52,7 +52,8 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
     width that is no multiple of 256 padded). A second rounding, so for drafts: the default
     draft's step reads ~240 MB instead of ~390 (int8-rows), a 1-row step 14.8 -> 11.5 ms and a 2-row
     one 13.9 -> 11.0, its 43-row prefill 95 -> 118 ms (compute-bound sooner), and the same drafts
-    accepted on the bench prompts (131 of 199 at gamma 4 both ways; docs/benchmarks/q4k-draft/).
+    accepted on the bench prompts (135/207 at gamma 4 with int8-rows, 138/199 with q4k-rows;
+    docs/benchmarks/q4k-draft/).
 
     int4-rows reads ~0.99 GB a pass of the default target (1.07 with its Q6_K tensors as int8-rows)
     against int8-rows' 1.5 GB, rows as
