@@ -140,14 +140,14 @@ def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
                         source, moved)
             return {}
         source = moved
-    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map
+    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
 
     arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == model.config.model_type), None)
     if arch is None:
         log.warning("int4-rows: gguf-py does not know %s's tensor names; every Linear runs int8-rows",
                     model.config.model_type)
         return {}
-    tensors = {t.name: t for t in GGUFReader(source).tensors}
+    tensors = gguf_tensors(source)
     names = get_tensor_name_map(arch, model.config.num_hidden_layers)
     blocks, linears, q6k = {}, 0, 0
     for name, module in model.named_modules():
@@ -156,23 +156,140 @@ def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         linears += 1
         tensor = tensors.get(names.get_name(f"{name}.weight", try_suffixes=(".weight",)) or "")
         dequantize = {GGMLQuantizationType.Q4_K: q4k_dequantize, GGMLQuantizationType.Q6_K: q6k_dequantize}.get(
-            None if tensor is None else tensor.tensor_type)
+            None if tensor is None else tensor[0])
         if dequantize is None or dequantize is q6k_dequantize and os.environ.get("SPECDEC_Q6K", "1") == "0":
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a read-only memory map: read, never written
-            rows = torch.from_numpy(tensor.data)
+            rows = torch.from_numpy(tensor[1])
         weight = module.weight.detach()
         sample = torch.linspace(0, weight.shape[0] - 1, 16).long()
         if rows.shape[0] != weight.shape[0] or not torch.equal(dequantize(rows[sample]).to(weight.dtype),
                                                                weight[sample]):
             log.warning("int4-rows: %s's %s blocks are not the weights the store holds; it runs int8-rows", name,
-                        tensor.tensor_type.name)
+                        tensor[0].name)
             continue
         blocks[name] = rows
         q6k += dequantize is q6k_dequantize
     log.info("int4-rows: %d of %d Linears from the GGUF's own blocks (%d Q4_K, %d Q6_K), the rest int8-rows",
              len(blocks), linears, len(blocks) - q6k, q6k)
+    return blocks
+
+
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_tensors(path: Path) -> dict:
+    """A GGUF file's tensors by name: (GGMLQuantizationType, its data as a read-only uint8 memory
+    map of [rows, bytes a row] for a block format, as gguf-py's GGUFReader gives it). Only the
+    header is walked, its metadata skipped, not parsed: GGUFReader builds every field (the
+    tokenizer's 151k tokens and merges) and took ~6 s of each default model's load on 2 cores."""
+    import struct
+
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    view = memoryview(data)
+    if bytes(view[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    at = 8
+    count, kvs = struct.unpack_from("<QQ", view, at)
+    at += 16
+    alignment = 32
+
+    def string(at: int) -> tuple[str, int]:
+        n = struct.unpack_from("<Q", view, at)[0]
+        return bytes(view[at + 8:at + 8 + n]).decode("utf-8"), at + 8 + n
+
+    def skip(kind: int, at: int) -> int:  # past one value of the type
+        if kind == _GGUF_STRING:
+            return at + 8 + struct.unpack_from("<Q", view, at)[0]
+        if kind == _GGUF_ARRAY:
+            item, n = struct.unpack_from("<IQ", view, at)
+            at += 12
+            if item in _GGUF_SCALARS:
+                return at + n * _GGUF_SCALARS[item]
+            for _ in range(n):
+                at = skip(item, at)
+            return at
+        return at + _GGUF_SCALARS[kind]
+
+    for _ in range(kvs):
+        key, at = string(at)
+        kind = struct.unpack_from("<I", view, at)[0]
+        if key == "general.alignment" and kind == 4:
+            alignment = struct.unpack_from("<I", view, at + 4)[0]
+        at = skip(kind, at + 4)
+    infos = []
+    for _ in range(count):
+        name, at = string(at)
+        dims = struct.unpack_from("<I", view, at)[0]
+        shape = struct.unpack_from(f"<{dims}Q", view, at + 4)
+        kind, offset = struct.unpack_from("<IQ", view, at + 4 + 8 * dims)
+        at += 4 + 8 * dims + 12
+        infos.append((name, shape, GGMLQuantizationType(kind), offset))
+    start = -(-at // alignment) * alignment
+    tensors = {}
+    for name, shape, kind, offset in infos:
+        block, size = GGML_QUANT_SIZES[kind]
+        row = shape[0] // block * size  # GGUF's first dimension is a row's
+        rows = int(np.prod(shape[1:], dtype=np.int64))
+        tensors[name] = (kind, data[start + offset:start + offset + rows * row].reshape(rows, row))
+    return tensors
+
+
+Q4K_CACHE_VERSION = 1  # bump whenever kernels.q4k_quantize would write other blocks
+
+
+def requantized_blocks(path: Path, model: torch.nn.Module, have: dict) -> dict[str, torch.Tensor]:
+    """q4k-rows: Q4_K blocks (kernels.q4k_quantize) for every CPU Linear of the model that `have`
+    (its GGUF's own blocks, gguf_blocks) does not hold. Requantizing the default draft takes ~14 s
+    on 2 cores, so for a model the store converted (under the cache root) the blocks are kept under
+    <cache root>/q4k/, one file per model, named by what they were made from: its directory, its
+    safetensors files' names, sizes and times, the Linears' names and shapes (a restricted head has
+    its own), Q4K_CACHE_VERSION. A later load of the same model reads them back. Any other model
+    directory, or a cache that cannot be written, just computes them (logged)."""
+    import json
+
+    from specdec.kernels import q4k_quantize
+    from specdec.model_store import cache_root
+
+    todo = [(name, m) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and name not in have]
+    if not todo:
+        return {}
+    root = cache_root().resolve()
+    stored = Path(path).resolve().is_relative_to(root)
+    files = sorted(Path(path).glob("*.safetensors")) if stored else []
+    key = hashlib.sha256(json.dumps({
+        "version": Q4K_CACHE_VERSION, "store": str(Path(path).resolve()),
+        "files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+        "linears": [(name, list(m.weight.shape)) for name, m in todo]}).encode()).hexdigest()[:32]
+    cached = root / "q4k" / f"{key}.safetensors"
+    if files and cached.is_file():
+        from safetensors.torch import load_file
+
+        try:
+            blocks = load_file(cached)
+            if set(blocks) == {name for name, _ in todo}:
+                log.info("q4k-rows: %d Linears' Q4_K blocks read from %s", len(blocks), cached)
+                return blocks
+        except Exception as exc:  # noqa: BLE001 - a damaged file: computed again and replaced
+            log.warning("q4k-rows: cannot read %s (%s); requantizing", cached, exc)
+    blocks = {name: q4k_quantize(m.weight.detach()) for name, m in todo}
+    if files:
+        from safetensors.torch import save_file
+
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            partial = cached.with_suffix(f".{os.getpid()}.tmp")
+            save_file(blocks, str(partial))
+            os.replace(partial, cached)  # whole or not at all, whoever else writes it
+            log.info("q4k-rows: %d Linears requantized to Q4_K, kept in %s", len(blocks), cached)
+        except OSError as exc:
+            log.info("q4k-rows: %d Linears requantized to Q4_K (not kept: %s)", len(blocks), exc)
     return blocks
 
 
@@ -279,6 +396,8 @@ def load_model(
     if head_rows:
         restrict_output_head(model, head_rows)
     blocks = gguf_blocks(path, model) if quantization in ("int4-rows", "q4k-rows") else None
+    if quantization == "q4k-rows":
+        blocks.update(requantized_blocks(path, model, blocks))
     if quantization == "int4-rows" and not blocks:
         quantization = "int8-rows"  # what int4-rows is without GGUF blocks: say so (ModelInfo, logs)
     quantize(model, quantization, blocks)

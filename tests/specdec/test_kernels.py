@@ -7,6 +7,8 @@ give, or speculative greedy output can differ from the target's own step-by-step
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -438,6 +440,26 @@ def gguf_dir(tmp_path_factory):
                                 mismatch=("model.layers.1.mlp.up_proj",))
 
 
+def test_the_gguf_index_reads_what_gguf_py_reads(gguf_dir):
+    """modeling.gguf_tensors walks only the header: the same tensors, types and bytes as gguf-py's
+    GGUFReader (which parses every metadata field), block rows shaped as GGUFReader shapes them."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from specdec.modeling import gguf_tensors
+
+    path = next(gguf_dir.glob("*.gguf"))
+    ours = gguf_tensors(path)
+    theirs = {t.name: t for t in GGUFReader(path).tensors}
+    assert set(ours) == set(theirs) and len(ours) > 10
+    for name, t in theirs.items():
+        kind, rows = ours[name]
+        assert kind == t.tensor_type, name
+        assert np.array_equal(rows.reshape(-1), np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)), name
+        if t.tensor_type.name in ("Q4_K", "Q6_K"):
+            assert rows.shape == t.data.shape, name
+
+
 @needs_native
 def test_int4_rows_takes_the_gguf_blocks_that_match_the_store_and_int8_rows_elsewhere(gguf_dir, monkeypatch):
     from specdec.kernels import Q4KRowLinear, Q6KRowLinear
@@ -594,3 +616,34 @@ def test_a_native_module_follows_its_tensors_when_torch_moves_them():
         tensors = [t for t in (*module.buffers(), module.bias) if t is not None]
         assert module._ptrs != before and set(module._ptrs) - {None} <= {t.data_ptr() for t in tensors}
         assert torch.equal(module(x), want)
+
+
+@needs_native
+def test_q4k_rows_keeps_its_requantized_blocks_and_reads_them_back(gguf_dir, tmp_path, monkeypatch):
+    """For a model of the store (under the cache root) the blocks q4k-rows computes are kept there
+    and read back by the next load (no requantization: the same blocks); a store whose files
+    changed computes them again; a model directory elsewhere keeps nothing."""
+    import shutil
+
+    from specdec import kernels
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    load_model(str(gguf_dir), quantization="q4k-rows")  # not the store's: nothing kept
+    assert not (tmp_path / "cache" / "q4k").exists()
+    stored = tmp_path / "cache" / "converted" / "tiny"
+    shutil.copytree(gguf_dir, stored)
+    gguf_dir = stored
+    first = load_model(str(gguf_dir), quantization="q4k-rows").model
+    kept = list((tmp_path / "cache" / "q4k").glob("*.safetensors"))
+    assert len(kept) == 1
+    calls = []
+    real = kernels.q4k_quantize
+    monkeypatch.setattr(kernels, "q4k_quantize", lambda w, *a, **k: calls.append(1) or real(w, *a, **k))
+    again = load_model(str(gguf_dir), quantization="q4k-rows").model
+    assert not calls
+    for name in ("lm_head", "model.layers.1.mlp.up_proj"):  # requantized (no GGUF blocks for them)
+        assert torch.equal(again.get_submodule(name)._qs, first.get_submodule(name)._qs)
+    shard = next(gguf_dir.glob("*.safetensors"))
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # the store changed
+    load_model(str(gguf_dir), quantization="q4k-rows")
+    assert calls and len(list((tmp_path / "cache" / "q4k").glob("*.safetensors"))) == 2
