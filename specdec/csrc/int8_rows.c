@@ -316,8 +316,9 @@ static inline float half_at(const uint8_t *p) {
  * their sum is the same integer P_bi) so that a row's dot products do not wait on each other. */
 #define QTILE 8
 #define Q4K_TILE(NAME, ATTR, RMAX, ROWS, DOT4)                                                             \
-    ATTR static void NAME(const int8_t *q, const int16_t *qsum, int64_t K, const uint8_t *qs,               \
+    ATTR static void NAME(const int8_t *q, const void *sums, int64_t K, const uint8_t *qs,                  \
                           const uint8_t *meta, int64_t nb, int64_t nc, float *out) {                       \
+        const int16_t *qsum = (const int16_t *)sums;                                                       \
         const __m256i low = _mm256_set1_epi8(0x0F);                                                        \
         __m256 f[QTILE][RMAX];                                                                             \
         for (int c = 0; c < QTILE; c++)                                                                    \
@@ -370,11 +371,8 @@ typedef void (*blocks_tile_fn)(const int8_t *, const void *, int64_t, const uint
     TILE(NAME##_3, ATTR, 3, ROW3, DOT4) TILE(NAME##_4, ATTR, 4, ROW4, DOT4)
 #define KERNELS8(TILE, NAME, ATTR, DOT4) KERNELS4(TILE, NAME, ATTR, DOT4) TILE(NAME##_5, ATTR, 5, ROW5, DOT4) \
     TILE(NAME##_6, ATTR, 6, ROW6, DOT4) TILE(NAME##_7, ATTR, 7, ROW7, DOT4) TILE(NAME##_8, ATTR, 8, ROW8, DOT4)
-#define TABLE4(NAME) {NULL, (blocks_tile_fn)NAME##_1, (blocks_tile_fn)NAME##_2, (blocks_tile_fn)NAME##_3, \
-    (blocks_tile_fn)NAME##_4}
-#define TABLE8(NAME) {NULL, (blocks_tile_fn)NAME##_1, (blocks_tile_fn)NAME##_2, (blocks_tile_fn)NAME##_3, \
-    (blocks_tile_fn)NAME##_4, (blocks_tile_fn)NAME##_5, (blocks_tile_fn)NAME##_6, (blocks_tile_fn)NAME##_7, \
-    (blocks_tile_fn)NAME##_8}
+#define TABLE4(NAME) {NULL, NAME##_1, NAME##_2, NAME##_3, NAME##_4}
+#define TABLE8(NAME) {NULL, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8}
 KERNELS4(Q4K_TILE, q4k_tile_avx2, , DOT4_AVX2)
 KERNELS8(Q4K_TILE, q4k_tile_vnni, VNNI, DOT4_VNNI)
 static const blocks_tile_fn q4k_avx2[5] = TABLE4(q4k_tile_avx2), q4k_vnni[9] = TABLE8(q4k_tile_vnni);
@@ -412,8 +410,9 @@ static void q4k_steps(const int8_t *q, int64_t K, int8_t *out) {
 
 #define Q6META 20
 #define Q6K_TILE(NAME, ATTR, RMAX, ROWS, DOT4)                                                             \
-    ATTR static void NAME(const int8_t *q, const int32_t *xsum, int64_t K, const uint8_t *qs,               \
+    ATTR static void NAME(const int8_t *q, const void *sums, int64_t K, const uint8_t *qs,                  \
                           const uint8_t *meta, int64_t nb, int64_t nc, float *out) {                       \
+        const int32_t *xsum = (const int32_t *)sums;                                                       \
         const __m256i low = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);                           \
         const int64_t G = K / 16;                                                                          \
         __m256 f[QTILE][RMAX];                                                                             \
@@ -521,7 +520,7 @@ static int blocks_rows_linear(int q6, const float *x, int64_t M, int64_t Kx, int
             float out[QTILE * 8];
             const blocks_tile_fn tile = (q6 ? (vnni ? q6k_vnni : q6k_avx2) : (vnni ? q4k_vnni : q4k_avx2))[R];
             tile(xq + m * K, q6 ? (const void *)((const int32_t *)sums + m * G) : (const void *)((const int16_t *)sums + m * G),
-                 K, wq, wm, nb, nc, out);
+                 K, wq, wm, nb, nc, out); /* each row's sums per sub-block: Q6_K's int32, Q4_K's int16 */
             for (int64_t c = 0; c < nc; c++)
                 for (int64_t r = 0; r < R; r++) {
                     float v = out[c * R + r] * s[m + r];
