@@ -154,30 +154,25 @@ def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if not isinstance(module, torch.nn.Linear):
             continue
         linears += 1
-        tensor = tensors.get(names.get_name(f"{name}.weight", try_suffixes=(".weight",)) or "")
-        dequantize = {GGMLQuantizationType.Q4_K: q4k_dequantize, GGMLQuantizationType.Q6_K: q6k_dequantize}.get(
-            None if tensor is None else tensor[0])
+        kind, data = tensors.get(names.get_name(f"{name}.weight", try_suffixes=(".weight",)) or "", (None, None))
+        dequantize = {GGMLQuantizationType.Q4_K: q4k_dequantize, GGMLQuantizationType.Q6_K: q6k_dequantize}.get(kind)
         if dequantize is None or dequantize is q6k_dequantize and os.environ.get("SPECDEC_Q6K", "1") == "0":
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a read-only memory map: read, never written
-            rows = torch.from_numpy(tensor[1])
+            rows = torch.from_numpy(data)
         weight = module.weight.detach()
         sample = torch.linspace(0, weight.shape[0] - 1, 16).long()
         if rows.shape[0] != weight.shape[0] or not torch.equal(dequantize(rows[sample]).to(weight.dtype),
                                                                weight[sample]):
             log.warning("int4-rows: %s's %s blocks are not the weights the store holds; it runs int8-rows", name,
-                        tensor[0].name)
+                        kind.name)
             continue
         blocks[name] = rows
         q6k += dequantize is q6k_dequantize
     log.info("int4-rows: %d of %d Linears from the GGUF's own blocks (%d Q4_K, %d Q6_K), the rest int8-rows",
              len(blocks), linears, len(blocks) - q6k, q6k)
     return blocks
-
-
-_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
 def gguf_tensors(path: Path) -> dict:
@@ -188,8 +183,9 @@ def gguf_tensors(path: Path) -> dict:
     import struct
 
     import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
+    scalar_bytes = {kind: np.dtype(t).itemsize for kind, t in GGUFReader.gguf_scalar_to_np.items()}
     data = np.memmap(path, dtype=np.uint8, mode="r")
     view = memoryview(data)
     if bytes(view[:4]) != b"GGUF":
@@ -204,22 +200,22 @@ def gguf_tensors(path: Path) -> dict:
         return bytes(view[at + 8:at + 8 + n]).decode("utf-8"), at + 8 + n
 
     def skip(kind: int, at: int) -> int:  # past one value of the type
-        if kind == _GGUF_STRING:
+        if kind == GGUFValueType.STRING:
             return at + 8 + struct.unpack_from("<Q", view, at)[0]
-        if kind == _GGUF_ARRAY:
+        if kind == GGUFValueType.ARRAY:
             item, n = struct.unpack_from("<IQ", view, at)
             at += 12
-            if item in _GGUF_SCALARS:
-                return at + n * _GGUF_SCALARS[item]
+            if item in scalar_bytes:
+                return at + n * scalar_bytes[item]
             for _ in range(n):
                 at = skip(item, at)
             return at
-        return at + _GGUF_SCALARS[kind]
+        return at + scalar_bytes[kind]
 
     for _ in range(kvs):
         key, at = string(at)
         kind = struct.unpack_from("<I", view, at)[0]
-        if key == "general.alignment" and kind == 4:
+        if key == "general.alignment" and kind == GGUFValueType.UINT32:
             alignment = struct.unpack_from("<I", view, at + 4)[0]
         at = skip(kind, at + 4)
     infos = []
