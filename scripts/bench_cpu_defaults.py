@@ -4,7 +4,8 @@ int8-rows on fbgemm vs the native AVX2 kernel (specdec/csrc/int8_rows.c), the dr
 native kernel's AVX-512 VNNI path, and the GGUF's own 4-bit blocks (int4-rows, the default), with
 its weights on 4 KiB pages or huge pages and transformers' forward or the lean one, and the lean
 forward's decoder layers in torch ops or in C (specdec/csrc/decoder.c: the default), and the GGUF's
-Q6_K tensors requantized to int8-rows or read as their own blocks (the default).
+Q6_K tensors requantized to int8-rows or read as their own blocks (the default), and the draft on
+int8-rows or on Q4_K blocks (q4k-rows, the default).
 
 Each setup starts the three services as `make run` does (specdec_tools.stack.ProcessStack, the
 default pair, draft vocabulary 32k), then times 4 of `specdec bench`'s prompts, greedy, 48 new
@@ -50,9 +51,9 @@ SETUPS = {  # name: (--quantize, environment, more draft flags)
     # the GGUF's Q6_K tensors (the head, half the attention values and MLP outputs) requantized to
     # int8-rows instead of read as their own blocks (the ablation of Q6KRowLinear)
     "int4-rows target, Q6_K tensors as int8-rows": ("auto", {**SPIN, "SPECDEC_Q6K": "0"}, ()),
+    # the draft on int8-rows instead of Q4_K blocks (the ablation of q4k-rows, the draft's default)
+    "int4-rows target, int8-rows draft": ("auto", SPIN, ("--quantize", "int8-rows")),
     "int4-rows target (the default)": ("auto", SPIN, ()),
-    # the draft's every Linear on Q4_K blocks (q4k-rows: its GGUF's Q4_K/Q6_K, the rest requantized)
-    "int4-rows target, q4k-rows draft": ("auto", SPIN, ("--quantize", "q4k-rows")),
 }
 
 
