@@ -39,17 +39,10 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          "beyond it DEADLINE_EXCEEDED (0: none)", field="request_timeout_s"),
     Flag("--max-per-client", int, 0, "requests one client (its bearer token, else its IP address) may have running "
          "and waiting together; beyond them RESOURCE_EXHAUSTED (0: no limit)"),
-    Flag("--gamma-policy", default="goodput", choices=["goodput", "goodput-solo", "fixed"],
-         help="goodput: each round drafts the gamma (up to the request's) that maximizes measured goodput, "
-              "fewer as the target's batch grows (with the step loop: all drafting requests share the draft "
-              "and target passes); goodput-solo: as if each drafting request's passes were its own; "
+    Flag("--gamma-policy", default="goodput", choices=["goodput", "fixed"],
+         help="goodput: each step drafts the gamma (up to each request's) that maximizes measured goodput, "
+              "fewer as the target's batch grows (all drafting requests share the draft and target passes); "
               "fixed: always the request's gamma"),
-    Flag("--step-loop", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
-         help="on: one step loop per target runs the rounds of all its requests together (drafts and verifies "
-              "batched across requests); off: each request runs its own rounds"),
-    Flag("--batched-wire", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
-         help="with the step loop: one ProposeBatch and one VerifyBatch RPC per step and worker (on), or each "
-              "request's own Propose and Verify sent together (off)"),
     Flag("--seeded-sampling", default="coupled", choices=["coupled", "rejection"],
          help="how a sampled request with a seed and no sampling_mode draws its tokens: coupled (Gumbel-max noise "
               "keyed by the seed and the position: the same output for any gamma, batch, draft or failover) or "
@@ -62,16 +55,6 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--draft-ahead", int, 0, "tokens a model draft keeps drafting past each round's drafts while the target "
          "verifies; the next round takes them when the round kept every draft. Pays only where the draft has "
          "cores (or a GPU) of its own (0: off)"),
-    Flag("--draft-grammar", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
-         help="structured output: the draft masks its proposals by the request's grammar (off: for ablations; "
-              "the output is the same)"),
-    Flag("--draft-forced-tokens", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
-         help="structured output: the draft proposes the tokens a grammar forces without a forward pass (off: for "
-              "ablations; the output is the same)"),
-    Flag("--synthetic-acceptance", float, 0.0,
-         "BENCHMARKS ONLY, breaks exactness: greedy rounds keep each draft with this probability whatever the "
-         "target says (then the target's token), so random-weight models run rounds shaped like a real pair's "
-         "(as llama.cpp's --spec-synth-len); 0: off, the exact verification"),
     Flag("--worker-timeout", float, 120.0, "deadline of each call to a worker (prefill, verify, ...)",
          field="worker_timeout_s"),
     Flag("--draft-timeout", float, 10.0,
@@ -104,6 +87,18 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--admin-token-file",
          help="file of admin bearer tokens: AddWorkers, and the workers' addresses in ListWorkers, need one "
               "(they also pass where client tokens are asked for). Without it AddWorkers is off"),
+    # experimental: benchmarks and ablations only (--help-experimental)
+    Flag("--draft-grammar", default="on", choices=["on", "off"], to_config=lambda v: v == "on", experimental=True,
+         help="structured output: the draft masks its proposals by the request's grammar (off: the ablation; "
+              "the output is the same)"),
+    Flag("--draft-forced-tokens", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
+         experimental=True,
+         help="structured output: the draft proposes the tokens a grammar forces without a forward pass (off: the "
+              "ablation; the output is the same)"),
+    Flag("--synthetic-acceptance", float, 0.0, experimental=True,
+         help="breaks exactness: greedy rounds keep each draft with this probability whatever the target says "
+              "(then the target's token), so random-weight models run rounds shaped like a real pair's (as "
+              "llama.cpp's --spec-synth-len); 0: off, the exact verification"),
 ])
 
 
@@ -124,9 +119,7 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
     max_per_client: int = FLAGS.default("max_per_client")
     request_timeout_s: float = FLAGS.default("request_timeout_s")
     gamma_policy: str = FLAGS.default("gamma_policy")
-    step_loop: bool = FLAGS.default("step_loop")
     seeded_sampling: str = FLAGS.default("seeded_sampling")
-    batched_wire: bool = FLAGS.default("batched_wire")
     draft_p_min: float = FLAGS.default("draft_p_min")
     draft_min: int = FLAGS.default("draft_min")
     draft_lookup: int = FLAGS.default("draft_lookup")

@@ -3,7 +3,8 @@
 A request is encoded and validated, placed and prefilled, then driven round by round until EOS,
 a stop string or max_new_tokens, then closed. Where a request goes next, one round at a time
 (draft, verify, accept, commit, emit; rollback without an extra call; gamma 0 as the baseline),
-is orchestrator/rounds.py.
+is orchestrator/rounds.py; every request runs them in its target's step loop, together with the
+other requests there (orchestrator/steps.py).
 
 Each request takes one target and one draft from their pools (orchestrator/pool.py: least
 loaded) and keeps them to the end, since its KV caches live there (orchestrator/placement.py
@@ -37,7 +38,7 @@ from orchestrator.gamma import GammaPolicy
 from orchestrator.metrics import DecodingMetrics
 from orchestrator.placement import Placement
 from orchestrator.pool import WorkerPool, pair_pools
-from orchestrator.rounds import RequestState, run_round
+from orchestrator.rounds import RequestState
 from orchestrator.steps import StepLoops
 from orchestrator import tools
 from orchestrator.workers import DraftWorker, TargetWorker
@@ -72,8 +73,8 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetWorker | WorkerPool, draft: DraftWorker | WorkerPool | None = None,
                  tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
                  limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None,
-                 draft_options: DraftOptions = DraftOptions(), step_loop: bool = True, batched_wire: bool = True,
-                 seeded_sampling: str = "coupled", grammar_limits=None, synthetic_acceptance: float = 0.0):
+                 draft_options: DraftOptions = DraftOptions(), seeded_sampling: str = "coupled",
+                 grammar_limits=None, synthetic_acceptance: float = 0.0):
         self.limits = limits
         # benchmarks only (--synthetic-acceptance): greedy rounds keep drafts by a coin, not by the target
         self.synthetic_acceptance = synthetic_acceptance
@@ -107,9 +108,8 @@ class SpeculativeDecoder:
         # --gamma-policy's (goodput by default)
         self.gamma_policy = gamma_policy or GammaPolicy(adaptive=False)
         self.draft_options = draft_options.validate()  # sent with every Propose (--draft-p-min, --draft-lookup)
-        # one step loop per target runs the rounds of all its requests together (orchestrator/steps.py);
-        # None: each request runs its own rounds (--step-loop off)
-        self.steps = StepLoops(self.gamma_policy, self.tracer, self.metrics, batched_wire) if step_loop else None
+        # one step loop per target runs the rounds of all its requests together (orchestrator/steps.py)
+        self.steps = StepLoops(self.gamma_policy, self.tracer, self.metrics)
         self.grammar_limits = grammar_limits  # specdec.grammar.GrammarLimits (the --grammar-* flags); None: defaults
         self._grammars = None
         self._grammars_lock = threading.Lock()
@@ -117,8 +117,7 @@ class SpeculativeDecoder:
 
     def close(self) -> None:
         """Stops the step loops (requests still in them fail UNAVAILABLE)."""
-        if self.steps is not None:
-            self.steps.close()
+        self.steps.close()
 
     # ---- request handling ----------------------------------------------------------------
 
@@ -386,9 +385,8 @@ class SpeculativeDecoder:
 
     def _rounds(self, placement: Placement, prompt, request, params, generator, stats,
                 ctx) -> Iterator[GenerationChunk]:
-        """Drives the request round by round: in its target's step loop with the other requests
-        there (orchestrator/steps.py), or on its own (orchestrator/rounds.py); records each round's
-        metrics."""
+        """Drives the request round by round in its target's step loop, with the other requests
+        there (orchestrator/steps.py, which records each round's metrics)."""
         state = RequestState(placement, params, generator, self.tracer,
                              frozenset() if request.ignore_eos else self.eos, request.gamma,
                              request.max_new_tokens, list(prompt), stats, TextAssembler(self.tokenizer, request.stop),
@@ -397,14 +395,7 @@ class SpeculativeDecoder:
                              top_logprobs=request.top_logprobs if request.logprobs else None,
                              stop_token_ids=frozenset(request.stop_token_ids),
                              synthetic_acceptance=self.synthetic_acceptance)
-        if self.steps is not None:
-            yield from self.steps.join(state, ctx)  # leaving it (done, failed, cancelled) waits for the step
-            return
-        while state.finish is None:
-            rnd = run_round(state, ctx)
-            self.metrics.record_round(rnd.gamma, rnd.num_accepted, rnd.draft_s, rnd.verify_s, rnd.sampling_s,
-                                      rnd.wire_bytes)
-            yield rnd.chunk
+        yield from self.steps.join(state, ctx)  # leaving it (done, failed, cancelled) waits for the step
 
 
 def choice_seed(seed: int, index: int) -> int:

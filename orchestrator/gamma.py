@@ -18,24 +18,18 @@ bound. Times as a request sees them are no good here: under load they are mostly
 other sessions' passes, which does not grow with a pass's own rows, so drafts looked free
 (measured: gamma ~2 chosen at 4 and 8 clients, 0.6x the throughput of gamma 0).
 
-Under the step loop (orchestrator/steps.py, the default) that is how the requests on a target
-run: each step drafts for all of them in the same draft passes and verifies all of them in one
-target pass, so `choose_step` evaluates the formula for the step as it will run
+That is how the requests on a target run in its step loop (orchestrator/steps.py): each step
+drafts for all of them in the same draft passes and verifies all of them in one target pass, so
+`choose_step` evaluates the formula for the step as it will run
 (`step_goodput`: each request's own cap and acceptance, the draft's pass line at the number of
 requests drafting, the time a draft phase takes beyond its passes, and the step's other time).
 On this CPU a pass of 40 rows costs ~6 one-row passes, so as B grows the drafts' extra rows weigh
 more and g* falls, down to 0: plain batched decoding. On hardware whose passes cost about the
 same for 1 and 40 rows (a GPU), g* stays high.
 
-Without the step loop (--step-loop off), or with --gamma-policy goodput-solo (the ablation),
-each round's gamma comes from `best_gamma`, which is more cautious for g > 0: each session's
-passes are taken to be its own, the cycle B * (g * D(1) + T(g + 1)). Sessions that run their own
-round loops fall out of step: while one drafts another verifies, and their passes no longer meet
-(measured, 4 clients at gamma ~1.7 with the in-step formula but no step loop: 0.67x the
-throughput of gamma 0). Plain decoding (g = 0) stays in step through the workers' lockstep
-window, so its B sessions share each pass: T(B). Either way drafting must promise MARGIN more
-goodput than gamma 0 to be chosen. Before the rows in passes have varied enough to tell the
-slope, a prior slope (PRIOR_SLOPE, the CPU's) stands in; it fades as the rows observed spread.
+Drafting must promise MARGIN more goodput than gamma 0 to be chosen. Before the rows in passes
+have varied enough to tell the slope, a prior slope (PRIOR_SLOPE, the CPU's) stands in; it fades
+as the rows observed spread.
 
 The choice depends only on the past (earlier rounds' timings and acceptance), never on the draws
 of the round it is made for, so every round's tokens still follow the target's distribution
@@ -142,26 +136,6 @@ class Acceptance:
         return total
 
 
-def best_gamma(gamma_max: int, sessions: int, target: LinearCost, draft: LinearCost,
-               acceptance: Acceptance) -> int:
-    """g* = argmax over 0..gamma_max of the goodput of the B sessions on the target: B / T(B) at
-    g = 0 (their passes shared), E(g) / (g * D(1) + T(g + 1)) at g > 0 (each session's passes its
-    own, see the module's docstring); drafting must beat g = 0 by MARGIN, and E takes acceptance
-    with OPTIMISM."""
-    if gamma_max <= 0 or not target.known:
-        return max(gamma_max, 0)  # nothing measured yet: the request's gamma
-    b = max(sessions, 1)
-    alpha, beta = target.fit()  # once per choice: every candidate below reads the same line
-    step = draft(1) if draft.known else 0.0
-
-    def per_session(g: int) -> float:  # g > 0: E(g) over the session's own g draft passes and verify
-        return acceptance.expected_tokens(g, OPTIMISM) / (g * step + max(alpha + beta * (g + 1), 1e-6))
-
-    best = max(range(1, gamma_max + 1), key=per_session)
-    shared = b / max(alpha + beta * b, 1e-6)  # g = 0: the B sessions share each target pass
-    return best if per_session(best) > (1 + MARGIN) * shared else 0
-
-
 @dataclass(frozen=True)
 class StepRequest:
     """What the step policy knows of one request on the target: its cap, its draft, its lag."""
@@ -169,7 +143,7 @@ class StepRequest:
     cap: int  # the most drafts its round may make (its gamma, fewer near the end, 0 without a draft)
     draft: str | None  # its draft worker's address
     lag: int = 1  # tokens its draft session must take in before drafting (the whole context when opened lazily):
-    # only probes look at it; as for `choose`, a one-off catch-up is not charged to the step that pays it
+    # only probes look at it (a probe never goes to a request that would first prefill its whole context)
 
 
 @dataclass
@@ -242,44 +216,17 @@ class Average:
 class GammaPolicy:
     """Costs per worker address and acceptance per target/draft pair; thread-safe."""
 
-    def __init__(self, adaptive: bool = True, in_step: bool = True):
-        self.adaptive = adaptive
-        # the step loop's formula (drafting requests share passes); False: each request's gamma
-        # as `choose` picks it, drafting requests taken not to share passes (the ablation)
-        self.in_step = in_step
+    def __init__(self, adaptive: bool = True):
+        self.adaptive = adaptive  # False: the fixed policy, each request's own gamma
         self._lock = threading.Lock()
         self._costs: dict[str, LinearCost] = {}
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
-        self._rounds_without: dict[tuple[str, str], int] = {}  # rounds since a draft was last asked for
-        self._draft_extra: dict[str, Average] = {}  # step loop: draft address -> its phase beyond its passes
-        self._overhead: dict[str, Average] = {}  # step loop: target address -> a step's other time
-        self._steps_without: dict[str, int] = {}  # step loop: steps since a request on the target drafted
+        self._draft_extra: dict[str, Average] = {}  # draft address -> its phase beyond its passes
+        self._overhead: dict[str, Average] = {}  # target address -> a step's other time
+        self._steps_without: dict[str, int] = {}  # steps since a request on the target drafted
 
     def _cost(self, address: str) -> LinearCost:
         return self._costs.setdefault(address, LinearCost())
-
-    def choose(self, gamma_max: int, target: str, draft: str, sessions: int, lag: int = 1) -> int:
-        """The round's gamma, from this target's load and the pair's measurements only (not from
-        the request's own state, but for probes), so the sessions on a target draft alike. lag: tokens the draft's session must take in before drafting (1 after a round
-        that drafted, the whole context for a lazily opened one): only probes look at it."""
-        if not self.adaptive:
-            return gamma_max
-        pair = (target, draft)
-        with self._lock:
-            gamma = best_gamma(gamma_max, sessions, self._cost(target), self._cost(draft),
-                               self._acceptance.setdefault(pair, Acceptance()))
-            idle = self._rounds_without.get(pair, 0) + 1 if gamma == 0 else 0
-            # acceptance cannot be learnt without drafts; a probe goes to a request whose draft
-            # is nearly in step, never to one that would first prefill its whole context
-            if idle >= PROBE_EVERY and gamma_max > 0 and lag <= PROBE_MAX_LAG:
-                gamma, idle = 1, 0
-            self._rounds_without[pair] = idle
-            if log.isEnabledFor(logging.DEBUG):
-                fits = [c.fit() if c.known else None for c in (self._cost(target), self._cost(draft))]
-                log.debug("gamma %d of %d: %d sessions, lag %d, target (alpha, beta) %s, draft %s, E(1..4) %s",
-                          gamma, gamma_max, sessions, lag, *fits,
-                          [round(self._acceptance[pair].expected_tokens(g), 2) for g in range(1, 5)])
-            return gamma
 
     def choose_step(self, target: str, requests: list[StepRequest]) -> list[int]:
         """Each request's gamma for one step of the step loop on `target` (orchestrator/steps.py),
@@ -290,8 +237,6 @@ class GammaPolicy:
         caps = [r.cap for r in requests]
         if not self.adaptive:
             return caps
-        if not self.in_step:
-            return [self.choose(r.cap, target, r.draft, len(requests), r.lag) if r.cap > 0 else 0 for r in requests]
         with self._lock:
             drafts = {r.draft for r in requests if r.draft is not None}
             costs = StepCosts(self._cost(target), {d: self._cost(d) for d in drafts},

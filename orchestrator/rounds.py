@@ -1,9 +1,11 @@
 """One speculative round of a request: num_accepted + 1 tokens for one target forward pass.
 
-A round, in named steps on a Round (gpt-fast's `speculative_decode`, spread over two workers):
+A round, in named steps on a Round (gpt-fast's `speculative_decode`, spread over two workers).
+The step loop (orchestrator/steps.py) runs these steps for all the requests on a target at once,
+the draft and verify steps as one batched call per worker; the per-request steps live here:
 
-  draft   the draft proposes x_0..x_{gamma-1}, each x_i ~ q_i, in one streamed call
-  verify  the target scores the unsynced tokens and the drafts in one pass: p_0..p_gamma
+  draft   the draft proposes x_0..x_{gamma-1}, each x_i ~ q_i (draft_call, take_proposals)
+  verify  the target scores the unsynced tokens and the drafts in one pass: p_0..p_gamma (verify_call)
   accept  keep x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw the
           recovered token from norm(max(0, p_i - q_i)); if all gamma pass, the bonus token ~ p_gamma
           (greedy: keep x_i while it equals argmax p_i, then that argmax)
@@ -17,8 +19,8 @@ through the same path, the baseline. Spans: `round`, holding `draft`, `verify`,
 `rejection_sampling` and `rollback`.
 
 A round reacts to a worker fault where it meets one: a draft fault lets the round go on without
-drafts (placement.draft_failed moves the draft or drops it); a target fault moves the session
-(placement.target_failed) and the same drafts are verified on the new target. Not owned here:
+drafts (draft_failed: placement.draft_failed moves the draft or drops it); a target fault moves the
+session (target_failed) and the same drafts are verified on the new target (verify). Not owned here:
 the request's lifecycle (encoding, validation, the request span, prefill, close, metrics:
 orchestrator/decoder.py) and where its sessions live (orchestrator/placement.py).
 """
@@ -117,25 +119,6 @@ def new_round(req: RequestState, gamma: int) -> Round:
     return Round(gamma, req.max_new_tokens - req.generated, req.stats.wire_bytes)
 
 
-def run_round(req: RequestState, ctx) -> Round:
-    """Runs one round of one request on its own (--step-loop off; the step loop runs the same
-    steps for many requests at once: orchestrator/steps.py) under a `round` span in `ctx`; its
-    chunk is rnd.chunk."""
-    placement = req.placement
-    gamma = gamma_cap(req)
-    if gamma > 0:  # fewer drafts when the target's batch makes their rows cost more than they bring
-        gamma = req.policy.choose(gamma, placement.target.address, placement.draft.address, placement.target.load,
-                                  lag=len(req.tokens) - req.draft_synced)
-    rnd = new_round(req, gamma)
-    # the span ends before the chunk is yielded: a generator must not hold a context across a yield
-    with req.tracer.start_as_current_span("round", context=ctx) as span:
-        draft(req, rnd)
-        verify(req, rnd)
-        finish(req, rnd, span)
-        learn_passes(req, rnd)
-    return rnd
-
-
 def finish(req: RequestState, rnd: Round, span) -> None:
     """The round's steps after its verification: accept, commit, learn acceptance, emit."""
     accept(req, rnd)
@@ -176,20 +159,6 @@ def draft_failed(req: RequestState, rnd: Round, exc: ServiceError) -> None:
     rnd.drafts, rnd.draft_probs, rnd.gamma = [], [], 0
     req.placement.draft_failed(exc, req.tokens)
     req.draft_synced = req.placement.draft_synced
-
-
-def draft(req: RequestState, rnd: Round) -> None:
-    """x_i ~ q_i for i < gamma, proposed from draft_synced on; a draft fault leaves the round gamma 0."""
-    started = time.perf_counter()
-    if rnd.gamma > 0:
-        c = draft_call(req, rnd)
-        try:
-            with req.tracer.start_as_current_span("draft"):
-                take_proposals(req, rnd, list(req.placement.draft.worker.propose(
-                    c.session_id, c.start, c.token_ids, c.gamma, c.params, c.seed, c.options)))
-        except ServiceError as exc:
-            draft_failed(req, rnd, exc)
-    rnd.draft_s = time.perf_counter() - started
 
 
 def verify_call(req: RequestState, rnd: Round) -> VerifyCall:
@@ -257,20 +226,11 @@ def commit(req: RequestState, rnd: Round) -> None:
 
 
 def learn(req: RequestState, rnd: Round) -> None:
-    """The round's acceptance goes to the gamma policy (the pass costs: learn_passes, or the step
-    loop once per step)."""
+    """The round's acceptance goes to the gamma policy (the pass costs: the step loop, once per
+    step)."""
     if rnd.gamma > 0:
         placement = req.placement
         req.policy.observe_round(placement.target.address, placement.draft.address, rnd.gamma, rnd.num_accepted)
-
-
-def learn_passes(req: RequestState, rnd: Round) -> None:
-    """The seconds of the passes the workers ran the round in (the model's time alone) against
-    their rows go to the gamma policy."""
-    placement, v = req.placement, rnd.verification
-    req.policy.observe_pass(placement.target.address, v.batch_rows, v.pass_s)
-    if rnd.gamma > 0 and placement.draft is not None:
-        req.policy.observe_pass(placement.draft.address, rnd.draft_rows, rnd.draft_pass_s)
 
 
 def emit(req: RequestState, rnd: Round) -> GenerationChunk:

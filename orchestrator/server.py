@@ -69,11 +69,9 @@ def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry)
         slot.waiting_for = f"a draft worker at {config.draft} to load its model"
         drafts.wait_for_member(config.startup_timeout_s)
     return SpeculativeDecoder(targets, drafts, parallel_prefill=config.parallel_prefill, telemetry=telemetry,
-                              gamma_policy=GammaPolicy(adaptive=config.gamma_policy != "fixed",
-                                                       in_step=config.gamma_policy == "goodput"),
+                              gamma_policy=GammaPolicy(adaptive=config.gamma_policy != "fixed"),
                               limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens),
-                              draft_options=config.draft_options, step_loop=config.step_loop,
-                              batched_wire=config.batched_wire, seeded_sampling=config.seeded_sampling,
+                              draft_options=config.draft_options, seeded_sampling=config.seeded_sampling,
                               synthetic_acceptance=config.synthetic_acceptance,
                               grammar_limits=GrammarLimits.from_config(config))
 

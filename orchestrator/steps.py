@@ -18,9 +18,6 @@ consumer stops reading: a deadline, a client gone), or moved to another target b
 ticket goes to that target's loop). A worker fault is one request's: the others' calls in the
 same batch go on.
 
---batched-wire off sends each request's Propose and Verify as calls of their own, all at once
-(the workers' lockstep window merges them into the same passes): the ablation of the batched RPCs.
-
 Spans: each request keeps its `round` span per step, with draft, verify, rejection_sampling and
 rollback under it, as on its own. A batched call serves many rounds but is one RPC: its client
 span (and the worker's spans under it) sits under the draft or verify span of the step's first
@@ -92,13 +89,11 @@ class Ticket:
 class StepLoops:
     """The step loops of one decoder, one per target address, made on first use."""
 
-    def __init__(self, policy: GammaPolicy, tracer, metrics: DecodingMetrics, batched_wire: bool = True):
+    def __init__(self, policy: GammaPolicy, tracer, metrics: DecodingMetrics):
         self.policy, self.tracer, self.metrics = policy, tracer, metrics
-        self.batched_wire = batched_wire
         self._loops: dict[str, StepLoop] = {}
         self._lock = threading.Lock()
         self.drafts = ThreadPoolExecutor(max_workers=8, thread_name_prefix="step-draft")  # several drafts at once
-        self.calls = ThreadPoolExecutor(max_workers=64, thread_name_prefix="step-call")  # --batched-wire off
 
     def join(self, state: RequestState, ctx) -> Ticket:
         ticket = Ticket(state, ctx)
@@ -118,7 +113,6 @@ class StepLoops:
         for loop in loops:
             loop.close()
         self.drafts.shutdown(wait=False)
-        self.calls.shutdown(wait=False)
 
 
 class StepLoop:
@@ -275,18 +269,7 @@ class StepLoop:
 
     def _propose(self, ctx, member, members: list[int], calls: dict) -> list:
         """One draft worker's share of the step: its calls' proposals (or errors), in order."""
-        batch = [calls[i] for i in members]
-        worker = member.worker
-        if self.loops.batched_wire:
-            return t.run_in_context(ctx, worker.propose_batch, batch)
-
-        def one(c):
-            try:
-                return list(worker.propose(c.session_id, c.start, c.token_ids, c.gamma, c.params, c.seed, c.options))
-            except ServiceError as exc:
-                return exc
-
-        return list(self.loops.calls.map(lambda c: t.run_in_context(ctx, one, c), batch))
+        return t.run_in_context(ctx, member.worker.propose_batch, [calls[i] for i in members])
 
     def _verify(self, states: list[RequestState], rounds: list[Round], spans, errors) -> tuple[int, float]:
         """Every request's verification in one batched call (a request whose target failed is
@@ -299,17 +282,7 @@ class StepLoop:
         worker = states[live[0]].placement.target.worker
         phases = self._phase("verify", live, spans)
         ctx = trace.set_span_in_context(phases[live[0]])
-        if self.loops.batched_wire:
-            outcomes = t.run_in_context(ctx, worker.verify_batch, calls)
-        else:
-            def one(c):
-                try:
-                    return worker.verify(c.session_id, c.start, c.token_ids, c.draft_token_ids, c.params,
-                                         c.top_logprobs)
-                except ServiceError as exc:
-                    return exc
-
-            outcomes = list(self.loops.calls.map(lambda c: t.run_in_context(ctx, one, c), calls))
+        outcomes = t.run_in_context(ctx, worker.verify_batch, calls)
         elapsed = time.perf_counter() - started
         pass_rows, pass_s = 0, 0.0
         for i, outcome in zip(live, outcomes):

@@ -4,6 +4,10 @@ Each service keeps one table of `Flag`s. Its argparse parser, its frozen config 
 defaults and its `SPECDEC_<PREFIX>_<NAME>` environment variables all come from that table, so a
 default is written in exactly one place and `--help` names the variable of every flag.
 A flag given on the command line wins over its variable, which wins over the default.
+
+Flags marked `experimental` exist for benchmarks and ablations only (they may break exactness or
+cost speed): `--help` leaves them out and `--help-experimental` lists them, so an operator's help
+holds only what an operator sets.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class Flag:
     required: bool = False  # required unless its environment variable is set
     roles: Sequence[str] | None = None  # only these roles have the flag (None: every role)
     to_config: Callable[[Any], Any] | None = None  # parsed value -> config value (e.g. a choice -> bool)
+    experimental: bool = False  # benchmarks and ablations only: hidden from --help, shown by --help-experimental
 
     @property
     def key(self) -> str:
@@ -58,20 +63,40 @@ class FlagTable:
 
         p = argparse.ArgumentParser(prog=prog, description=description)
         p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+        experimental = argparse.ArgumentParser(
+            prog=prog, add_help=False, usage=argparse.SUPPRESS,
+            description="Experimental flags: for benchmarks and ablations only, never needed in production.")
         for flag in self.for_role(role):
             env = self.env_name(flag, role)
             value = os.environ.get(env)
             default = flag.type(value) if value is not None else flag.default
             shown = "" if flag.default is None else f"; default {flag.default}"
+            text = f"{flag.help} (env {env}{shown})".lstrip()
             p.add_argument(flag.name, type=flag.type, default=default, choices=flag.choices,
                            required=flag.required and value is None, dest=flag.key,
-                           help=f"{flag.help} (env {env}{shown})".lstrip())
+                           help=argparse.SUPPRESS if flag.experimental else text)
+            if flag.experimental:
+                experimental.add_argument(flag.name, type=flag.type, choices=flag.choices, help=text)
+        p.add_argument("--help-experimental", action=_PrintHelp, parser=experimental,
+                       help="list the experimental flags (benchmarks and ablations only) and exit")
         return p
 
     def parse(self, argv: list[str] | None, prog: str, description: str, role: str = "") -> dict[str, Any]:
         """The config fields of this role, from argv over the environment over the defaults."""
         parsed = vars(self.parser(prog, description, role).parse_args(argv))
         return {f.key: f.to_config(parsed[f.key]) if f.to_config else parsed[f.key] for f in self.for_role(role)}
+
+
+class _PrintHelp(argparse.Action):
+    """Prints another parser's help and exits (--help-experimental)."""
+
+    def __init__(self, option_strings, dest, parser, help=None):
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS, help=help)
+        self.shown = parser
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        self.shown.print_help()
+        parser.exit()
 
 
 class ServedConfig:

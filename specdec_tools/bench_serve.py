@@ -2,7 +2,7 @@
 
   specdec bench-serve [--target M --draft M | --tiny] [--concurrency 1,2,4,8,16] [--requests-per-level N]
                       [--max-new-tokens 48] [--gamma on,off] [--temperature 0] [--prompts 8] [--out DIR]
-                      [--setups default,step-loop-off,batched-wire-off,in-step-gamma-off] [--link-rtt-ms 0,1,10]
+                      [--setups default,fixed-gamma,FLAG=VALUE+...] [--link-rtt-ms 0,1,10]
 
 Starts target, draft and orchestrator as processes on loopback (`specdec_tools.stack.ProcessStack`,
 as `specdec run` does), once for the whole run. For each mode (--gamma: `on` leaves the request's
@@ -21,8 +21,8 @@ output at concurrency > 1 equals the concurrency-1 output of the same prompt and
 across sessions must not change what a request gets (the count and the list are printed).
 --api grpc,http runs the stack's own orchestrator's levels through its OpenAI-compatible door too
 (chat completions streamed over one kept-alive connection per client), beside the gRPC run, with
-the gap between tokens after the first (ms/token) for both. --setups runs the same levels through more orchestrators on the same two workers, each with one
-part of the step loop turned off (SETUPS: the ablation); --link-rtt-ms puts each worker behind a
+the gap between tokens after the first (ms/token) for both. --setups runs the same levels through more orchestrators on the same two workers, each with
+its own flags (SETUPS, or FLAG=VALUE: the ablation); --link-rtt-ms puts each worker behind a
 delaying TCP proxy (specdec_tools/link.py: this kernel has no netem) with that round trip between
 the orchestrator and each worker, and reports the RPCs and bytes that crossed the links per
 generated token and per round (0 = the proxy, counting, without delay; left out: no proxy); the
@@ -57,13 +57,11 @@ from pathlib import Path
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16"
 DEFAULT_PROMPTS = 8  # = the concurrency-1 level's default request count: every prompt gets a reference
-# orchestrator flags of each --setups name: the server as shipped, and each part of issue 20's step
-# loop turned off on its own (the ablation)
+# orchestrator flags of each --setups name: the server as shipped, and the gamma policy turned off
+# (every round drafts the request's gamma)
 SETUPS = {
     "default": (),
-    "step-loop-off": ("--step-loop", "off"),  # each request runs its own rounds
-    "batched-wire-off": ("--batched-wire", "off"),  # step loop, but one Propose/Verify RPC per request
-    "in-step-gamma-off": ("--gamma-policy", "goodput-solo"),  # step loop, gamma as if passes were not shared
+    "fixed-gamma": ("--gamma-policy", "fixed"),
 }
 
 
@@ -98,7 +96,7 @@ def parse_modes(text: str) -> list[Mode]:
 
 def setup_flags(name: str) -> tuple[str, ...]:
     """A --setups item: a name of SETUPS, or orchestrator flags as FLAG=VALUE joined by '+'
-    (gamma-policy=fixed+step-loop=off -> --gamma-policy fixed --step-loop off)."""
+    (gamma-policy=fixed+draft-lookup=0 -> --gamma-policy fixed --draft-lookup 0)."""
     if name in SETUPS:
         return SETUPS[name]
     flags: list[str] = []
@@ -198,7 +196,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench_results/serve", help="output directory (default bench_results/serve)")
     p.add_argument("--setups", type=parse_setups, default=["default"],
                    help=f"orchestrator setups to compare on the same workers: {', '.join(SETUPS)}, or orchestrator "
-                        "flags as FLAG=VALUE joined by + (e.g. gamma-policy=fixed+step-loop=off) (default default)")
+                        "flags as FLAG=VALUE joined by + (e.g. gamma-policy=fixed+draft-lookup=0) (default default)")
     p.add_argument("--link-rtt-ms", type=parse_rtts, default=[], metavar="MS,...",
                    help="put each worker behind a delaying proxy with this round trip (ms; 0 = proxy, no delay), "
                         "and count the RPCs and bytes on the links (default: no proxy)")

@@ -151,24 +151,24 @@ def test_smoke_setups_and_links(tmp_path, capsys):
 
     out = tmp_path / "serve"
     rc = main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
-               "--gamma", "on", "--setups", "default,step-loop-off", "--link-rtt-ms", "0", "--out", str(out),
+               "--gamma", "on", "--setups", "default,fixed-gamma", "--link-rtt-ms", "0", "--out", str(out),
                "--startup-timeout", "240"])
     printed = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert {(r["setup"], r["link_rtt_ms"], r["concurrency"]) for r in summary["levels"]} == {
-        ("default", 0.0, 1), ("default", 0.0, 2), ("step-loop-off", 0.0, 1), ("step-loop-off", 0.0, 2)}
+        ("default", 0.0, 1), ("default", 0.0, 2), ("fixed-gamma", 0.0, 1), ("fixed-gamma", 0.0, 2)}
     for row in summary["levels"]:
         assert row["errors"] == 0 and row["link_rpcs"] > 0 and row["rpcs_per_token"] > 0 and row["bytes_per_token"] > 0
-    assert "RPCs/token" in printed and "| step-loop-off | 0 | on | 2 |" in printed
+    assert "RPCs/token" in printed and "| fixed-gamma | 0 | on | 2 |" in printed
     assert summary["outputs"]["identical"], summary["outputs"]["differ"]
     assert rc == 0
 
 
 def test_setups_are_names_or_orchestrator_flags():
-    assert bs.setup_flags("step-loop-off") == ("--step-loop", "off")
-    assert bs.setup_flags("gamma-policy=fixed+step-loop=off") == ("--gamma-policy", "fixed", "--step-loop", "off")
-    assert bs.parse_setups("default, batched-wire-off,default") == ["default", "batched-wire-off"]
-    for bad in ("nonsense", "step-loop", "--step-loop=off", "gamma-policy=", ""):
+    assert bs.setup_flags("fixed-gamma") == ("--gamma-policy", "fixed")
+    assert bs.setup_flags("gamma-policy=fixed+draft-lookup=0") == ("--gamma-policy", "fixed", "--draft-lookup", "0")
+    assert bs.parse_setups("default, fixed-gamma,default") == ["default", "fixed-gamma"]
+    for bad in ("nonsense", "draft-lookup", "--draft-lookup=0", "gamma-policy=", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             bs.parse_setups(bad)
     assert bs.parse_rtts("0,1,10") == [0.0, 1.0, 10.0]
