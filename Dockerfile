@@ -19,25 +19,23 @@ RUN python -m venv /opt/venv
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 # The other dependencies next, read from pyproject.toml alone, so editing the code does not
-# re-download them (this layer is rebuilt only when pyproject.toml changes). specdec-client is
-# this repository's own clients/python, installed with the code below, not fetched.
+# re-download them (this layer is rebuilt only when pyproject.toml changes).
 WORKDIR /src
 COPY pyproject.toml README.md ./
-RUN python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
-print('\n'.join(d for d in deps if re.split(r'[ <>=!~;\[@]', d)[0].lower() != 'specdec-client'))" \
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
 # The four packages the services run, specdec_tools for the `specdec` command, and the client
-# distribution (clients/python: the generated gRPC code, client records and errors that the
-# server imports too); tests, docs and protos stay out.
+# package the server ships from clients/python (the generated gRPC code, client records and errors
+# that the server imports too); tests, docs and protos stay out.
 COPY clients/python ./clients/python
 COPY specdec ./specdec
 COPY specdec_tools ./specdec_tools
 COPY draft_service ./draft_service
 COPY target_service ./target_service
 COPY orchestrator ./orchestrator
-RUN pip install --no-deps ./clients/python . && rm -rf build *.egg-info clients/python/build clients/python/*.egg-info
+RUN pip install --no-deps . && rm -rf build *.egg-info clients/python/*.egg-info
 # The native int8-rows kernel (specdec/csrc/int8_rows.c), compiled here beside its installed source:
 # the runtime image has no compiler. Skipped where it cannot build (not x86-64); fbgemm then serves.
 RUN if [ "$(uname -m)" = "x86_64" ]; then \

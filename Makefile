@@ -24,8 +24,6 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU wheel of 2.13.0 (an unpinned torch pulls a multi-GB CUDA build)
 	$(PY) -m pip install --quiet torch==2.13.0
-	# the client distribution next (the server depends on specdec-client, which is not on PyPI)
-	$(PY) -m pip install --quiet -e clients/python
 	$(PY) -m pip install --quiet -e '.[test]'
 	rm -f $(VENV)/.installed-* && touch $@
 

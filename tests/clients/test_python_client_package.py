@@ -177,23 +177,29 @@ def test_the_generated_code_lives_in_the_client_only():
         f"{n}_pb2.py" for n in ("common", "draft", "target", "orchestrator")}
 
 
-def test_versions_and_the_servers_pin_agree():
-    server = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+def test_versions_agree_and_the_server_ships_the_client_instead_of_depending_on_it():
+    """The server's distribution holds specdec_client (from clients/python, one copy) rather than
+    requiring specdec-client, a name PyPI does not hold for us: whoever registered it would be
+    installed by a plain `pip install .` (dependency confusion)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    server = project["project"]
     client = tomllib.loads((CLIENT_DIR / "pyproject.toml").read_text())["project"]
     assert client["name"] == "specdec-client" and client["version"] == server["version"]
-    assert f"specdec-client=={server['version']}" in server["dependencies"]
+    assert not [d for d in server["dependencies"] if re.split(r"[ <>=!~;\[]", d)[0] == "specdec-client"]
+    find = project["tool"]["setuptools"]["packages"]["find"]
+    assert "clients/python" in find["where"]
+    assert any(Path("specdec_client").match(g) for g in find["include"])
     deps = sorted(re.split(r"[ <>=!~;\[]", d)[0] for d in client["dependencies"])
     assert deps == ["grpcio", "grpcio-health-checking", "protobuf"]
 
 
-def test_make_install_and_the_docker_build_install_the_client_first():
+def test_make_install_and_the_docker_build_install_the_server_with_its_client():
     from tests.deploy.test_dockerfile import ignored, instructions
 
     make = (ROOT / "Makefile").read_text()
-    client_at, server_at = make.find("pip install --quiet -e clients/python"), make.find("pip install --quiet -e '.[test]'")
-    assert 0 <= client_at < server_at, "make install: clients/python (editable) before the server"
+    assert "pip install --quiet -e '.[test]'" in make and "-e clients/python" not in make
     steps = instructions((ROOT / "Dockerfile").read_text())
     assert ("COPY", "clients/python ./clients/python") in steps
     runs = [rest for word, rest in steps if word == "RUN"]
-    assert any(re.search(r"pip install --no-deps \./clients/python \.(\s|$)", r) for r in runs)
+    assert any(re.search(r"pip install --no-deps \.(\s|$)", r) for r in runs)
     assert not ignored("clients/python/pyproject.toml") and not ignored("clients/python/specdec_client/client.py")
