@@ -1,5 +1,6 @@
 """The `specdec` command line.
 
+  specdec serve [--target M] [--draft M] [--port P] [--http-port P]    the service, up until stopped
   specdec generate --server HOST:PORT --prompt TEXT [...] [--json]   one request to an orchestrator
   specdec run [--prompt TEXT] [--target M] [--draft M]               the whole stack on loopback
   specdec workers --server HOST:PORT [--add-target A] [--add-draft A]  an orchestrator's worker pools
@@ -75,6 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative decoding over gRPC.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from orchestrator import serve
+
+    sv = sub.add_parser("serve", help="run target, draft and orchestrator (with the OpenAI API on port 8000) until "
+                        "stopped; other flags go to the services that take them",
+                        description="Run target, draft and orchestrator as supervised processes until stopped. "
+                        "Any flag of the three services may follow (python -m orchestrator --help, "
+                        "python -m target_service --help): each goes to the services that take it.")
+    serve.add_arguments(sv)
+    sv.set_defaults(func=serve.cmd_serve)
 
     g = sub.add_parser("generate", help="send one request to an orchestrator")
     add_connection_args(g)
@@ -163,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_structured.add_arguments(bst)
     bst.set_defaults(func=bench_structured.cmd_bench_structured)
 
+    if argv[:1] == ["serve"]:  # the flags it does not know go to the services
+        a, extra = parser.parse_known_args(argv)
+        return a.func(a, extra)
     a = parser.parse_args(argv)
     return a.func(a)
 
