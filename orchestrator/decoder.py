@@ -116,8 +116,15 @@ class SpeculativeDecoder:
         threading.Thread(target=self.grammar_compiler, name="grammar-compiler", daemon=True).start()
 
     def close(self) -> None:
-        """Stops the step loops (requests still in them fail UNAVAILABLE)."""
+        """Stops the step loops (requests still in them fail UNAVAILABLE); logs what the step
+        policy measured (orchestrator/arms.py)."""
         self.steps.close()
+        for row in self.gamma_policy.snapshot() if self.gamma_policy.adaptive else ():
+            log.info("step policy on %s at %s requests: %s running; %.2f tok/s drafting (predicted %.2f), %.2f "
+                     "without (predicted %.2f); %d steps, %.1f%% exploring, %.2f s regret, %d switches", row["target"],
+                     row["level"], row["running"], row["draft_tok_s"], row["predicted_draft_tok_s"], row["plain_tok_s"],
+                     row["predicted_plain_tok_s"], row["steps"], 100 * row["explore_share"], row["regret_s"],
+                     row["switches"])
 
     # ---- request handling ----------------------------------------------------------------
 
@@ -310,7 +317,7 @@ class SpeculativeDecoder:
             span.set_attributes({t.SESSION_ID: placements[0].session_id,
                                  t.GEN_AI_SEED: seed if seed < 2**63 else seed - 2**64,
                                  t.GEN_AI_INPUT_TOKENS: len(prompt)})
-            with self.tracer.start_as_current_span("prefill", context=ctx):
+            with self.tracer.start_as_current_span("prefill", context=ctx), self.steps.prefill():
                 t0 = time.perf_counter()
                 placements[0].open(prompt)
                 for placement in placements[1:]:  # the other choices copy the prompt's caches

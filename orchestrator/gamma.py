@@ -43,6 +43,8 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from orchestrator.arms import DRAFT, PLAIN, Arms, Level
+
 log = logging.getLogger(__name__)
 
 PRIOR_SLOPE = 0.15  # extra cost of a row, as a fraction of a 1-row pass (CPU, fp16 weights: ~0.14)
@@ -50,8 +52,7 @@ PRIOR_WEIGHT = 1.0  # the prior slope counts as this many observations at each o
 DECAY = 0.97  # per observation: the last ~30 passes dominate
 PRIOR_ACCEPTANCE = 0.7  # a_i before any draft was judged at position i ...
 PRIOR_DRAFTS = 8.0  # ... counted as this many drafts: one bad round does not condemn the draft
-PROBE_EVERY = 32  # when drafts do not pay, every 32nd round (of all requests) still drafts one: acceptance
-PROBE_MAX_LAG = 16  # ... from a request whose draft lags by at most this many tokens
+CATCH_UP_LAG = 16  # a draft phase with a request whose draft lagged more than this is a catch-up: no step costs
 MARGIN = 0.10  # drafts must promise 10% more goodput than none: a model's error should not cost
 # Acceptance judged from few drafts is taken optimistically (an upper confidence bound: + 0.2 after
 # one draft, + 0.09 at steady state): a bad first impression (a short warm-up request) must not
@@ -118,20 +119,26 @@ class Acceptance:
             self.drafted[i] = self.drafted[i] * DECAY + 1
             self.accepted[i] = self.accepted[i] * DECAY + (i < num_accepted)
 
-    def rate(self, i: int, optimism: float = 0.0) -> float:
+    def rate(self, i: int, optimism: float = 0.0, prior: "Acceptance | None" = None) -> float:
         """a_i, plus optimism / sqrt(drafts judged there, prior included) when asked for: an
-        upper confidence bound that shrinks as the position is judged more often."""
+        upper confidence bound that shrinks as the position is judged more often. With a prior
+        (a request's own acceptance over its draft's pooled one): the prior's rate, optimism
+        included, counted as PRIOR_DRAFTS drafts, then this one's own evidence."""
+        if prior is not None:
+            drafted = self.drafted[i] if i < len(self.drafted) else 0.0
+            accepted = self.accepted[i] if i < len(self.accepted) else 0.0
+            return (accepted + PRIOR_DRAFTS * prior.rate(i, optimism)) / (drafted + PRIOR_DRAFTS)
         if i >= len(self.drafted):  # never judged: as likely as the last position that was
             return self.rate(len(self.drafted) - 1, optimism) if self.drafted else \
                 min(1.0, PRIOR_ACCEPTANCE + optimism / PRIOR_DRAFTS ** 0.5)
         judged = self.drafted[i] + PRIOR_DRAFTS
         return min(1.0, (self.accepted[i] + PRIOR_DRAFTS * PRIOR_ACCEPTANCE) / judged + optimism / judged ** 0.5)
 
-    def expected_tokens(self, gamma: int, optimism: float = 0.0) -> float:
+    def expected_tokens(self, gamma: int, optimism: float = 0.0, prior: "Acceptance | None" = None) -> float:
         """E(g) = 1 + a_0 + a_0 a_1 + ...: the accepted drafts plus the recovered or bonus token."""
         total, passed = 1.0, 1.0
         for i in range(gamma):
-            passed *= self.rate(i, optimism)
+            passed *= self.rate(i, optimism, prior)
             total += passed
         return total
 
@@ -142,8 +149,11 @@ class StepRequest:
 
     cap: int  # the most drafts its round may make (its gamma, fewer near the end, 0 without a draft)
     draft: str | None  # its draft worker's address
-    lag: int = 1  # tokens its draft session must take in before drafting (the whole context when opened lazily):
-    # only probes look at it (a probe never goes to a request that would first prefill its whole context)
+    lag: int = 1  # tokens its draft session must take in before drafting (the whole context when opened lazily)
+    acceptance: Acceptance | None = None  # its own drafts' acceptance (None: its draft's pooled one alone)
+    remaining: int = 0  # tokens it may still generate: its draft's catch-up is spread over them (0: unknown)
+    explorable: bool = True  # may draft in a step that explores drafting: its draft holds its prompt and
+    # lags by at most EXPLORE_MAX_LAG (exploring never prefills a draft session)
 
 
 @dataclass
@@ -160,42 +170,73 @@ class StepCosts:
     draft_extra_s: dict[str, float] = field(default_factory=dict)  # per draft: its phase beyond its passes
 
 
-def step_goodput(g: int, requests: list[StepRequest], costs: StepCosts) -> float:
-    """Expected tokens per second of one step in which every request drafts min(g, cap) tokens:
-    all drafting requests share the draft passes (draft step i of all of them in one pass) and all
+def expected(r: StepRequest, g: int, costs: StepCosts) -> float:
+    """E_j(g) of one request: its own acceptance over its draft's pooled one, with OPTIMISM."""
+    pooled = costs.acceptance.setdefault(r.draft, Acceptance())
+    if r.acceptance is None:
+        return pooled.expected_tokens(g, OPTIMISM)
+    return r.acceptance.expected_tokens(g, OPTIMISM, prior=pooled)
+
+
+def step_goodput(gammas: list[int], requests: list[StepRequest], costs: StepCosts) -> float:
+    """Expected tokens per second of one step in which request j drafts gammas[j] tokens: all
+    drafting requests share the draft passes (draft step i of all of them in one pass) and all
     requests share the target's pass of sum(g_j + 1) rows:
 
         sum_j E_j(g_j) / (overhead + max over drafts of [max g_j * D(n) + extra] + T(sum_j (g_j + 1)))
 
     with D the draft's pass line, n the requests drafting on it, extra its phase's time beyond its
-    passes (Leviathan et al. 2023's E(g), acceptance by position, taken with OPTIMISM)."""
+    passes (Leviathan et al. 2023's E(g), acceptance by position, each request's own, taken with
+    OPTIMISM). A drafting request whose draft lags (drafting was off for it, or its session opened
+    lazily) adds its catch-up rows at the draft line's slope, spread over the steps it has left."""
     tokens, rows = 0.0, 0
-    per_draft: dict[str, list[int]] = {}  # draft -> [requests drafting, most drafts]
-    for r in requests:
-        gj = min(g, r.cap)
+    per_draft: dict[str, list[float]] = {}  # draft -> [requests drafting, most drafts, catch-up rows a step]
+    for gj, r in zip(gammas, requests):
         rows += gj + 1
         if gj == 0 or r.draft is None:
             tokens += 1.0
             continue
-        tokens += costs.acceptance.setdefault(r.draft, Acceptance()).expected_tokens(gj, OPTIMISM)
-        d = per_draft.setdefault(r.draft, [0, 0])
+        e = expected(r, gj, costs)
+        tokens += e
+        d = per_draft.setdefault(r.draft, [0, 0, 0.0])
         d[0], d[1] = d[0] + 1, max(d[1], gj)
+        if r.lag > 1:  # its draft first takes in what it missed: spread over the steps it has left
+            d[2] += (r.lag - 1) / max(1.0, r.remaining / e) if r.remaining else r.lag - 1
     draft_s = 0.0
-    for address, (n, steps) in per_draft.items():
+    for address, (n, steps, catch_up) in per_draft.items():
         line = costs.drafts.get(address)
         if line is not None and line.known:
-            draft_s = max(draft_s, steps * line(n) + costs.draft_extra_s.get(address, 0.0))
+            draft_s = max(draft_s, steps * line(n) + line.fit()[1] * catch_up + costs.draft_extra_s.get(address, 0.0))
     return tokens / (costs.overhead_s + draft_s + costs.target(rows))
 
 
-def best_step_gamma(requests: list[StepRequest], costs: StepCosts) -> int:
-    """The g (each request drafting min(g, cap)) with the best step_goodput; drafting must beat
-    g = 0, plain batched decoding, by MARGIN. Nothing measured yet: the largest cap."""
-    top = max((r.cap for r in requests), default=0)
-    if top <= 0 or not costs.target.known:
-        return max(top, 0)
-    best = max(range(1, top + 1), key=lambda g: step_goodput(g, requests, costs))
-    return best if step_goodput(best, requests, costs) > (1 + MARGIN) * step_goodput(0, requests, costs) else 0
+def drafting_gammas(requests: list[StepRequest], costs: StepCosts) -> list[int]:
+    """The best step that drafts: a common g (each request min(g, cap)) with the best step_goodput,
+    then, one at a time, the request whose drafts the step is better without (its acceptance is
+    poor) drafts none. Nothing measured yet: every cap."""
+    caps = [max(r.cap, 0) if r.draft is not None else 0 for r in requests]
+    if max(caps, default=0) <= 0 or not costs.target.known:
+        return caps
+    g = max(range(1, max(caps) + 1), key=lambda g: step_goodput([min(g, c) for c in caps], requests, costs))
+    gammas = [min(g, c) for c in caps]
+    best = step_goodput(gammas, requests, costs)
+    while True:
+        trials = [(step_goodput(gammas[:j] + [0] + gammas[j + 1:], requests, costs), j)
+                  for j in range(len(gammas)) if gammas[j] > 0 and sum(map(bool, gammas)) > 1]
+        better = max(trials, default=(0.0, -1))
+        if better[0] <= best:
+            return gammas
+        best, gammas[better[1]] = better[0], 0
+
+
+def best_step_gammas(requests: list[StepRequest], costs: StepCosts) -> list[int]:
+    """The cost model's step: drafting_gammas where they promise MARGIN more goodput than no
+    drafts (plain batched decoding), else none."""
+    gammas = drafting_gammas(requests, costs)
+    if not any(gammas) or not costs.target.known:
+        return gammas
+    plain = step_goodput([0] * len(requests), requests, costs)
+    return gammas if step_goodput(gammas, requests, costs) > (1 + MARGIN) * plain else [0] * len(requests)
 
 
 @dataclass
@@ -214,7 +255,8 @@ class Average:
 
 
 class GammaPolicy:
-    """Costs per worker address and acceptance per target/draft pair; thread-safe."""
+    """Costs per worker address, acceptance per target/draft pair and the measured arms per target
+    and load level (orchestrator/arms.py); thread-safe."""
 
     def __init__(self, adaptive: bool = True):
         self.adaptive = adaptive  # False: the fixed policy, each request's own gamma
@@ -223,17 +265,26 @@ class GammaPolicy:
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
         self._draft_extra: dict[str, Average] = {}  # draft address -> its phase beyond its passes
         self._overhead: dict[str, Average] = {}  # target address -> a step's other time
-        self._steps_without: dict[str, int] = {}  # steps since a request on the target drafted
+        self.arms = Arms()
+        # target -> its step's (level, arm, explored, predicted goodput)
+        self._planned: dict[str, tuple[Level, str, bool, float]] = {}
 
     def _cost(self, address: str) -> LinearCost:
         return self._costs.setdefault(address, LinearCost())
 
-    def choose_step(self, target: str, requests: list[StepRequest]) -> list[int]:
+    def pooled_acceptance(self, target: str, draft: str) -> Acceptance:
+        with self._lock:
+            return self._acceptance.setdefault((target, draft), Acceptance())
+
+    def choose_step(self, target: str, requests: list[StepRequest], load: int | None = None) -> list[int]:
         """Each request's gamma for one step of the step loop on `target` (orchestrator/steps.py),
-        where all drafting requests share the draft passes and all requests the target's pass:
-        min(g, cap) each, g from best_step_gamma. A request's cap stays its upper bound. When
-        drafts do not pay, every PROBE_EVERY-th step still drafts one token for the requests whose
-        draft is nearly in step, so acceptance keeps being measured."""
+        where all drafting requests share the draft passes and all requests the target's pass.
+        Whether the step drafts is the measured arms' choice (arms.py: the cost model's until both
+        arms are measured, the other arm explored within a budget); how much is the cost model's
+        (drafting_gammas: a common g, requests with poor acceptance left out). A request's cap
+        stays its upper bound; exploring drafts only the requests whose draft is nearly in step.
+        load: the requests on the target, those still prefilling included (default: the step's),
+        which picks the load level whose arms decide."""
         caps = [r.cap for r in requests]
         if not self.adaptive:
             return caps
@@ -243,21 +294,55 @@ class GammaPolicy:
                               {d: self._acceptance.setdefault((target, d), Acceptance()) for d in drafts},
                               self._overhead.get(target, Average()).value,
                               {d: a.value for d, a in self._draft_extra.items()})
-            g = best_step_gamma(requests, costs)
-            idle = self._steps_without.get(target, 0) + 1 if g == 0 else 0
-            gammas = [min(g, cap) for cap in caps]
-            if idle >= PROBE_EVERY and any(cap > 0 and r.lag <= PROBE_MAX_LAG for cap, r in zip(caps, requests)):
-                gammas = [1 if cap > 0 and r.lag <= PROBE_MAX_LAG else 0 for cap, r in zip(caps, requests)]
-                idle = 0
-            self._steps_without[target] = idle
+            model = best_step_gammas(requests, costs)
+            can_draft = any(c > 0 and r.draft is not None for c, r in zip(caps, requests))
+            can_explore = any(c > 0 and r.draft is not None and r.explorable for c, r in zip(caps, requests))
+            level = self.arms.level(target, max(load or 0, len(requests)))
+            running = level.running
+            arm, explored = self.arms.choose(level, DRAFT if any(model) else PLAIN, can_draft, can_explore)
+            if level.running != running and running is not None:
+                log.info("steps on %s with %d requests: %s now (measured %.2f tok/s drafting, %.2f without)", target,
+                         len(requests), level.running, level.rates[DRAFT].value, level.rates[PLAIN].value)
+            if arm == PLAIN:
+                gammas = [0] * len(requests)
+            elif any(model) and not explored:
+                gammas = model
+            else:  # drafting the model would not choose: only where the draft is in step (no catch-up)
+                gammas = drafting_gammas([r if r.explorable else StepRequest(0, r.draft, r.lag) for r in requests],
+                                         costs)
+            predicted = step_goodput(gammas, requests, costs) if costs.target.known else 0.0
+            self._planned[target] = (level, arm, explored, predicted)
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("step on %s: gamma %d for %d requests (caps %s), target (alpha, beta) %s, overhead %.4f, "
-                          "drafts (alpha, beta, extra, E(1..4)) %s", target, g, len(requests), caps,
+                log.debug("step on %s: %s%s, gammas %s (model %s) for %d requests (caps %s), target (alpha, beta) %s, "
+                          "overhead %.4f, drafts (alpha, beta, extra, E(1..4)) %s, arms %s", target, arm,
+                          " (exploring)" if explored else "", gammas, model, len(requests), caps,
                           costs.target.fit() if costs.target.known else None, costs.overhead_s,
                           {d: (line.fit() if line.known else None, round(costs.draft_extra_s.get(d, 0.0), 4),
                                [round(costs.acceptance[d].expected_tokens(k), 2) for k in range(1, 5)])
-                           for d, line in costs.drafts.items()})
+                           for d, line in costs.drafts.items()},
+                          {a: round(r.value, 2) for a, r in level.rates.items()})
             return gammas
+
+    def observe_outcome(self, target: str, tokens: int, seconds: float,
+                        measured: bool = True) -> tuple[str, bool, float] | None:
+        """The step just chosen on `target` ended: its requests got `tokens` in `seconds`
+        (measured: its passes ran its own work alone, so its rate is its arm's). Returns its arm,
+        whether it explored, and the regret it added (None: the fixed policy)."""
+        if not self.adaptive:
+            return None
+        with self._lock:
+            planned = self._planned.pop(target, None)
+            if planned is None:
+                return None
+            level, arm, explored, predicted = planned
+            before = level.regret_s
+            self.arms.observe(level, arm, explored, tokens, seconds, predicted if measured else None)
+            return arm, explored, level.regret_s - before
+
+    def snapshot(self) -> list[dict]:
+        """The measured arms per target and load level (arms.Arms.snapshot)."""
+        with self._lock:
+            return self.arms.snapshot()
 
     def observe_step(self, target: str, overhead_s: float, drafts: dict[str, tuple[int, float, float]]) -> None:
         """A step's time beyond its draft phase and its target pass, and per draft that ran (the

@@ -41,6 +41,12 @@ class DecodingMetrics:
             explicit_bucket_boundaries_advisory=t.SECONDS_BUCKETS)
         self.tokens = meter.create_counter(
             "gen_ai.server.token.usage", unit="{token}", description="Input and output tokens")
+        self.step_seconds = meter.create_counter(
+            "specdec.step.duration", unit="s",
+            description="Seconds of step-loop steps, by arm (draft, plain) and whether the step explored")
+        self.regret = meter.create_counter(
+            "specdec.policy.regret", unit="s",
+            description="Seconds lost in steps of the arm that measured worse (draft or plain) at their load")
 
     def record_round(self, gamma: int, num_accepted: int, draft_s: float, verify_s: float, sampling_s: float,
                      wire_bytes: int) -> None:
@@ -55,6 +61,11 @@ class DecodingMetrics:
         self.stage.record(verify_s, {t.STAGE: "verify"})
         self.stage.record(sampling_s, {t.STAGE: "sampling"})
         self.wire_bytes.add(wire_bytes)
+
+    def record_step(self, arm: str, explored: bool, seconds: float, regret_s: float) -> None:
+        self.step_seconds.add(seconds, {t.ARM: arm, t.EXPLORED: explored})
+        if regret_s > 0:
+            self.regret.add(regret_s, {t.ARM: arm})
 
     def record_prefill(self, seconds: float) -> None:
         self.stage.record(seconds, {t.STAGE: "prefill"})

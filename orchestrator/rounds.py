@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from orchestrator.detokenizer import TextAssembler
-from orchestrator.gamma import GammaPolicy
+from orchestrator.gamma import Acceptance, GammaPolicy
 from orchestrator.placement import Placement, is_worker_fault
 from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample, synthetic_verify
 from specdec import telemetry as t
@@ -71,6 +71,7 @@ class RequestState:
     # real pair's for random-weight models (as llama.cpp's --spec-synth-len). 0: exact verification
     synthetic_acceptance: float = 0.0
     coin: random.Random | None = field(init=False, default=None)  # its draws; seeded by the prompt
+    acceptance: Acceptance = field(init=False, default_factory=Acceptance)  # its own drafts' (the policy's)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.target_synced = len(self.tokens)
@@ -231,6 +232,7 @@ def learn(req: RequestState, rnd: Round) -> None:
     if rnd.gamma > 0:
         placement = req.placement
         req.policy.observe_round(placement.target.address, placement.draft.address, rnd.gamma, rnd.num_accepted)
+        req.acceptance.observe(rnd.gamma, rnd.num_accepted)  # a request whose drafts keep failing stops drafting
 
 
 def emit(req: RequestState, rnd: Round) -> GenerationChunk:

@@ -164,7 +164,9 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
         parts.set_serving(True)
     else:
         slot.pools = build_pools(config, parts.telemetry)
-        parts.on_stop += [pool.stop for pool in slot.pools if pool is not None]
+        # the step loops stop (and the policy's measurements are logged) before the pools
+        parts.on_stop += [lambda: slot.decoder is not None and slot.decoder.close(),
+                          *(pool.stop for pool in slot.pools if pool is not None)]
         parts.loader = _pair_in_background(config, slot, parts)
     return parts, parts.port
 

@@ -27,6 +27,7 @@ request, which records the step's size; the other requests' draft and verify spa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -36,7 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from opentelemetry import trace
 
-from orchestrator.gamma import PROBE_MAX_LAG, GammaPolicy, StepRequest
+from orchestrator.arms import EXPLORE_MAX_LAG
+from orchestrator.gamma import CATCH_UP_LAG, GammaPolicy, StepRequest
 from orchestrator.metrics import DecodingMetrics
 from orchestrator.rounds import (RequestState, Round, draft_call, draft_failed, finish, gamma_cap, new_round,
                                  take_proposals, target_failed, verify, verify_call)
@@ -94,6 +96,27 @@ class StepLoops:
         self._loops: dict[str, StepLoop] = {}
         self._lock = threading.Lock()
         self.drafts = ThreadPoolExecutor(max_workers=8, thread_name_prefix="step-draft")  # several drafts at once
+        # prefills run outside the steps (a request joins once its prefill is done) but share the
+        # workers' passes with them: a step they overlapped measures nothing of its own arm
+        self.prefilling = 0  # prefills in flight
+        self.prefills_begun = 0  # and ever begun: a step that saw this change overlapped one
+
+    @contextlib.contextmanager
+    def prefill(self):
+        """Marks a request's prefill (decoder.generate_stream) for the steps' measurements."""
+        with self._lock:
+            self.prefilling += 1
+            self.prefills_begun += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.prefilling -= 1
+
+    def quiet_since(self) -> int | None:
+        """A mark of the prefills so far, or None while one runs (see StepLoop.step)."""
+        with self._lock:
+            return None if self.prefilling else self.prefills_begun
 
     def join(self, state: RequestState, ctx) -> Ticket:
         ticket = Ticket(state, ctx)
@@ -172,19 +195,22 @@ class StepLoop:
     def step(self, tickets: list[Ticket]) -> list[Ticket]:
         """One step of all the requests; returns those that stay on this loop."""
         started = time.perf_counter()
+        quiet = self.loops.quiet_since()
         self.steps += 1
         states = [tk.state for tk in tickets]
         caps = [gamma_cap(s) for s in states]
         gammas = self.loops.policy.choose_step(self.address, [
             StepRequest(cap, s.placement.draft.address if s.placement.draft is not None else None,
-                        len(s.tokens) - s.draft_synced) for cap, s in zip(caps, states)])
+                        len(s.tokens) - s.draft_synced, s.acceptance, s.max_new_tokens - s.generated,
+                        explorable=len(s.tokens) - s.draft_synced <= EXPLORE_MAX_LAG and s.draft_synced >= s.prompt_len)
+            for cap, s in zip(caps, states)], load=len(states) + self.loops.prefilling)  # those joining soon too
         rounds = [new_round(s, g) for s, g in zip(states, gammas)]
         spans = [self.loops.tracer.start_span("round", context=tk.ctx) for tk in tickets]
         errors: list[BaseException | None] = [None] * len(tickets)
         drafts = self._draft(states, rounds, spans, errors)
         draft_end = time.perf_counter()
         target_pass = self._verify(states, rounds, spans, errors)
-        staying = []
+        staying, tokens = [], 0
         for ticket, state, rnd, span, error in zip(tickets, states, rounds, spans, errors):
             try:
                 if error is not None:
@@ -199,6 +225,7 @@ class StepLoop:
                 ticket.fail(exc)
                 continue
             span.end()
+            tokens += len(rnd.result.token_ids)  # what the step gave the request (before a stop cuts it)
             ticket.put(rnd.chunk)
             if state.finish is not None:
                 ticket.release()
@@ -207,6 +234,15 @@ class StepLoop:
             else:
                 staying.append(ticket)
         self._learn(started, draft_end, target_pass, drafts)
+        seconds = time.perf_counter() - started
+        # a target pass that also ran other work (prefill chunks of joining requests, another
+        # orchestrator's sessions) says nothing of this step's arm: its time counts, its rate not
+        rows, _, own_rows = target_pass
+        alone = quiet is not None and self.loops.quiet_since() == quiet  # no prefill overlapped the step
+        outcome = self.loops.policy.observe_outcome(self.address, tokens, seconds,
+                                                    measured=alone and 0 < rows <= own_rows)
+        if outcome is not None:
+            self.loops.metrics.record_step(*outcome[:2], seconds, outcome[2])
         return staying
 
     def _draft(self, states: list[RequestState], rounds: list[Round], spans,
@@ -216,10 +252,10 @@ class StepLoop:
         learns: (rows, seconds) per pass as the worker reported them, and the seconds of the
         phase beyond its passes (the RPC, the orchestrator's work)."""
         started = time.perf_counter()
-        # a session the draft takes in whole first (opened lazily: its first drafts) is a one-off
-        # catch-up, as for the policy's probes: a draft phase with one teaches no step's costs
+        # a session the draft takes in whole first (opened lazily: its first drafts), or one that fell
+        # behind while drafting was off, is a one-off catch-up: a draft phase with one teaches no step's costs
         catching_up = {i for i, (s, r) in enumerate(zip(states, rounds))
-                       if r.gamma > 0 and len(s.tokens) - s.draft_synced > PROBE_MAX_LAG}
+                       if r.gamma > 0 and len(s.tokens) - s.draft_synced > CATCH_UP_LAG}
         groups: dict[int, tuple[object, list[int]]] = {}
         for i, (state, rnd) in enumerate(zip(states, rounds)):
             if rnd.gamma > 0:
@@ -271,14 +307,16 @@ class StepLoop:
         """One draft worker's share of the step: its calls' proposals (or errors), in order."""
         return t.run_in_context(ctx, member.worker.propose_batch, [calls[i] for i in members])
 
-    def _verify(self, states: list[RequestState], rounds: list[Round], spans, errors) -> tuple[int, float]:
+    def _verify(self, states: list[RequestState], rounds: list[Round], spans, errors) -> tuple[int, float, int]:
         """Every request's verification in one batched call (a request whose target failed is
-        moved and verified again on its own); returns the (rows, seconds) of the target's pass."""
+        moved and verified again on its own); returns the (rows, seconds) of the target's pass and
+        the rows the call brought to it."""
         started = time.perf_counter()
         live = [i for i in range(len(states)) if errors[i] is None]
         if not live:
-            return 0, 0.0
+            return 0, 0.0, 0
         calls = [verify_call(states[i], rounds[i]) for i in live]
+        own_rows = sum(len(c.token_ids) + len(c.draft_token_ids) for c in calls)
         worker = states[live[0]].placement.target.worker
         phases = self._phase("verify", live, spans)
         ctx = trace.set_span_in_context(phases[live[0]])
@@ -301,14 +339,14 @@ class StepLoop:
                     pass_rows, pass_s = max(pass_rows, outcome.batch_rows), max(pass_s, outcome.pass_s)
             except BaseException as exc:  # noqa: BLE001 - not a worker fault, or failover failed
                 errors[i] = exc
-        return pass_rows, pass_s
+        return pass_rows, pass_s, own_rows
 
-    def _learn(self, started: float, draft_end: float, target_pass: tuple[int, float],
+    def _learn(self, started: float, draft_end: float, target_pass: tuple[int, float, int],
                drafts: dict[str, tuple[int, float, float]]) -> None:
         """The step's costs go to the gamma policy once: the target's pass (rows, seconds), each
         draft's passes and the rest of its phase, and the rest of the step."""
         policy = self.loops.policy
-        rows, pass_s = target_pass
+        rows, pass_s, _ = target_pass
         if rows:
             policy.observe_pass(self.address, rows, pass_s)
         overhead = max(time.perf_counter() - draft_end - pass_s, 0.0)

@@ -7,7 +7,8 @@
 Starts target, draft and orchestrator as processes on loopback (`specdec_tools.stack.ProcessStack`,
 as `specdec run` does), once for the whole run. For each mode (--gamma: `on` leaves the request's
 gamma unset, so the server's default applies; `off` is gamma 0, the target alone; a number asks
-for that gamma) one short warm-up request, then for each concurrency level c: c client threads,
+for that gamma) one short warm-up request, then for each concurrency level c, each mode in turn (the
+order alternating from level to level, so drift over the run weighs on the modes alike): c client threads,
 one `orchestrator.client.Client` each, take requests from a shared list (the chat-templated
 prompts of specdec_tools.bench.PROMPTS in turn, sent as a user message) until the level's
 --requests-per-level are done (default max(8, 2c)), each streamed so that the first token shows.
@@ -685,7 +686,10 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                     with Client(stack.address if api == "http" else address, timeout_s=a.request_timeout) as client:
                         client.generate(messages=[{"role": "user", "content": "warm up"}], max_new_tokens=4,
                                         temperature=0.0, gamma=mode.gamma)  # warm-up
-                    for level in levels:
+                # the modes of a level side by side, in turn first and last (A B, B A, ...): the
+                # machine warming up (or drifting) over the run weighs on each mode alike
+                for i, level in enumerate(levels):
+                    for mode in (modes if i % 2 == 0 else modes[::-1]):
                         before = _link_counts(links.get(rtt))
                         recs, wall = run_level(address, mode, level, prompt_ids, a, log, api)
                         for r in recs:
@@ -704,6 +708,10 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                             f"{row['latency_p95_s'] or 0:.3f} s, TTFT p95 {row['ttft_p95_s'] or 0:.3f} s"
                             + (f", {row['rpcs_per_token']:.2f} RPCs/token" if "rpcs_per_token" in row else "")
                             + (f", {row['errors']} errors" if row["errors"] else ""))
+            order = {(setup, rtt, api): i for i, (setup, rtt, _, api) in enumerate(servers)}
+            names = [m.name for m in modes]
+            rows.sort(key=lambda r: (order[(r["setup"], r["link_rtt_ms"], r["api"])], names.index(r["mode"]),
+                                     levels.index(r["concurrency"])))  # the tables' order: by mode, then level
         except KeyboardInterrupt:
             log("interrupted; stopping the services")
             return 130
