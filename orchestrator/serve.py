@@ -163,6 +163,9 @@ def build_children(a: argparse.Namespace, target_dir: str, draft_dir: str | None
             orchestrator_flags += ["--prefill", "sequential"]  # the workers share cores
     if a.http_port != "off":
         orchestrator_flags += ["--http-port", str(a.http_port)]
+    if not os.path.exists(a.target) and not _has(routed["orchestrator"], "--served-model-name"):
+        # a model named by a short name or hub id is served by that name, not its cache directory's
+        orchestrator_flags += ["--served-model-name", a.target]
     children.append(Child("orchestrator", [*py, "orchestrator", "--host", a.host, "--port", str(a.port),
                                            *orchestrator_flags, *routed["orchestrator"]], a.port))
     return children
