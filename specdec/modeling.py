@@ -67,7 +67,7 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
     per output channel, int8 activations per row, exact integer sums: specdec/kernels.py), and it
     reads half the bytes of fp16 weights. Measured on the default target, 2 cores (`specdec
     bench-kernels`): a 1-row pass 1.4x faster than fp16 weights, a 9-row pass 1.7x, 17 rows 2.1x;
-    greedy text within KL ~0.003 of the fp16 path (README, "Performance on CPU"). `fp16` (fbgemm's
+    greedy text within KL ~0.003 of the fp16 path (docs/architecture.md, native kernels and quantization). `fp16` (fbgemm's
     fp16-weight kernels, fp32 activations; row-independent on AVX-512 CPUs only:
     kernels.fp16_rows_independent) stays as an option. fbgemm's
     plain `int8` computes one activation scale over all rows of a pass: rows are not independent.

@@ -4,7 +4,7 @@
                        [--max-new-tokens 48] [--prompts 4] [--concurrency 4] [--out DIR]
 
 The anchor is the engine a CPU user would pick instead: llama.cpp's `llama-server` (built from the
-llama-cpp-python sdist, see README, Performance on CPU), loaded from the very GGUF files our
+llama-cpp-python sdist, see docs/performance.md), loaded from the very GGUF files our
 default pair is converted from (`source.json` in the model store's converted directory), or
 from --target-gguf / --draft-gguf. Rows, one after another, never two engines at once:
 
@@ -65,7 +65,7 @@ def executable(text: str) -> str:
     path = Path(text).expanduser()
     if not path.is_file():
         raise argparse.ArgumentTypeError(
-            f"'{text}' does not exist: build llama-server first (README, Performance on CPU: the llama-cpp-python "
+            f"'{text}' does not exist: build llama-server first (docs/performance.md: the llama-cpp-python "
             "sdist, cmake --build build --target llama-server) and pass build/bin/llama-server")
     if not os.access(path, os.X_OK):
         raise argparse.ArgumentTypeError(f"'{text}' is not executable")

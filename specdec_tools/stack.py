@@ -19,7 +19,7 @@ import sys
 import time
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation."
-DEFAULT_DRAFT_VOCAB = 32768  # the default pair's draft scores the 32k most common ids (see README, Performance)
+DEFAULT_DRAFT_VOCAB = 32768  # the default pair's draft scores the 32k most common ids (see docs/performance.md)
 
 
 def free_port() -> int:

@@ -1,0 +1,234 @@
+"""Generates docs/configuration.md, the reference of every service flag, from the flag tables.
+
+The tables are the one place a flag is defined (specdec/flags.py): orchestrator.config.FLAGS
+(role "orchestrator") and specdec.worker.config.FLAGS (roles "target" and "draft"; `Flag.roles`
+says which roles have a flag). For each flag the page gives its name, default, environment
+variable (`FlagTable.env_name`) and help; flags marked `experimental` (benchmarks and ablations
+only) get a section of their own under each table. Written by hand here: `specdec serve`'s own
+flags (read from orchestrator.serve.add_arguments) with how it routes the rest, and the workers'
+environment switches that have no flag.
+
+    .venv/bin/python scripts/gen_config_docs.py           # writes docs/configuration.md
+    .venv/bin/python scripts/gen_config_docs.py --check   # exit 1 when docs/configuration.md is stale
+
+tests/docs/test_configuration_docs.py fails when the page is not what this script generates now,
+so a flag added, removed or changed without regenerating the page fails the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "configuration.md"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+WORKER_ROLES = ("target", "draft")
+
+# Environment switches of the workers that have no flag (read once, when a worker loads its model).
+# Each is on by default; "=0" (or the value shown) is an ablation: the same output where noted, slower.
+ENV_SWITCHES = [
+    ("SPECDEC_CACHE", "a directory",
+     "The model cache (default `~/.cache/specdec`): downloaded and verified GGUF files, the converted "
+     "transformers directories, the draft's requantized Q4_K blocks (`q4k/`) and the compiled native "
+     "kernels (`kernels/`). `python -m specdec.model_store list` shows what it holds."),
+    ("SPECDEC_NATIVE_KERNELS", "0",
+     "Turns the native C kernels off: `int8-rows` runs on fbgemm, `int4-rows` and `q4k-rows` are refused, "
+     "and `--quantize auto` picks `int8-rows` for a target and fbgemm's `int8` for a draft (slower)."),
+    ("SPECDEC_NATIVE_ISA", "avx2",
+     "Keeps the native kernels on their AVX2 path on a CPU with AVX-512 VNNI (the same output bits, "
+     "slower with several rows a pass)."),
+    ("SPECDEC_HUGE_PAGES", "0",
+     "Keeps the native kernels' weights on ordinary 4 KiB pages instead of memory advised as transparent "
+     "huge pages (the same output bits, slower one-row passes)."),
+    ("SPECDEC_LEAN_FORWARD", "0",
+     "Runs transformers' own forward for every model instead of the lean Llama/Qwen2 forward "
+     "(`specdec/worker/forward.py`; it also turns the decoder layers in C off)."),
+    ("SPECDEC_NATIVE_FORWARD", "0",
+     "Runs the decoder layers with torch ops (the lean forward) instead of one call into "
+     "`specdec/csrc/decoder.c` a pass."),
+    ("SPECDEC_Q6K", "0",
+     "Runs the Linears the GGUF holds in Q6_K as `int8-rows` (requantized) instead of on their own Q6_K "
+     "blocks."),
+    ("CC", "a compiler",
+     "The C compiler that builds the native kernels on first use (default: `cc`, else `gcc`; it needs "
+     "`-mavx2` and `-fopenmp`)."),
+    ("GOMP_SPINCOUNT", "a count",
+     "Every entry point sets 200000 (idle OpenMP threads spin about a millisecond, then sleep) unless "
+     "`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is already set; a worker with cores of its own may use "
+     "`OMP_WAIT_POLICY=ACTIVE`."),
+]
+
+
+# What a flag whose table gives no help does (the table's help wins once it has some).
+UNSAID = {
+    "--host": "address the gRPC server listens on",
+    "--port": "gRPC port",
+    "--max-sessions": "sessions the worker holds at once; beyond them RESOURCE_EXHAUSTED",
+}
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _default(flag) -> str:
+    if flag.required:
+        return "required"
+    if flag.default is None:
+        return "unset"
+    return f"`{flag.default}`"
+
+
+def _description(flag) -> str:
+    text = _cell(flag.help) or UNSAID.get(flag.name, "")
+    if flag.choices:
+        if text and not text.endswith("."):
+            text += "."
+        text += (" " if text else "") + "Choices: " + ", ".join(f"`{c}`" for c in flag.choices) + "."
+    return text
+
+
+def _flag_tables(table, roles: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The operator rows and the experimental rows of one flag table."""
+    operator, experimental = [], []
+    for flag in table.flags:
+        has = [r for r in roles if flag.roles is None or r in flag.roles]
+        if not has:
+            continue
+        env = ", ".join(f"`{table.env_name(flag, r)}`" for r in has)
+        if len(roles) > 1:
+            row = f"| `{flag.name}` | {', '.join(has)} | {_default(flag)} | {env} | {_description(flag)} |"
+        else:
+            row = f"| `{flag.name}` | {_default(flag)} | {env} | {_description(flag)} |"
+        (experimental if flag.experimental else operator).append(row)
+    return operator, experimental
+
+
+def _table_section(title: str, intro: list[str], table, roles: tuple[str, ...]) -> list[str]:
+    if len(roles) > 1:
+        header = ["| flag | roles | default | environment variable | description |", "|---|---|---|---|---|"]
+    else:
+        header = ["| flag | default | environment variable | description |", "|---|---|---|---|"]
+    operator, experimental = _flag_tables(table, roles)
+    out = ["", f"## {title}", "", *intro, "", *header, *operator, "",
+           "### Experimental (benchmarks and ablations only)", ""]
+    if experimental:
+        out += ["Never needed in production: `--help` leaves these out, `--help-experimental` lists them. Some "
+                "break exactness or cost speed, as each says.", "", *header, *experimental]
+    else:
+        out.append("None.")
+    return out
+
+
+def _serve_section() -> list[str]:
+    from orchestrator import serve
+
+    parser = argparse.ArgumentParser(prog="specdec serve", add_help=False)
+    serve.add_arguments(parser)
+    rows = []
+    for action in parser._actions:
+        help_text = re.sub(r"\s*\(default [^()]*\)$", "", action.help or "")
+        default = "unset" if action.default in (None, "") else f"`{action.default}`"
+        rows.append(f"| `{', '.join(action.option_strings)}` | {default} | {_cell(help_text)} |")
+    return [
+        "",
+        "## `specdec serve`",
+        "",
+        "`specdec serve` runs the target worker, the draft worker and the orchestrator as supervised child",
+        "processes until it is stopped (`orchestrator/serve.py`). Its own flags:",
+        "",
+        "| flag | default | description |",
+        "|---|---|---|",
+        *rows,
+        "",
+        "Every other flag must be one of the services' flags below, given as `--name VALUE` or",
+        "`--name=VALUE`: an orchestrator flag goes to the orchestrator, a worker flag to both workers (a",
+        "draft-only flag to the draft), `--log-level` to all three; a flag no service takes is refused.",
+        f"The workers listen on free ports of 127.0.0.1. The draft gets `--draft-vocab {serve.DEFAULT_DRAFT_VOCAB}`",
+        "unless one is given. On a CPU (no `--device cuda...` and no `--device-map`), with a draft, both",
+        "workers get the same `--pass-lock` file and the orchestrator `--prefill sequential`, unless",
+        "given. A child that exits is restarted after 1 s, doubling to 30 s (back to 1 s once it has run",
+        "a minute); SIGINT or SIGTERM stops the orchestrator first, then the workers.",
+    ]
+
+
+def _env_section() -> list[str]:
+    rows = [f"| `{name}` | {value} | {_cell(text)} |" for name, value, text in ENV_SWITCHES]
+    return [
+        "",
+        "## Environment switches of the workers",
+        "",
+        "These have no flag; a worker reads them when it loads its model. The defaults are what",
+        "production wants; the values shown turn a technique off, for comparisons.",
+        "",
+        "| variable | value | effect |",
+        "|---|---|---|",
+        *rows,
+    ]
+
+
+def render() -> str:
+    """docs/configuration.md as the flag tables define it now."""
+    from orchestrator.config import FLAGS as ORCHESTRATOR_FLAGS
+    from specdec.worker.config import FLAGS as WORKER_FLAGS
+
+    out = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated by scripts/gen_config_docs.py from the flag tables. Do not edit: change the flags",
+        "     and run `.venv/bin/python scripts/gen_config_docs.py`. -->",
+        "",
+        "Generated by `scripts/gen_config_docs.py` from the services' flag tables",
+        "(`orchestrator/config.py`, `specdec/worker/config.py`); a test fails when this page is stale.",
+        "Every flag can also be set by its environment variable; a flag on the command line wins over",
+        "its variable, which wins over the default. `--help` lists a service's flags with their",
+        "variables, `--help-experimental` the experimental ones.",
+        "",
+        "- [`specdec serve`](#specdec-serve)",
+        "- [Orchestrator](#orchestrator)",
+        "- [Workers](#workers)",
+        "- [Environment switches of the workers](#environment-switches-of-the-workers)",
+    ]
+    out += _serve_section()
+    out += _table_section("Orchestrator", ["`python -m orchestrator`: the client-facing gRPC service (and the "
+                                           "OpenAI-compatible HTTP API with `--http-port`)."],
+                          ORCHESTRATOR_FLAGS, ("orchestrator",))
+    out += _table_section("Workers", ["`python -m target_service` and `python -m draft_service`: one flag table "
+                                      "for both roles; `roles` says which role has a flag, and each role reads its "
+                                      "own variable."],
+                          WORKER_FLAGS, WORKER_ROLES)
+    out += _env_section()
+    return "\n".join(out) + "\n"
+
+
+def check(doc: Path = DOC) -> list[str]:
+    """What is wrong: empty when docs/configuration.md is what render() makes."""
+    if not doc.exists() or doc.read_text() != render():
+        return [f"{doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc} is stale: "
+                "run .venv/bin/python scripts/gen_config_docs.py"]
+    return []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail if docs/configuration.md is stale; write nothing")
+    args = parser.parse_args()
+    if args.check:
+        problems = check()
+        if problems:
+            print(*problems, sep="\n", file=sys.stderr)
+            raise SystemExit(1)
+        print("docs/configuration.md is up to date")
+        return
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(render())
+    print(DOC.relative_to(ROOT))
+
+
+if __name__ == "__main__":
+    main()
