@@ -5,6 +5,7 @@
     GET  /v1/models             the one model this orchestrator serves
     POST /tokenize              prompt or messages -> token ids, as the decoder would encode them
     GET  /health                200 while serving, 503 otherwise (no token needed)
+    GET  /metrics               Prometheus text of the orchestrator's metrics, as vLLM serves it (no token needed)
 
 It runs beside the gRPC server in the same process (uvicorn on a thread of its own) and feeds the
 same decoder through the same admission queue: one decoding loop, one limit on requests running
@@ -40,7 +41,7 @@ from typing import Annotated, Any, AsyncIterator, Callable, Literal
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
@@ -53,6 +54,8 @@ from specdec.errors import ServiceError
 from specdec.protocol import (MAX_GAMMA, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, GenerationChunk,
                               GenerationRequest, GrammarSpec)
 from specdec.security import ServerTls, TokenSet
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without a bearer token (load balancers, scrapers)
 
 log = logging.getLogger(__name__)
 
@@ -458,8 +461,10 @@ class FrontDoor:
 
     def __init__(self, slot, admission: Admission, *, tokens: "TokenSet | frozenset[str]" = frozenset(),
                  served_model_name: str | None = None, serving: Callable[[], bool] = lambda: True,
-                 request_timeout_s: float = 0.0, max_body_bytes: int = 4 * 1024 * 1024, body_timeout_s: float = 30.0):
+                 request_timeout_s: float = 0.0, max_body_bytes: int = 4 * 1024 * 1024, body_timeout_s: float = 30.0,
+                 metrics_registry=None):
         self.slot, self.admission = slot, admission
+        self._metrics = metrics_registry  # a prometheus_client registry: GET /metrics (None: 404)
         self._tokens = tokens if isinstance(tokens, TokenSet) else TokenSet(tokens)
         self._served_name = served_model_name
         self._serving = serving
@@ -607,6 +612,15 @@ class FrontDoor:
         async def health():
             ok = self._serving() and self.slot.decoder is not None
             return JSONResponse({"status": "serving" if ok else "not serving"}, status_code=200 if ok else 503)
+
+        @app.get("/metrics")
+        async def prometheus_metrics():
+            if self._metrics is None:
+                raise OpenAIError(404, "metrics are off (the server runs with OTEL_SDK_DISABLED=true)",
+                                  code="not_found")
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            return Response(generate_latest(self._metrics), media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -800,7 +814,7 @@ class _Guard:
         if scope["http_version"] == "1.0":  # no keep-alive for HTTP/1.0: say so, or its client reuses a closed socket
             send = _closing(send)
         headers = dict(scope["headers"])
-        if self.tokens and scope["path"] != "/health" and not self.tokens.holds(_bearer(headers)):
+        if self.tokens and scope["path"] not in OPEN_PATHS and not self.tokens.holds(_bearer(headers)):
             return await _refuse(send, OpenAIError(
                 401, "missing or invalid bearer token (send 'Authorization: Bearer <token>')",
                 "authentication_error", code="invalid_api_key"))

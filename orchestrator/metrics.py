@@ -27,6 +27,9 @@ class DecodingMetrics:
         self.accepted_length = meter.create_histogram(
             "specdec.round.accepted_length", unit="{token}", description="Drafts accepted in one round",
             explicit_bucket_boundaries_advisory=ACCEPTED_LENGTH_BUCKETS)
+        self.gamma = meter.create_histogram(
+            "specdec.round.gamma", unit="{token}", description="Drafts a round made (0: a round without drafts)",
+            explicit_bucket_boundaries_advisory=ACCEPTED_LENGTH_BUCKETS)
         self.stage = meter.create_histogram(
             "specdec.stage.duration", unit="s", description="Time per stage: prefill, draft, verify, sampling",
             explicit_bucket_boundaries_advisory=t.SECONDS_BUCKETS)
@@ -51,6 +54,7 @@ class DecodingMetrics:
     def record_round(self, gamma: int, num_accepted: int, draft_s: float, verify_s: float, sampling_s: float,
                      wire_bytes: int) -> None:
         self.rounds.add(1)
+        self.gamma.record(gamma)
         for i in range(gamma):
             self.drafted.add(1, {t.POSITION: i})
         for i in range(num_accepted):

@@ -153,7 +153,8 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
                                           served_model_name=config.served_model_name,
                                           serving=lambda: parts.serving, request_timeout_s=config.request_timeout_s,
                                           max_body_bytes=config.http_max_body_bytes,
-                                          body_timeout_s=config.http_body_timeout_s),
+                                          body_timeout_s=config.http_body_timeout_s,
+                                          metrics_registry=parts.telemetry.registry),
                                 config.host, config.http_port, config.tls, config.log_level,
                                 head_timeout_s=config.http_head_timeout_s,
                                 max_connections=config.http_max_connections).start()
@@ -177,7 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     # the orchestrator's tensor work (a residual over the vocabulary now and then) is small; one
     # thread means no OpenMP team spinning on cores that co-located workers need
     torch.set_num_threads(config.torch_threads)
-    parts, port = create_server(config, telemetry=Telemetry.from_env("specdec-orchestrator"))
+    # the HTTP door serves Prometheus text at /metrics, as vLLM's does: its metrics are kept even
+    # where no OTEL_METRICS_EXPORTER asks for them
+    parts, port = create_server(config, telemetry=Telemetry.from_env("specdec-orchestrator",
+                                                                     scrape=config.http_port is not None))
     log.info("orchestrator on port %d%s; target %s, draft %s", port,
              f", OpenAI-compatible HTTP on port {parts.http.port}" if parts.http else "", config.target, config.draft)
     serve_until_signalled(parts.server, parts, grace_s=config.drain_timeout_s)

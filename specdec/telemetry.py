@@ -126,6 +126,16 @@ def _span_exporters(env: Mapping[str, str]) -> list[SpanExporter]:
     return exporters
 
 
+def _prometheus_reader() -> tuple[MetricReader, object]:
+    """A Prometheus reader on a registry of its own (several services in one process must not
+    share one), and that registry."""
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=True)
+    return PrometheusMetricReader(registry=registry), registry
+
+
 def _metric_readers(env: Mapping[str, str]) -> tuple[list[MetricReader], dict]:
     """Returns the readers and, when Prometheus is on, its registry and bind address."""
     readers, prometheus = [], {}
@@ -141,12 +151,8 @@ def _metric_readers(env: Mapping[str, str]) -> tuple[list[MetricReader], dict]:
 
             readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
         elif name == "prometheus":
-            from opentelemetry.exporter.prometheus import PrometheusMetricReader
-            from prometheus_client import CollectorRegistry
-
-            # a registry of our own: several services in one process must not share one
-            registry = CollectorRegistry(auto_describe=True)
-            readers.append(PrometheusMetricReader(registry=registry))
+            reader, registry = _prometheus_reader()
+            readers.append(reader)
             prometheus = {
                 "registry": registry,
                 "host": env.get("OTEL_EXPORTER_PROMETHEUS_HOST", "localhost"),
@@ -165,6 +171,7 @@ class Telemetry:
     tracer_provider: TracerProvider | None = None  # None: tracing off
     meter_provider: MeterProvider | None = None  # None: metrics off
     prometheus_port: int | None = None  # the bound port of /metrics, when served
+    registry: object = field(default=None, repr=False)  # the Prometheus registry of its metrics, if any
     _prometheus_server: object = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -189,8 +196,12 @@ class Telemetry:
         metric_readers: Sequence[MetricReader] = (),
         batch: bool = True,
         prometheus: dict | None = None,
+        scrape: bool = False,
     ) -> "Telemetry":
-        """Providers for these exporters and readers (tests pass in-memory ones, batch=False)."""
+        """Providers for these exporters and readers (tests pass in-memory ones, batch=False).
+        scrape: keep the metrics in a Prometheus registry (Telemetry.registry) even where no
+        Prometheus port is configured, for a server that serves them itself (the HTTP door's
+        /metrics)."""
         resource = Resource.create({
             "service.name": service_name,
             "service.instance.id": f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
@@ -200,8 +211,12 @@ class Telemetry:
             tp = TracerProvider(resource=resource)
             for exporter in span_exporters:
                 tp.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
-        mp = MeterProvider(resource=resource, metric_readers=list(metric_readers)) if metric_readers else None
-        telemetry = cls(service_name, tp, mp)
+        readers, registry = list(metric_readers), (prometheus or {}).get("registry")
+        if scrape and registry is None:
+            reader, registry = _prometheus_reader()
+            readers.append(reader)
+        mp = MeterProvider(resource=resource, metric_readers=readers) if readers else None
+        telemetry = cls(service_name, tp, mp, registry=registry)
         if prometheus:
             from prometheus_client import start_http_server
 
@@ -212,13 +227,15 @@ class Telemetry:
         return telemetry
 
     @classmethod
-    def from_env(cls, default_service_name: str, env: Mapping[str, str] | None = None) -> "Telemetry":
+    def from_env(cls, default_service_name: str, env: Mapping[str, str] | None = None,
+                 scrape: bool = False) -> "Telemetry":
         env = os.environ if env is None else env
         name = env.get("OTEL_SERVICE_NAME") or default_service_name
         if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
             return cls.off(name)
         readers, prometheus = _metric_readers(env)
-        return cls.create(name, span_exporters=_span_exporters(env), metric_readers=readers, prometheus=prometheus)
+        return cls.create(name, span_exporters=_span_exporters(env), metric_readers=readers, prometheus=prometheus,
+                          scrape=scrape)
 
     def server_interceptors(self) -> list:
         if not self.tracing:

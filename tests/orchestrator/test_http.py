@@ -658,3 +658,30 @@ def test_lists_as_long_as_the_body_limit_allows_are_refused_in_bounded_memory(ht
         watcher.join()
     assert peak[0] - before < 192, f"grew by {peak[0] - before:.0f} MiB for 4 MiB bodies"
     assert httpx.get(base + "/health").status_code == 200
+
+
+def test_metrics_are_prometheus_text_on_the_http_port_without_a_token(target_engine, draft_engine, tmp_path):
+    """GET /metrics on the OpenAI door (where vLLM serves it, and aiperf looks): the request and
+    speculative counters and the step policy's, as Prometheus text, with no bearer token needed
+    even where the API needs one."""
+    from specdec.telemetry import Telemetry
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    stack = start_stack(target_engine, draft_engine, http_port=0, auth_token_file=str(tokens),
+                        gamma_policy="goodput", telemetry={"orchestrator": Telemetry.create("t", scrape=True)})
+    try:
+        base = f"http://127.0.0.1:{stack['orchestrator'].http.port}"
+        model = stack["orchestrator"].slot.decoder.target_info.model_name
+        answer = httpx.post(base + "/v1/completions", headers={"Authorization": "Bearer s3cret"}, timeout=60,
+                            json={"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+        assert answer.status_code == 200
+        reply = httpx.get(base + "/metrics")
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+        text = reply.text
+        for name in ("specdec_rounds_total", "specdec_requests_total", "gen_ai_server_time_to_first_token",
+                     "specdec_step_duration", "specdec_round_gamma", "specdec_drafted_tokens_total"):
+            assert name in text, name
+        assert httpx.get(base + "/v1/models").status_code == 401  # the API itself still needs the token
+    finally:
+        stop_stack(stack)
