@@ -281,15 +281,21 @@ def check_command(argv: list[str], env: Mapping[str, str] | None = None) -> Any:
     return None
 
 
-def check_specdec_env(argv: list[str], env: Mapping[str, str]) -> None:
+def check_specdec_env(argv: list[str], env: Mapping[str, str], base: Mapping[str, str] | None = None) -> None:
     """Every SPECDEC_* variable must change what the command parses to: a renamed flag (or a
-    misspelt variable) would otherwise be ignored without a word."""
+    misspelt variable) would otherwise be ignored without a word. base: the environment an
+    override file merged into; a variable it sets differently must change the parse from its
+    value there (an override may set a flag back to its default)."""
+    base = base or {}
     specdec_vars = [k for k in env if k.startswith("SPECDEC_") and k != "SPECDEC_CACHE"]
     if not specdec_vars:
         return
     with_all = check_command(argv, env)
     for name in specdec_vars:
-        without = check_command(argv, {k: v for k, v in env.items() if k != name})
+        instead = {k: v for k, v in env.items() if k != name}
+        if name in base and base[name] != env[name]:
+            instead[name] = base[name]
+        without = check_command(argv, instead)
         assert with_all != without, f"{name}={env[name]!r} has no effect on `{' '.join(argv[:3])}`"
 
 

@@ -33,7 +33,8 @@ from tests.deploy.deployfiles import (
 
 SERVICES = {*ROLES, "jaeger", "prometheus", "grafana"}
 # variables the compose files read; unset for `config`, so it shows the defaults
-COMPOSE_VARIABLES = ("TARGET_MODEL", "DRAFT_MODEL", "ORCHESTRATOR_PORTS", "TORCH_CUDA_INDEX_URL")
+COMPOSE_VARIABLES = ("TARGET_MODEL", "DRAFT_MODEL", "ORCHESTRATOR_PORTS", "TORCH_CUDA_INDEX_URL", "TARGET_GPU",
+                     "DRAFT_GPU")
 
 
 def duration_s(value: str) -> float:
@@ -109,6 +110,27 @@ def test_docker_compose_config(gpu):
 def test_merged_structure():
     check_merged(compose_services(COMPOSE), gpu=False)
     check_merged(compose_services(COMPOSE, COMPOSE_GPU), gpu=True)
+
+
+def test_on_cpu_the_workers_share_one_pass_lock_and_prefill_one_after_the_other():
+    """Both workers share the host's cores: one lock file in one shared volume, so their passes
+    take turns (every replica's too), and the orchestrator prefills them in turn."""
+    services = compose_services(COMPOSE)
+    locks = {service_env(services[r])[f"SPECDEC_{r.upper()}_PASS_LOCK"] for r in WORKER_ROLES}
+    assert len(locks) == 1 and locks.pop().startswith("/locks/")
+    for role in WORKER_ROLES:
+        assert "locks:/locks" in services[role]["volumes"], role
+    assert service_env(services["orchestrator"])["SPECDEC_ORCHESTRATOR_PREFILL"] == "sequential"
+    assert "--prefill" not in services["orchestrator"]["command"]  # else the variable would not count
+
+
+def test_with_gpus_each_worker_has_its_own_and_no_pass_lock():
+    services = compose_services(COMPOSE, COMPOSE_GPU)
+    gpus = [_devices(services[r])[0]["device_ids"] for r in WORKER_ROLES]
+    assert gpus[0] != gpus[1], gpus
+    for role in WORKER_ROLES:
+        assert service_env(services[role])[f"SPECDEC_{role.upper()}_PASS_LOCK"] == ""
+    assert service_env(services["orchestrator"])["SPECDEC_ORCHESTRATOR_PREFILL"] == "parallel"
 
 
 def test_services_scale():

@@ -44,7 +44,7 @@ def _parsed_compose(variant: str) -> dict:
 def test_compose_commands_parse(variant, role):
     svc, config = _parsed_compose(variant)[role]
     assert svc["command"][:3] == ["python", "-m", MODULE[role]]
-    check_specdec_env(svc["command"], service_env(svc))
+    check_specdec_env(svc["command"], service_env(svc), service_env(compose_services(COMPOSE)[role]))
     # the healthcheck probes the port the server listens on
     probe = check_command(healthcheck_argv(svc))
     host, port = probe.address.rsplit(":", 1)
@@ -57,7 +57,9 @@ def test_compose_orchestrator_points_at_the_worker_services(variant):
     orch = parsed["orchestrator"][1]
     assert orch.target == f"target:{parsed['target'][1].port}"
     assert orch.draft == f"draft:{parsed['draft'][1].port}"
-    assert orch.parallel_prefill, "workers run in containers of their own: --prefill parallel"
+    # on CPU the worker containers share the host's cores (prefill one after the other); with
+    # the GPU override each worker has a GPU of its own (prefill both at once)
+    assert orch.parallel_prefill == (variant == "gpu")
 
 
 def test_compose_devices():

@@ -207,6 +207,29 @@ def test_hpa_targets_the_orchestrator(docs):
     assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
 
 
+def test_every_pool_has_a_disruption_budget(docs):
+    """A node drain takes at most one pod of each pool at a time."""
+    budgets = by_kind(docs, "PodDisruptionBudget")
+    deployments = by_kind(docs, "Deployment")
+    covered = set()
+    for pdb in budgets.values():
+        assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1
+        match = pdb["spec"]["selector"]["matchLabels"]
+        covered |= {name for name, dep in deployments.items() if dep["spec"]["selector"]["matchLabels"] == match}
+    assert covered == set(deployments)
+
+
+def test_the_orchestrator_takes_its_bearer_tokens_from_a_secret(docs):
+    """The OpenAI and gRPC ports are published: clients must send a token, read from a Secret."""
+    dep = by_kind(docs, "Deployment")[DEPLOYMENTS["orchestrator"]]
+    args = _container(dep)["args"]
+    path = args[args.index("--auth-token-file") + 1]
+    mount = next(m for m in _container(dep)["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in _pod(dep)["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "specdec-api-tokens" and mount.get("readOnly")
+    assert not volume["secret"].get("optional"), "without tokens the API would be open: the pod must wait"
+
+
 def test_metrics_and_telemetry(docs):
     deployments, configmaps = by_kind(docs, "Deployment"), by_kind(docs, "ConfigMap")
     known = otel_variable_names()
