@@ -197,6 +197,18 @@ class SamplingParams:
             raise InvalidArgument(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids >= 0")
         return self
 
+    def raw_logit(self, controlled: float, token: int, prefix: list[int]) -> float:
+        """The raw logit of `token` at the position after `prefix`, from its controlled logit: the
+        controls of specdec.sampling.apply_controls undone (each is invertible for one token; the
+        orchestrator uses it to report raw log-probabilities under rejection sampling)."""
+        z = controlled
+        if self.frequency_penalty or self.presence_penalty:
+            count = prefix[self.output_start:].count(token)
+            z += self.frequency_penalty * count + (self.presence_penalty if count else 0.0)
+        if self.repetition_penalty != 1.0 and token in prefix:
+            z = z * self.repetition_penalty if z > 0 else z / self.repetition_penalty
+        return z - dict(self.logit_bias).get(token, 0.0)
+
     def check_vocabulary(self, vocab_size: int) -> None:
         """INVALID_ARGUMENT for a token id the controls name that the vocabulary does not have."""
         for name, tokens in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
@@ -445,11 +457,9 @@ class Verification:
             return math.log(p)
         if not self.raw_log_norms:
             return params.temperature * math.log(p) + self.logprob_bases[position]
-        from specdec.sampling import raw_logit  # torch: only the orchestrator's side reads distributions
-
         norm = self.raw_log_norms[position]
         controlled = params.temperature * math.log(p) + self.logprob_bases[position] + norm
-        return raw_logit(params, controlled, token_id, list(prefix)) - norm
+        return params.raw_logit(controlled, token_id, list(prefix)) - norm
 
 
 @dataclass(frozen=True)

@@ -154,16 +154,9 @@ def apply_controls(logits: torch.Tensor, params: SamplingParams, tokens: list[in
 
 
 def raw_logit(params: SamplingParams, controlled: float, token: int, prefix: list[int]) -> float:
-    """The raw logit of `token` at the position after `prefix`, from its controlled logit: the
-    controls of apply_controls undone (each is invertible for one token; the orchestrator uses it
-    to report raw log-probabilities under rejection sampling)."""
-    z = controlled
-    if params.frequency_penalty or params.presence_penalty:
-        count = prefix[params.output_start:].count(token)
-        z += params.frequency_penalty * count + (params.presence_penalty if count else 0.0)
-    if params.repetition_penalty != 1.0 and token in prefix:
-        z = z * params.repetition_penalty if z > 0 else z / params.repetition_penalty
-    return z - dict(params.logit_bias).get(token, 0.0)
+    """The raw logit of `token` after `prefix`, from its controlled logit: the controls of
+    apply_controls undone (SamplingParams.raw_logit, which the records use without torch)."""
+    return params.raw_logit(controlled, token, prefix)
 
 
 # ---- coupled sampling: Gumbel-max with noise keyed by (seed, position, token id) ----------------
