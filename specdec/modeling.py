@@ -85,9 +85,13 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
             return "none"
         from specdec.kernels import native_available
 
-        if role == "draft":
-            return "q4k-rows" if native_available() else "int8"
-        return "int4-rows" if native_available() else "int8-rows"
+        chosen = ("q4k-rows" if role == "draft" else "int4-rows") if native_available() else \
+            ("int8" if role == "draft" else "int8-rows")
+        if chosen in ("int8", "int8-rows"):  # the fallback changes speed, memory and numerics: say so
+            log.warning("--quantize auto: the native kernels cannot run here (they need Linux x86-64 with AVX2 "
+                        "and a C compiler, and SPECDEC_NATIVE_KERNELS not 0); the %s runs %s on fbgemm, slower",
+                        role, chosen)
+        return chosen
     if name not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {name!r}; choose one of auto, {', '.join(QUANTIZATIONS)}")
     if name != "none" and (device != "cpu" or dtype != torch.float32):
@@ -96,7 +100,7 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
         from specdec.kernels import native_available
 
         if not native_available():
-            raise ValueError("quantization 'int4-rows' needs the native kernel (Linux x86-64 with AVX2, a C "
+            raise ValueError(f"quantization {name!r} needs the native kernel (Linux x86-64 with AVX2, a C "
                              "compiler, SPECDEC_NATIVE_KERNELS not 0)")
     return name
 

@@ -64,3 +64,23 @@ def test_a_float16_store_runs_as_if_loaded_in_float32(fp16_dir, quantization):
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.inference_mode():
         assert torch.equal(loaded.model(ids).logits, reference(ids).logits)
+
+
+def test_auto_quantization_says_when_it_falls_back_from_the_native_kernels(monkeypatch, caplog):
+    """Without the native kernels `auto` still serves, on fbgemm, and says so: the fallback
+    changes speed, memory and numerics. Asked for by name, the native formats refuse instead."""
+    import logging
+
+    import pytest
+    import torch
+
+    from specdec.modeling import resolve_quantization
+
+    monkeypatch.setenv("SPECDEC_NATIVE_KERNELS", "0")
+    with caplog.at_level(logging.WARNING, logger="specdec.modeling"):
+        assert resolve_quantization("auto", "cpu", torch.float32, role="target") == "int8-rows"
+        assert resolve_quantization("auto", "cpu", torch.float32, role="draft") == "int8"
+    assert sum("native kernels cannot run here" in r.getMessage() for r in caplog.records) == 2
+    for name in ("int4-rows", "q4k-rows"):
+        with pytest.raises(ValueError, match="native kernel"):
+            resolve_quantization(name, "cpu", torch.float32)
