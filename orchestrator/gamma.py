@@ -210,6 +210,73 @@ def step_goodput(gammas: list[int], requests: list[StepRequest], costs: StepCost
     return tokens / (costs.overhead_s + draft_s + costs.target(rows))
 
 
+class StepModel:
+    """step_goodput for the candidate steps of one set of requests, cheaply: the pass lines fitted
+    once, each request's E_j(g) and catch-up computed once, and a step that differs from the
+    current one by one request left out evaluated from the current step's sums. The same numbers
+    as step_goodput (tests/orchestrator/test_gamma.py checks), in O(1) a candidate instead of
+    O(requests) with a refit each: the search below tries O(requests^2) of them every step."""
+
+    def __init__(self, requests: list[StepRequest], costs: StepCosts):
+        self.requests, self.overhead = requests, costs.overhead_s
+        self.target = costs.target.fit()
+        self.lines = {d: line.fit() for d, line in costs.drafts.items() if line.known}
+        self.extra = costs.draft_extra_s
+        self.caps = [max(r.cap, 0) if r.draft is not None else 0 for r in requests]
+        self.e = [[1.0] + [expected(r, g, costs) for g in range(1, cap + 1)] for r, cap in zip(requests, self.caps)]
+
+    def catch_up(self, j: int, g: int) -> float:
+        """Request j's catch-up rows charged to a step in which it drafts g (step_goodput's rule)."""
+        r = self.requests[j]
+        if g == 0 or r.lag <= 1:
+            return 0.0
+        return (r.lag - 1) / max(1.0, r.remaining / self.e[j][g]) if r.remaining else r.lag - 1
+
+    def _draft_s(self, address: str, n: int, steps: int, catch_up: float) -> float:
+        line = self.lines.get(address)
+        if line is None or n == 0:
+            return 0.0
+        alpha, beta = line
+        return steps * max(alpha + beta * n, 1e-6) + beta * catch_up + self.extra.get(address, 0.0)
+
+    def goodput(self, tokens: float, rows: int, draft_s: float) -> float:
+        alpha, beta = self.target
+        return tokens / (self.overhead + draft_s + max(alpha + beta * rows, 1e-6))
+
+    def sums(self, gammas: list[int]) -> tuple[float, int, dict[str, list]]:
+        """tokens, rows, and per draft [requests drafting, {gamma: requests}, catch-up rows]."""
+        tokens, rows, per_draft = 0.0, 0, {}
+        for j, (g, r) in enumerate(zip(gammas, self.requests)):
+            rows += g + 1
+            tokens += self.e[j][g]
+            if g:
+                d = per_draft.setdefault(r.draft, [0, {}, 0.0])
+                d[0] += 1
+                d[1][g] = d[1].get(g, 0) + 1
+                d[2] += self.catch_up(j, g)
+        return tokens, rows, per_draft
+
+    def step(self, gammas: list[int]) -> float:
+        """step_goodput(gammas, requests, costs)."""
+        tokens, rows, per_draft = self.sums(gammas)
+        draft_s = max((self._draft_s(a, n, max(gs), c) for a, (n, gs, c) in per_draft.items()), default=0.0)
+        return self.goodput(tokens, rows, draft_s)
+
+    def without(self, gammas: list[int], sums, j: int) -> float:
+        """The goodput of `gammas` (whose sums are `sums`) with request j drafting none."""
+        tokens, rows, per_draft = sums
+        g, mine = gammas[j], self.requests[j].draft
+        draft_s = 0.0
+        for address, (n, gs, catch_up) in per_draft.items():
+            if address == mine:
+                left = [k for k, count in gs.items() if count > (k == g)]
+                draft_s = max(draft_s, self._draft_s(address, n - 1, max(left, default=0),
+                                                     catch_up - self.catch_up(j, g)))
+            else:
+                draft_s = max(draft_s, self._draft_s(address, n, max(gs), catch_up))
+        return self.goodput(tokens - self.e[j][g] + 1.0, rows - g, draft_s)
+
+
 def drafting_gammas(requests: list[StepRequest], costs: StepCosts) -> list[int]:
     """The best step that drafts: a common g (each request min(g, cap)) with the best step_goodput,
     then, one at a time, the request whose drafts the step is better without (its acceptance is
@@ -217,16 +284,17 @@ def drafting_gammas(requests: list[StepRequest], costs: StepCosts) -> list[int]:
     caps = [max(r.cap, 0) if r.draft is not None else 0 for r in requests]
     if max(caps, default=0) <= 0 or not costs.target.known:
         return caps
-    g = max(range(1, max(caps) + 1), key=lambda g: step_goodput([min(g, c) for c in caps], requests, costs))
+    model = StepModel(requests, costs)
+    g = max(range(1, max(caps) + 1), key=lambda g: model.step([min(g, c) for c in caps]))
     gammas = [min(g, c) for c in caps]
-    best = step_goodput(gammas, requests, costs)
-    while True:
-        trials = [(step_goodput(gammas[:j] + [0] + gammas[j + 1:], requests, costs), j)
-                  for j in range(len(gammas)) if gammas[j] > 0 and sum(map(bool, gammas)) > 1]
-        better = max(trials, default=(0.0, -1))
+    best = model.step(gammas)
+    while sum(map(bool, gammas)) > 1:
+        sums = model.sums(gammas)
+        better = max(((model.without(gammas, sums, j), j) for j in range(len(gammas)) if gammas[j] > 0))
         if better[0] <= best:
-            return gammas
+            break
         best, gammas[better[1]] = better[0], 0
+    return gammas
 
 
 def best_step_gammas(requests: list[StepRequest], costs: StepCosts) -> list[int]:
@@ -271,10 +339,6 @@ class GammaPolicy:
 
     def _cost(self, address: str) -> LinearCost:
         return self._costs.setdefault(address, LinearCost())
-
-    def pooled_acceptance(self, target: str, draft: str) -> Acceptance:
-        with self._lock:
-            return self._acceptance.setdefault((target, draft), Acceptance())
 
     def choose_step(self, target: str, requests: list[StepRequest], load: int | None = None) -> list[int]:
         """Each request's gamma for one step of the step loop on `target` (orchestrator/steps.py),

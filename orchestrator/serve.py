@@ -272,12 +272,13 @@ class Supervisor:
                     say(f"{child.name} did not stop within {STOP_GRACE_S:.0f} s; killing it")
                     child.proc.kill()
                     child.proc.wait()
-        for flag in ("--pass-lock",):
-            for path in _values(self.children[0].argv, flag):
-                try:
-                    os.remove(path)
-                except FileNotFoundError:
-                    pass
+        for path in _values(self.children[0].argv, "--pass-lock"):
+            if not os.path.basename(path).startswith("specdec-serve-"):
+                continue  # the user's own lock file stays
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -276,3 +276,50 @@ def test_the_load_level_counts_requests_still_prefilling():
     assert policy.choose_step("t", [StepRequest(4, "d")], load=8) == [0]
     policy.observe_outcome("t", 1, 0.1)
     assert policy.choose_step("t", [StepRequest(4, "d")]) == [4]  # alone: the model's choice
+
+
+def test_the_step_search_computes_step_goodput_and_finds_what_a_plain_search_finds():
+    """StepModel evaluates candidate steps from sums (O(1) each, the search tries O(B^2) a step):
+    the same goodput as step_goodput for every candidate, and drafting_gammas' answer equals that
+    of the plain search over step_goodput it replaces."""
+    import random
+
+    from orchestrator.gamma import StepModel, drafting_gammas, step_goodput
+
+    def plain_search(requests, costs):
+        caps = [max(r.cap, 0) if r.draft is not None else 0 for r in requests]
+        g = max(range(1, max(caps) + 1), key=lambda g: step_goodput([min(g, c) for c in caps], requests, costs))
+        gammas = [min(g, c) for c in caps]
+        best = step_goodput(gammas, requests, costs)
+        while sum(map(bool, gammas)) > 1:
+            better = max((step_goodput(gammas[:j] + [0] + gammas[j + 1:], requests, costs), j)
+                         for j in range(len(gammas)) if gammas[j] > 0)
+            if better[0] <= best:
+                break
+            best, gammas[better[1]] = better[0], 0
+        return gammas
+
+    rng = random.Random(5)
+    for _ in range(200):
+        drafts = ["d1", "d2"][: rng.randint(1, 2)]
+        costs = StepCosts(measured(lambda r, a=rng.uniform(0.01, 0.1), b=rng.uniform(0, 0.01): a + b * r),
+                          {d: measured(lambda r, a=rng.uniform(0.002, 0.04), b=rng.uniform(0, 0.004): a + b * r)
+                           for d in drafts}, {d: accepting(rng.uniform(0.2, 0.95)) for d in drafts},
+                          rng.uniform(0, 0.01), {d: rng.uniform(0, 0.005) for d in drafts})
+        requests = []
+        for _ in range(rng.randint(1, 12)):
+            own = Acceptance()
+            for _ in range(rng.randint(0, 30)):
+                own.observe(4, rng.randint(0, 4))
+            requests.append(StepRequest(rng.randint(0, 6), rng.choice(drafts + [None]), rng.choice([1, 1, 5, 60]),
+                                        own if rng.random() < 0.7 else None, rng.choice([0, 10, 200])))
+        if max((r.cap for r in requests if r.draft), default=0) == 0:
+            continue
+        model = StepModel(requests, costs)
+        gammas = [min(rng.randint(0, 6), c) for c in model.caps]
+        assert model.step(gammas) == pytest.approx(step_goodput(gammas, requests, costs), rel=1e-12)
+        sums = model.sums(gammas)
+        for j in (j for j in range(len(gammas)) if gammas[j]):
+            left = gammas[:j] + [0] + gammas[j + 1:]
+            assert model.without(gammas, sums, j) == pytest.approx(step_goodput(left, requests, costs), rel=1e-12)
+        assert drafting_gammas(requests, costs) == plain_search(requests, costs)
