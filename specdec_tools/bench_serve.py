@@ -8,7 +8,8 @@ Starts target, draft and orchestrator as processes on loopback (`specdec_tools.s
 as `specdec run` does), once for the whole run. For each mode (--gamma: `on` leaves the request's
 gamma unset, so the server's default applies; `off` is gamma 0, the target alone; a number asks
 for that gamma) one short warm-up request, then for each concurrency level c, each mode in turn (the
-order alternating from level to level, so drift over the run weighs on the modes alike): c client threads,
+order alternating from level to level, so drift over the run weighs on the modes alike; on CUDA
+after c untimed requests of 8 tokens at once, which warm the level's shapes): c client threads,
 one `orchestrator.client.Client` each, take requests from a shared list (the chat-templated
 prompts of specdec_tools.bench.PROMPTS in turn, sent as a user message) until the level's
 --requests-per-level are done (default max(8, 2c)), each streamed so that the first token shows.
@@ -690,6 +691,10 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                 # machine warming up (or drifting) over the run weighs on each mode alike
                 for i, level in enumerate(levels):
                     for mode in (modes if i % 2 == 0 else modes[::-1]):
+                        if a.device.startswith("cuda"):  # the level's shapes once, untimed (the caching
+                            # allocator growing, lazy initialisation): `level` requests at once, a few tokens each
+                            warm = argparse.Namespace(**{**vars(a), "max_new_tokens": 8, "requests_per_level": level})
+                            run_level(address, mode, level, prompt_ids, warm, lambda *args: None, api)
                         before = _link_counts(links.get(rtt))
                         recs, wall = run_level(address, mode, level, prompt_ids, a, log, api)
                         for r in recs:

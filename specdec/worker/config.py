@@ -41,6 +41,9 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--max-workers", int, 64, "gRPC handler threads: calls mostly wait for the model thread"),
     Flag("--max-batch-tokens", int, 512,
          "most tokens (all sessions together) in one forward pass; a longer prefill is cut into chunks"),
+    Flag("--cuda-graphs", default="on", choices=["on", "off"],
+         help="on CUDA: decoding passes replay CUDA graphs captured at start-up over a KV cache of pages "
+              "(off: the same passes eager, as vLLM's --enforce-eager)"),
     Flag("--pass-lock", help="a file to lock around each forward pass: give the workers that share this host's "
          "cores the same one, so their passes take turns instead of oversubscribing the cores"),
     *grammar_flags(),
@@ -68,6 +71,7 @@ class WorkerConfig(ServedConfig, GrammarConfig):
     drain_timeout_s: float = FLAGS.default("drain_timeout_s")
     max_workers: int = FLAGS.default("max_workers")
     max_batch_tokens: int = FLAGS.default("max_batch_tokens")
+    cuda_graphs: str = FLAGS.default("cuda_graphs")  # on CUDA: replay captured decoding passes
     pass_lock: str | None = None  # workers sharing cores lock this file around each pass
     log_level: str = FLAGS.default("log_level")
     tls_cert: str | None = None  # serve TLS with this PEM certificate chain ...

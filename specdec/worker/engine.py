@@ -37,6 +37,7 @@ from specdec.protocol import ModelInfo
 from specdec.threads import PassLock
 from specdec.worker.batching import DEFAULT_MAX_BATCH_TOKENS, Batcher, Pass, RaggedCache, Work, use_ragged_attention
 from specdec.worker.forward import model_forward
+from specdec.worker.paged import PAGE, CudaGraph, KVPages, StaticForward, static_forward_fits
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,13 @@ class Session:
             self.cache.crop(len(self.tokens) - 1 - self.cached)
 
 
+def _free_cache(cache) -> None:
+    """Gives a PagedCache's pages back (a DynamicCache is simply dropped)."""
+    free = getattr(cache, "free", None)
+    if free is not None:
+        free()
+
+
 def new_model_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
@@ -147,7 +155,14 @@ class WorkerEngine:
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         pass_lock: str | None = None,
         grammar_limits=None,
+        kv_pages: bool | None = None,
+        cuda_graphs: bool = True,
+        graph_class=None,
     ):
+        """kv_pages: keep the KV cache in pages allocated at start-up and run passes through
+        StaticForward (specdec/worker/paged.py); None: on CUDA where the model fits it. cuda_graphs:
+        replay captured graphs for decoding passes there (off: every pass eager). graph_class: what
+        captures them (default CudaGraph; tests on CPU: paged.EagerGraph, the padded passes uncaptured)."""
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.loaded = loaded
@@ -170,7 +185,27 @@ class WorkerEngine:
         self._owns_model_thread = model_thread is None
         self._model_thread = model_thread or new_model_thread()
         use_ragged_attention(self.model)
-        self._forward = model_forward(self.model)  # specdec/worker/forward.py: native or lean for Llama/Qwen2
+        cuda = self.input_device.type == "cuda"
+        if cuda:
+            # the model thread only launches kernels: OpenMP teams of every core would spin against
+            # the Python threads that launch them (vLLM's default for GPU workers too)
+            torch.set_num_threads(1)
+        self._pages: KVPages | None = None
+        if kv_pages and not static_forward_fits(self.model):
+            raise ValueError(f"{type(self.model).__name__} does not fit the static pass over KV pages")
+        if kv_pages if kv_pages is not None else cuda and static_forward_fits(self.model):
+            self._pages = KVPages.for_model(self.model, tokens=max_cached_tokens, sessions=max_sessions)
+            self._forward = StaticForward(self.model, self._pages, max_sessions=max_sessions,
+                                          max_context=self.max_context,
+                                          graph=graph_class or (CudaGraph if cuda and cuda_graphs else None))
+            self._forward_device = torch.device("cpu")  # it copies what a pass needs in one go
+            self._model_thread.submit(self._forward.capture).result()
+            log.info("KV cache: %d pages of %d tokens, %.2f GiB; %d CUDA graphs captured in %.1f s (%.2f GiB)",
+                     self._pages.pages, PAGE, self._pages.nbytes / 2**30, len(self._forward.buckets),
+                     self._forward.capture_s, self._forward.capture_bytes / 2**30)
+        else:
+            self._forward = model_forward(self.model)  # specdec/worker/forward.py: native or lean for Llama/Qwen2
+            self._forward_device = self.input_device
         self._batcher = Batcher(self._run_pass, max_batch_tokens)
         # the calls of a batched RPC run on threads of their own, their passes shared (run_calls)
         self._call_pool = ThreadPoolExecutor(max_workers=max(1, max_sessions), thread_name_prefix="call")
@@ -214,8 +249,18 @@ class WorkerEngine:
         self._pass_lock.close()
         with self._sessions_lock:
             for s in self._sessions.values():
-                s.closed = True
+                self._forget(s)
             self._sessions.clear()
+
+    def _new_cache(self):
+        """A new session's KV cache: pages of the worker's KVPages, else a DynamicCache."""
+        return self._pages.new_cache() if self._pages is not None else DynamicCache(config=self.model.config)
+
+    @staticmethod
+    def _forget(session: "Session") -> None:
+        """The session is gone: work still running for it stops, its KV pages go back."""
+        session.closed = True
+        _free_cache(session.cache)
 
     def instrument(self, telemetry, role: str) -> None:
         """Spans for prefill, truncate and every forward pass; gauges of sessions and cached
@@ -267,7 +312,7 @@ class WorkerEngine:
         with self._sessions_lock:
             left = len(self._sessions)
             for s in self._sessions.values():
-                s.closed = True
+                self._forget(s)
             self._sessions.clear()
         return left
 
@@ -280,7 +325,7 @@ class WorkerEngine:
         if self.draining:
             raise Unavailable("this worker is shutting down; open the session on another worker")
         self.check_tokens(token_ids, already=0)
-        session = Session(session_id, list(token_ids[:-1]), DynamicCache(config=self.model.config), owner=owner)
+        session = Session(session_id, list(token_ids[:-1]), self._new_cache(), owner=owner)
         session.lock.acquire()  # held from before the session is visible until its prefill is done
         try:
             with self._sessions_lock:
@@ -299,6 +344,7 @@ class WorkerEngine:
             except BaseException:
                 with self._sessions_lock:
                     self._sessions.pop(session_id, None)
+                self._forget(session)
                 raise
         finally:
             session.lock.release()
@@ -322,13 +368,17 @@ class WorkerEngine:
             with torch.inference_mode():
                 cache = copy.deepcopy(parent.cache)
             session = Session(session_id, list(parent.tokens), cache, owner=owner)
-        with self._sessions_lock:
-            if session_id in self._sessions:
-                raise AlreadyExists(f"session {session_id} is already open")
-            if len(self._sessions) >= self.max_sessions:
-                raise ResourceExhausted(f"this worker already holds its maximum of {self.max_sessions} sessions")
-            self._check_capacity(len(session.tokens), locked=True)
-            self._sessions[session_id] = session
+        try:
+            with self._sessions_lock:
+                if session_id in self._sessions:
+                    raise AlreadyExists(f"session {session_id} is already open")
+                if len(self._sessions) >= self.max_sessions:
+                    raise ResourceExhausted(f"this worker already holds its maximum of {self.max_sessions} sessions")
+                self._check_capacity(len(session.tokens), locked=True)
+                self._sessions[session_id] = session
+        except ServiceError:
+            self._forget(session)
+            raise
         return len(session.tokens), time.perf_counter() - t0
 
     def truncate(self, session_id: str, length: int) -> int:
@@ -371,7 +421,7 @@ class WorkerEngine:
             session = self._sessions.pop(session_id, None)
             if session is None:
                 raise NotFound(f"no open session {session_id!r} on this worker")
-            session.closed = True
+            self._forget(session)
 
     def _expire_idle_sessions(self) -> None:
         while not self._closed.wait(min(30.0, self.session_ttl_s / 4)):
@@ -381,7 +431,7 @@ class WorkerEngine:
                         if now - s.last_used > self.session_ttl_s and not s.lock.locked()]
                 for s in idle:
                     del self._sessions[s.session_id]
-                    s.closed = True
+                    self._forget(s)
             for s in idle:
                 self._expired.add(1, {t.ROLE: self._role})
                 log.warning("freed session %s after %.0f s idle", s.session_id, now - s.last_used)
@@ -499,8 +549,8 @@ class WorkerEngine:
         try:
             with self._pass_lock:
                 t0 = time.perf_counter()  # the pass itself: not the wait for the other worker's
-                logits = self._forward(torch.tensor([ids], device=self.input_device),
-                                       torch.tensor([positions], device=self.input_device),
+                logits = self._forward(torch.tensor([ids], device=self._forward_device),
+                                       torch.tensor([positions], device=self._forward_device),
                                        RaggedCache([s.cache for s in sessions], [n for _, n in batch.items]),
                                        torch.tensor(keep_rows, dtype=torch.long))
                 if logits.device.type == "cuda":
@@ -512,7 +562,8 @@ class WorkerEngine:
             # a pass that failed half-way leaves layers of different lengths; start those caches
             # over (the tokens are kept, so the next call recomputes them) rather than trust them
             for session in sessions:
-                session.cache = DynamicCache(config=self.model.config)
+                _free_cache(session.cache)
+                session.cache = self._new_cache()
             raise
         finally:
             for span in spans:

@@ -49,7 +49,8 @@ class WorkerRole:
                             quantization=config.quantization, head_rows=config.draft_vocab, role=config.role)
         return self.engine_class(loaded, max_sessions=config.max_sessions, max_cached_tokens=config.max_cached_tokens,
                                  session_ttl_s=config.session_ttl_s, max_batch_tokens=config.max_batch_tokens,
-                                 pass_lock=config.pass_lock, grammar_limits=GrammarLimits.from_config(config))
+                                 pass_lock=config.pass_lock, grammar_limits=GrammarLimits.from_config(config),
+                                 cuda_graphs=config.cuda_graphs == "on")
 
 
 class EngineSlot:

@@ -1,0 +1,220 @@
+"""specdec.worker.paged: the static pass over KV pages computes what the lean pass computes over
+DynamicCaches (float64), through joins, leaves, rollbacks, forks and prefill chunks, padded to its
+buckets or not; captured passes bind their buffers once; pages come back."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdec.errors import ResourceExhausted
+from specdec.worker.batching import RaggedCache
+from specdec.worker.forward import lean_forward
+from specdec.worker.paged import PAGE, EagerGraph, KVPages, StaticForward, buckets_for, pick_bucket, static_forward_fits
+from tests.specdec.worker.test_forward import SHAPE, _model
+
+
+class RecordingGraph(EagerGraph):
+    """EagerGraph that records what it was given: each bucket is captured once, and every replay
+    reads the very input buffer the capture bound."""
+
+    log: list = []
+
+    def capture(self, fn):
+        out = super().capture(fn)
+        RecordingGraph.log.append(("capture", id(self)))
+        return out
+
+    def replay(self):
+        RecordingGraph.log.append(("replay", id(self)))
+        super().replay()
+
+
+def _static(model, graph, sessions=4, tokens=512):
+    pages = KVPages.for_model(model, tokens=tokens, sessions=sessions)
+    forward = StaticForward(model, pages, max_sessions=sessions, max_context=SHAPE["max_position_embeddings"],
+                            graph=graph)
+    forward.capture()
+    return pages, forward
+
+
+# what each pass does: (session -> new tokens), then rollbacks/forks/leaves between passes
+SCRIPT = [
+    ("pass", {0: 7, 1: 3}),                 # two prefills in one pass (padded to 2 sessions x 8 rows)
+    ("pass", {0: 1, 1: 5}),                 # a draft step and a 5-row verify
+    ("crop", 1, -3),                        # the verify kept 2 of its 5 rows
+    ("pass", {1: 4, 0: 1}),                 # the next round, sessions in the other order
+    ("fork", 0, 2),                         # session 2 starts as a copy of 0
+    ("pass", {2: 2, 0: 1, 1: 1}),           # three sessions, the fork diverging from its parent
+    ("leave", 1),
+    ("pass", {3: 40}),                      # a new session's prefill (eager), crossing pages, reusing 1's
+    ("pass", {3: 1, 2: 3, 0: 8}),
+    ("crop", 0, 5),                         # an absolute rollback far back
+    ("pass", {0: 2, 3: 1}),
+    ("pass", {0: 1, 4: 30, 2: 2}),          # a prefill joins decoding work: graph for 0 and 2, eager for 4
+]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("graph", [None, EagerGraph], ids=["eager", "buckets"])
+@torch.inference_mode()
+def test_the_static_pass_computes_the_lean_pass(kind, graph):
+    model = _model(kind, torch.float64)
+    assert static_forward_fits(model)
+    pages, forward = _static(model, graph)
+    free_at_start = pages.free_pages
+    g = torch.Generator().manual_seed(11)
+    ours: dict[int, object] = {}
+    theirs: dict[int, DynamicCache] = {}
+    for step in SCRIPT:
+        if step[0] == "crop":
+            _, s, n = step
+            n = n if n < 0 else n - theirs[s].get_seq_length()  # transformers 5 takes a count to drop
+            ours[s].crop(n)
+            theirs[s].crop(n)
+            assert ours[s].get_seq_length() == theirs[s].get_seq_length()
+            continue
+        if step[0] == "fork":
+            _, s, child = step
+            ours[child], theirs[child] = copy.deepcopy(ours[s]), copy.deepcopy(theirs[s])
+            continue
+        if step[0] == "leave":
+            ours.pop(step[1]).free()
+            theirs.pop(step[1])
+            continue
+        new = step[1]
+        for s in new:
+            if s not in ours:
+                ours[s], theirs[s] = pages.new_cache(), DynamicCache(config=model.config)
+        order = list(new)
+        ids = torch.randint(0, SHAPE["vocab_size"], (1, sum(new.values())), generator=g)
+        positions = torch.tensor([[p for s in order for p in range(theirs[s].get_seq_length(),
+                                                                   theirs[s].get_seq_length() + new[s])]])
+        keep = torch.tensor([i for i in range(ids.shape[1]) if i % 2 == 0 or i == ids.shape[1] - 1])
+        rows = [new[s] for s in order]
+        got = forward(ids, positions, RaggedCache([ours[s] for s in order], rows), keep)
+        want = lean_forward(model, ids, positions, RaggedCache([theirs[s] for s in order], rows), keep)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+        for s in order:
+            assert ours[s].get_seq_length() == theirs[s].get_seq_length()
+    if graph is not None:
+        assert forward.replays == 7 and forward.eager_passes == 2  # the prefills of 40 and 30 rows: no bucket
+    else:
+        assert forward.replays == 0
+    for c in ours.values():
+        c.free()
+    assert pages.free_pages == free_at_start
+
+
+@torch.inference_mode()
+def test_captured_passes_bind_their_buffers_once():
+    """Every bucket is captured at start-up; later passes only replay, each reading the input
+    buffer its capture bound (no new capture, no pass outside a bucket for decoding work)."""
+    RecordingGraph.log = []
+    model = _model("qwen2", torch.float64)
+    pages, forward = _static(model, RecordingGraph)
+    captures = [g for what, g in RecordingGraph.log if what == "capture"]
+    assert len(captures) == len(set(captures)) == len(forward.buckets)
+    bound = {b: c.inputs.data_ptr() for b, c in forward._captured.items()}
+    caches = [pages.new_cache() for _ in range(3)]
+    prefill = torch.arange(30).view(1, 30)
+    forward(prefill, torch.arange(30).view(1, 30), RaggedCache(caches[:1], [30]), torch.tensor([29]))
+    for c in caches[1:]:
+        forward(prefill[:, :5], torch.arange(5).view(1, 5), RaggedCache([c], [5]), torch.tensor([4]))
+    RecordingGraph.log = []
+    for step in range(6):
+        rows = [1, 1 + step % 4, 5][: 1 + step % 3]
+        ids = torch.ones(1, sum(rows), dtype=torch.long)
+        positions = torch.tensor([[p for c, n in zip(caches, rows) for p in range(c.length, c.length + n)]])
+        forward(ids, positions, RaggedCache(caches[:len(rows)], rows), torch.tensor([sum(rows) - 1]))
+    assert [what for what, _ in RecordingGraph.log] == ["replay"] * 6
+    assert {b: c.inputs.data_ptr() for b, c in forward._captured.items()} == bound
+
+
+def test_buckets_cover_decoding_work_and_grow_largest_first():
+    buckets = buckets_for(max_sessions=16, max_context=32768)
+    sizes = [b.sessions * b.keys for b in buckets]
+    assert sizes == sorted(sizes, reverse=True)
+    assert pick_bucket(buckets, 3, 5, 300) == next(b for b in buckets if (b.sessions, b.rows, b.keys) == (4, 8, 512))
+    assert pick_bucket(buckets, 1, 9, 100) is None  # a prefill chunk: eager
+    assert pick_bucket(buckets, 17, 1, 100) is None  # more sessions than captured: eager
+    assert all(b.sessions <= 16 for b in buckets)
+
+
+def test_pages_are_bounded_and_freed_after_the_running_pass():
+    pages = KVPages(1, 1, 2, tokens=4 * PAGE, sessions=1, dtype=torch.float32, device="cpu")
+    assert pages.pages == 4 + 1 + 1
+    a, b = pages.new_cache(), pages.new_cache()
+    a.reserve(3 * PAGE)
+    with pytest.raises(ResourceExhausted, match="max-cached-tokens"):
+        b.reserve(3 * PAGE)
+    pages.begin_pass()
+    a.free()  # a pass still reads its pages: they come back when it ends
+    assert pages.free_pages == 5 and len(pages._free) == 2
+    pages.end_pass()
+    assert len(pages._free) == 5
+    b.reserve(5 * PAGE)
+    b.length = 5 * PAGE  # as a pass that wrote them leaves it
+    b.crop(PAGE + 1)
+    assert len(b.pages) == 2 and b.length == PAGE + 1 and len(pages._free) == 3
+    b.crop(-PAGE - 1)
+    assert b.pages == [] and b.length == 0
+
+
+# ---- the engines on pages: what a request sees is what it saw on DynamicCaches -------------
+
+@pytest.fixture(scope="module")
+def paged_decoder(model_dirs):
+    from draft_service.engine import DraftEngine
+    from orchestrator.decoder import SpeculativeDecoder
+    from specdec.modeling import load_model
+    from target_service.engine import TargetEngine
+
+    options = dict(kv_pages=True, graph_class=EagerGraph, max_sessions=16, max_cached_tokens=4096)
+    target = TargetEngine(load_model(str(model_dirs["target"]), dtype="float64"), **options)
+    draft = DraftEngine(load_model(str(model_dirs["draft"]), dtype="float64"), **options)
+    yield SpeculativeDecoder(target, draft, target.tokenizer), target, draft
+    target.close()
+    draft.close()
+
+
+@pytest.mark.parametrize("gamma", [0, 3, 6])
+def test_greedy_on_pages_matches_generate(paged_decoder, gamma):
+    from specdec.protocol import GenerationRequest
+    from tests.orchestrator.test_greedy_equivalence import PROMPTS, reference
+
+    decoder, target, draft = paged_decoder
+    for prompt in PROMPTS:
+        ids = target.tokenizer(prompt).input_ids
+        result = decoder.generate(GenerationRequest(token_ids=ids, max_new_tokens=24, temperature=0, gamma=gamma))
+        assert result.token_ids == reference(target, ids, 24)
+    assert target._forward.replays > 0 and (draft._forward.replays > 0 or gamma == 0)
+
+
+def test_sampled_choices_on_pages_match_dynamic_caches(paged_decoder, target_engine, draft_engine):
+    """Seeded sampling with n = 3 choices (forks of one prefill), several requests at once: each
+    choice is the one the DynamicCache engines give for its seed; every page comes back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchestrator.decoder import SpeculativeDecoder
+    from specdec.protocol import GenerationRequest
+    from tests.orchestrator.test_greedy_equivalence import PROMPTS
+
+    decoder, target, draft = paged_decoder
+    plain = SpeculativeDecoder(target_engine, draft_engine, target_engine.tokenizer)
+    free = target._pages.free_pages, draft._pages.free_pages
+
+    def request(i):
+        ids = target.tokenizer(PROMPTS[i]).input_ids
+        return GenerationRequest(token_ids=ids, max_new_tokens=20, temperature=0.9, seed=100 + i, gamma=4, n=3)
+
+    with ThreadPoolExecutor(3) as pool:
+        ours = list(pool.map(lambda i: decoder.generate(request(i)), range(3)))
+    for i, result in enumerate(ours):
+        want = plain.generate(request(i))
+        assert [c.token_ids for c in result.choices] == [c.token_ids for c in want.choices]
+    assert (target._pages.free_pages, draft._pages.free_pages) == free
