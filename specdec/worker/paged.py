@@ -282,7 +282,7 @@ class StaticForward:
         if not self.buckets or self._captured:
             return
         cuda = self.device.type == "cuda"
-        before = torch.cuda.memory_reserved(self.device) if cuda else 0
+        before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0  # free bytes (capture empties the cache)
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if cuda else None
         # every graph writes its logits into one buffer outside the pool: outputs kept alive in the
@@ -300,7 +300,7 @@ class StaticForward:
         if cuda:
             torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
-        self.capture_bytes = (torch.cuda.memory_reserved(self.device) - before) if cuda else 0
+        self.capture_bytes = (before - torch.cuda.mem_get_info(self.device)[0]) if cuda else 0
 
     # ---- the pass -------------------------------------------------------------------------
 
