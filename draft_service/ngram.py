@@ -40,14 +40,14 @@ class NgramDraft:
                          bos_token_id=-1, pad_token_id=-1, max_context=2**31 - 1, device="none", dtype="none",
                          open_sessions=n)
 
-    def open_session(self, session_id: str, token_ids: list[int]) -> tuple[int, float]:
+    def open_session(self, session_id: str, token_ids: list[int], scope: str = "") -> tuple[int, float, int]:
         with self._lock:
             if session_id in self._sessions:
                 raise AlreadyExists(f"session {session_id} is already open")
             self._sessions[session_id] = list(token_ids)
-        return len(token_ids), 0.0
+        return len(token_ids), 0.0, 0
 
-    def fork_session(self, session_id: str, parent_id: str, token_ids: list[int]) -> tuple[int, float]:
+    def fork_session(self, session_id: str, parent_id: str, token_ids: list[int]) -> tuple[int, float, int]:
         return self.open_session(session_id, token_ids)  # nothing to copy: the tokens are the session
 
     def _tokens(self, session_id: str) -> list[int]:

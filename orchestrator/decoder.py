@@ -301,8 +301,8 @@ class SpeculativeDecoder:
         ctx = trace.set_span_in_context(span)
         drafts = self.drafts if request.gamma > 0 else None
         n = request.n if 1 <= request.n <= MAX_N else 1  # validate() refuses others, before any placement
-        placements = [Placement(uuid.uuid4().hex, self.targets, drafts, self.tracer, self._prefill_pool)
-                      for _ in range(n)]
+        placements = [Placement(uuid.uuid4().hex, self.targets, drafts, self.tracer, self._prefill_pool,
+                                request.cache_scope) for _ in range(n)]
         streams: list[Iterator[GenerationChunk]] = []
         try:
             prompt = self.encode(request)
@@ -328,7 +328,7 @@ class SpeculativeDecoder:
             for i, placement in enumerate(placements):
                 seed_i = choice_seed(seed, i)
                 stats = GenerationStats(prompt_tokens=len(prompt), gamma=request.gamma, sampling=mode, seed=seed_i,
-                                        prefill_s=prefill_s)
+                                        prefill_s=prefill_s, cached_tokens=placements[0].cached_tokens)
                 params_i = replace(params, coupling_seed=seed_i) if mode == "coupled" else params
                 all_stats.append(stats)
                 streams.append(self._rounds(placement, prompt, request, params_i,

@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
 import grpc
@@ -654,6 +655,8 @@ class FrontDoor:
         generation = body.to_generation()
         call = _Call()
         token = _bearer(dict(request.scope["headers"])) if self._tokens else None
+        if token:  # the workers reuse cached prompt prefixes within one bearer token's requests only
+            generation = replace(generation, cache_scope=client_key(token, ""))
         chunks = self._chunks(generation, call, client_key(token, f"http:{request.client.host if request.client else ''}"))
         first = await self._first(chunks)
         answer = Answer(chat, self.model_name, self.slot.get().tokenizer if generation.logprobs else None,
@@ -720,7 +723,8 @@ class Answer:
         """Every choice's tokens; the prompt once (the choices share its prefill)."""
         completion = sum(s.generated_tokens for s in stats)
         return {"prompt_tokens": stats[0].prompt_tokens, "completion_tokens": completion,
-                "total_tokens": stats[0].prompt_tokens + completion}
+                "total_tokens": stats[0].prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": stats[0].cached_tokens}}
 
     def whole(self, chunks: list[GenerationChunk]) -> dict:
         by_choice: dict[int, list[GenerationChunk]] = {}

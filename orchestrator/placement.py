@@ -39,8 +39,11 @@ class Placement:
     """A request's target and (optional) draft session, pinned until one fails."""
 
     def __init__(self, session_id: str, targets: WorkerPool, drafts: WorkerPool | None, tracer,
-                 prefill_pool: ThreadPoolExecutor | None = None):
+                 prefill_pool: ThreadPoolExecutor | None = None, scope: str = ""):
+        """scope: the request's tenant, which the workers' prefix caches match within."""
         self.session_id = session_id
+        self.scope = scope
+        self.cached_tokens = 0  # prompt tokens the target did not prefill (a cached prefix, a fork)
         self.targets, self.drafts = targets, drafts
         self.tracer = tracer
         self._prefill_pool = prefill_pool
@@ -105,9 +108,9 @@ class Placement:
             tokens = tokens[:1]  # no pass: the first Propose catches up from here
         try:
             if fork_of is not None:
-                member.worker.fork_session(self.session_id, fork_of, tokens)
+                _, _, cached = member.worker.fork_session(self.session_id, fork_of, tokens)
             else:
-                member.worker.open_session(self.session_id, tokens)
+                _, _, cached = member.worker.open_session(self.session_id, tokens, scope=self.scope)
         except ServiceError as exc:
             if not is_worker_fault(exc):
                 raise
@@ -115,6 +118,8 @@ class Placement:
         self._open.append(member)
         if member is self.draft:
             self.draft_synced = len(tokens)
+        else:
+            self.cached_tokens = cached
         return None
 
     def _acquire(self, pool: WorkerPool, exclude=(), prefer: Member | None = None) -> Member:

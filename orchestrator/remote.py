@@ -106,16 +106,17 @@ class _RemoteWorker:
         self.vocab_size = info.vocab_size
         return info
 
-    def open_session(self, session_id: str, token_ids: list[int]) -> tuple[int, float]:
-        r = self._call(self._stub.OpenSession, common_pb2.OpenSessionRequest(session_id=session_id, token_ids=token_ids))
+    def open_session(self, session_id: str, token_ids: list[int], scope: str = "") -> tuple[int, float, int]:
+        r = self._call(self._stub.OpenSession, common_pb2.OpenSessionRequest(session_id=session_id, token_ids=token_ids,
+                                                                              prefix_scope=scope))
         self._secrets[session_id] = r.session_secret
-        return r.length, r.compute_s
+        return r.length, r.compute_s, r.cached_tokens
 
-    def fork_session(self, session_id: str, parent_id: str, token_ids: list[int]) -> tuple[int, float]:
+    def fork_session(self, session_id: str, parent_id: str, token_ids: list[int]) -> tuple[int, float, int]:
         r = self._call(self._stub.OpenSession, common_pb2.OpenSessionRequest(
             session_id=session_id, token_ids=token_ids, fork_of=parent_id, fork_secret=self.secret(parent_id)))
         self._secrets[session_id] = r.session_secret
-        return r.length, r.compute_s
+        return r.length, r.compute_s, r.cached_tokens
 
     def secret(self, session_id: str) -> bytes:
         return self._secrets.get(session_id, b"")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from orchestrator.admission import Admission, CallDeadline, client_key
 from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.pool import parse_entries
 from specdec.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError, Unavailable
 from specdec.security import TokenSet, bearer_token
-from specdec.protocol import choice_of, chunk_to_proto, request_from_proto, result_to_proto
+from specdec.protocol import GenerationRequest, choice_of, chunk_to_proto, request_from_proto, result_to_proto
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 class DecoderSlot:
@@ -42,11 +43,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def _client(self, context) -> str:
         return client_key(bearer_token(context.invocation_metadata()), context.peer())
 
+    @staticmethod
+    def _request(request, context) -> GenerationRequest:
+        """The request, its prefix-cache scope that of the caller's bearer token ('' without one)."""
+        token = bearer_token(context.invocation_metadata())
+        return replace(request_from_proto(request), cache_scope=client_key(token, "") if token else "")
+
     def Generate(self, request, context):
         decoder = self.slot.get()
         deadline = CallDeadline(context, self.request_timeout_s)
         with self.admission.slot(deadline, self._client(context)):
-            stream = decoder.generate_stream(request_from_proto(request))
+            stream = decoder.generate_stream(self._request(request, context))
             choices: dict[int, tuple[list, list, list, list]] = {}  # index -> text, ids, logprobs, [last chunk]
             for chunk in stream:
                 text, ids, logprobs, last = choices.setdefault(chunk.index, ([], [], [], []))
@@ -76,7 +83,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         deadline = CallDeadline(context, self.request_timeout_s)
         with self.admission.slot(deadline, self._client(context)):
             # a cancelled stream closes this generator, whose finally closes the sessions
-            stream = decoder.generate_stream(request_from_proto(request))
+            stream = decoder.generate_stream(self._request(request, context))
             try:
                 for chunk in stream:
                     yield chunk_to_proto(chunk)

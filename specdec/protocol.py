@@ -535,6 +535,9 @@ class GenerationRequest:
     tool_choice: str | dict | None = None  # "none", "auto" (the default with tools), "required" or a name
     parallel_tool_calls: bool = True  # False: tool_choice required makes exactly one call
     n: int = 1  # choices: each decodes from the one prefill with its own seed (orchestrator/decoder.py, choice_seed)
+    # the tenant, set by the server from the caller's bearer token (never by a client): the
+    # workers reuse cached prompt prefixes of the same scope only
+    cache_scope: str = ""
     logprobs_mode: str = "raw"  # or "processed": the distribution each token was chosen from (LOGPROBS_MODES)
 
     @property
@@ -563,6 +566,7 @@ class RequestLimits:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's tokens, those the target copied from its prefix cache
     generated_tokens: int = 0
     rounds: int = 0
     drafted_tokens: int = 0

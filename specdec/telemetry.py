@@ -78,6 +78,7 @@ DRAFT_LENGTH = "specdec.draft.length"
 DISCARDED = "specdec.rollback.discarded_tokens"
 FORWARD_TOKENS = "specdec.forward.tokens"
 FORWARD_KIND = "specdec.forward.kind"  # prefill, propose or verify
+PREFIX_CACHED = "specdec.prefix.cached_tokens"  # prompt tokens a new session copied from the prefix cache
 BATCH_ROWS = "specdec.batch.rows"  # tokens of all sessions in the pass this forward ran in
 BATCH_SESSIONS = "specdec.batch.sessions"  # sessions in that pass
 TRUNCATE_FROM = "specdec.truncate.from"

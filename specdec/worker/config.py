@@ -34,6 +34,9 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--max-sessions", int, 64),
     Flag("--max-cached-tokens", int, 131072,
          "tokens all sessions may hold together (the target's: ~7.5 GB in fp32); beyond it RESOURCE_EXHAUSTED"),
+    Flag("--prefix-cache-tokens", int, 8192,
+         "tokens of ended sessions' KV caches kept to start new sessions whose prompts begin with them (a "
+         "system prompt, an agent's last turn) from a copy instead of a prefill; per tenant; 0: off"),
     Flag("--session-ttl", float, 600.0, "seconds an idle session is kept (frees what a vanished orchestrator left)",
          field="session_ttl_s"),
     Flag("--drain-timeout", float, 20.0, "on SIGTERM: seconds open sessions get to finish before the worker exits",
@@ -67,6 +70,7 @@ class WorkerConfig(ServedConfig, GrammarConfig):
     draft_vocab: int = FLAGS.default("draft_vocab")  # draft only: score just the first N token ids (0: all)
     max_sessions: int = FLAGS.default("max_sessions")
     max_cached_tokens: int = FLAGS.default("max_cached_tokens")
+    prefix_cache_tokens: int = FLAGS.default("prefix_cache_tokens")  # ended sessions' caches kept for reuse
     session_ttl_s: float = FLAGS.default("session_ttl_s")  # an idle session is freed after this
     drain_timeout_s: float = FLAGS.default("drain_timeout_s")
     max_workers: int = FLAGS.default("max_workers")

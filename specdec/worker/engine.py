@@ -35,9 +35,11 @@ from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
 from specdec import telemetry as t
 from specdec.protocol import ModelInfo
 from specdec.threads import PassLock
-from specdec.worker.batching import DEFAULT_MAX_BATCH_TOKENS, Batcher, Pass, RaggedCache, Work, use_ragged_attention
+from specdec.worker.batching import (DEFAULT_MAX_BATCH_TOKENS, Batcher, Pass, RaggedCache, Work, grow_append,
+                                     use_ragged_attention)
 from specdec.worker.forward import model_forward
 from specdec.worker.paged import PAGE, CudaGraph, KVPages, StaticForward, static_forward_fits
+from specdec.worker.prefixes import MIN_PREFIX, PrefixStore
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ class Session:
     # OpenSession returned, and the opener's certificate identity ("" without mutual TLS)
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
     owner: str = ""
+    scope: str = ""  # the orchestrator's name for the request's tenant: prefix caching stays within it
 
     @property
     def cached(self) -> int:
@@ -158,11 +161,14 @@ class WorkerEngine:
         kv_pages: bool | None = None,
         cuda_graphs: bool = True,
         graph_class=None,
+        prefix_cache_tokens: int = 0,
     ):
         """kv_pages: keep the KV cache in pages allocated at start-up and run passes through
         StaticForward (specdec/worker/paged.py); None: on CUDA where the model fits it. cuda_graphs:
         replay captured graphs for decoding passes there (off: every pass eager). graph_class: what
-        captures them (default CudaGraph; tests on CPU: paged.EagerGraph, the padded passes uncaptured)."""
+        captures them (default CudaGraph; tests on CPU: paged.EagerGraph, the padded passes uncaptured).
+        prefix_cache_tokens: tokens of ended sessions' KV caches kept for new sessions whose prompts
+        begin with them (specdec/worker/prefixes.py); 0: none."""
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.loaded = loaded
@@ -194,7 +200,8 @@ class WorkerEngine:
         if kv_pages and not static_forward_fits(self.model):
             raise ValueError(f"{type(self.model).__name__} does not fit the static pass over KV pages")
         if kv_pages if kv_pages is not None else cuda and static_forward_fits(self.model):
-            self._pages = KVPages.for_model(self.model, tokens=max_cached_tokens, sessions=max_sessions)
+            self._pages = KVPages.for_model(self.model, tokens=max_cached_tokens + prefix_cache_tokens,
+                                            sessions=max_sessions)
             self._forward = StaticForward(self.model, self._pages, max_sessions=max_sessions,
                                           max_context=self.max_context,
                                           graph=graph_class or (CudaGraph if cuda and cuda_graphs else None))
@@ -224,6 +231,7 @@ class WorkerEngine:
             + ("" if loaded.quantization == "none" else f"+{loaded.quantization}-weights"),
         )
         self._tokenizer_files: dict[str, bytes] | None = None
+        self._prefixes = PrefixStore(prefix_cache_tokens, self._copy_prefix, _free_cache) if prefix_cache_tokens else None
         self.grammar_limits = grammar_limits  # specdec.grammar.GrammarLimits; None: its defaults
         self._grammars = None  # the GrammarCompiler (wrapping a 150k vocabulary takes ~1 s) ...
         self._grammars_lock = threading.Lock()
@@ -251,10 +259,22 @@ class WorkerEngine:
             for s in self._sessions.values():
                 self._forget(s)
             self._sessions.clear()
+        if self._prefixes is not None:
+            self._prefixes.clear()
 
     def _new_cache(self):
         """A new session's KV cache: pages of the worker's KVPages, else a DynamicCache."""
         return self._pages.new_cache() if self._pages is not None else DynamicCache(config=self.model.config)
+
+    def _copy_prefix(self, cache, tokens: int):
+        """A new cache holding the first `tokens` tokens of `cache` (a PagedCache copies pages)."""
+        if hasattr(cache, "copy_prefix"):
+            return cache.copy_prefix(tokens)
+        copy = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            for src, dst in zip(cache.layers, copy.layers):
+                grow_append(dst, src.keys[..., :tokens, :], src.values[..., :tokens, :])
+        return copy
 
     @staticmethod
     def _forget(session: "Session") -> None:
@@ -316,16 +336,19 @@ class WorkerEngine:
             self._sessions.clear()
         return left
 
-    def open_session(self, session_id: str, token_ids: list[int], owner: str = "") -> tuple[int, float]:
-        """Prefills all but the last token; returns (tokens held, seconds spent).
-        owner: the caller's certificate identity, bound to the session (see authorize)."""
+    def open_session(self, session_id: str, token_ids: list[int], owner: str = "",
+                     scope: str = "") -> tuple[int, float, int]:
+        """Prefills all but the last token (from a copy of a cached prefix, where one of the
+        caller's scope matches); returns (tokens held, seconds spent, prompt tokens not prefilled).
+        owner: the caller's certificate identity, bound to the session (see authorize); scope: the
+        orchestrator's name for the request's tenant (prefix caching matches within it)."""
         check_session_id(session_id)
         if not token_ids:
             raise InvalidArgument("cannot open a session with an empty prompt")
         if self.draining:
             raise Unavailable("this worker is shutting down; open the session on another worker")
         self.check_tokens(token_ids, already=0)
-        session = Session(session_id, list(token_ids[:-1]), self._new_cache(), owner=owner)
+        session = Session(session_id, list(token_ids[:-1]), self._new_cache(), owner=owner, scope=scope)
         session.lock.acquire()  # held from before the session is visible until its prefill is done
         try:
             with self._sessions_lock:
@@ -336,9 +359,16 @@ class WorkerEngine:
                 self._check_capacity(len(token_ids), locked=True)
                 self._sessions[session_id] = session
             t0 = time.perf_counter()
+            reused = 0
             try:
-                if session.tokens:
-                    with self.tracer.start_as_current_span("prefill", attributes={t.SESSION_ID: session_id}):
+                if self._prefixes is not None and session.tokens:
+                    cache, reused = self._prefixes.copy_longest((owner, scope), session.tokens)
+                    if cache is not None:
+                        _free_cache(session.cache)
+                        session.cache = cache
+                if len(session.tokens) > session.cached:
+                    with self.tracer.start_as_current_span("prefill", attributes={
+                            t.SESSION_ID: session_id, t.PREFIX_CACHED: reused}):
                         self.run(session, 1, "prefill")  # fills the cache
                 session.tokens.append(int(token_ids[-1]))
             except BaseException:
@@ -348,10 +378,10 @@ class WorkerEngine:
                 raise
         finally:
             session.lock.release()
-        return len(session.tokens), time.perf_counter() - t0
+        return len(session.tokens), time.perf_counter() - t0, reused
 
     def fork_session(self, session_id: str, parent_id: str, token_ids: list[int], owner: str = "",
-                     secret: bytes | None = None) -> tuple[int, float]:
+                     secret: bytes | None = None) -> tuple[int, float, int]:
         """Opens session_id as a copy of parent_id (its tokens and KV cache): one prefill serves a
         request's n choices. token_ids must be the parent's tokens (FAILED_PRECONDITION otherwise).
         secret: the parent's (a gRPC caller must know it and be its owner); None in-process."""
@@ -367,7 +397,7 @@ class WorkerEngine:
                 raise FailedPrecondition(f"session {parent_id} holds other tokens than the fork asks for")
             with torch.inference_mode():
                 cache = copy.deepcopy(parent.cache)
-            session = Session(session_id, list(parent.tokens), cache, owner=owner)
+            session = Session(session_id, list(parent.tokens), cache, owner=owner, scope=parent.scope)
         try:
             with self._sessions_lock:
                 if session_id in self._sessions:
@@ -379,7 +409,7 @@ class WorkerEngine:
         except ServiceError:
             self._forget(session)
             raise
-        return len(session.tokens), time.perf_counter() - t0
+        return len(session.tokens), time.perf_counter() - t0, len(session.tokens)
 
     def truncate(self, session_id: str, length: int) -> int:
         session = self.session(session_id)
@@ -421,7 +451,21 @@ class WorkerEngine:
             session = self._sessions.pop(session_id, None)
             if session is None:
                 raise NotFound(f"no open session {session_id!r} on this worker")
-            self._forget(session)
+        self._retain(session)
+        self._forget(session)
+
+    def _retain(self, session: Session) -> None:
+        """A session that ended normally leaves its cache to the prefix store (none of its work is
+        running: a cache a pass may still be writing is not kept)."""
+        if self._prefixes is None or not session.lock.acquire(blocking=False):
+            return
+        try:
+            cache, held = session.cache, min(session.cached, len(session.tokens))
+            if held:
+                session.cache = self._new_cache()
+                self._prefixes.retain((session.owner, session.scope), session.tokens[:held], cache)
+        finally:
+            session.lock.release()
 
     def _expire_idle_sessions(self) -> None:
         while not self._closed.wait(min(30.0, self.session_ttl_s / 4)):
@@ -526,7 +570,18 @@ class WorkerEngine:
         thread: sampling math there keeps to one OpenMP team). kind: prefill, propose or verify.
         Call it holding session.lock: one pass at a time per session."""
         assert len(session.tokens) - session.cached >= keep >= 1, (len(session.tokens), session.cached, keep)
+        if self._prefixes is not None and len(session.tokens) - keep - session.cached >= MIN_PREFIX:
+            self._adopt_prefix(session, keep)  # a draft's catch-up (its session opened on one token)
         return self._batcher.submit(Work(session, keep, kind, post, t.current_context()))
+
+    def _adopt_prefix(self, session: Session, keep: int) -> None:
+        """Starts the session's uncached tokens from a cached prefix longer than what it holds
+        (the last `keep` stay uncached: their logits are wanted)."""
+        cache, _ = self._prefixes.copy_longest((session.owner, session.scope),
+                                               session.tokens[:len(session.tokens) - keep], longer_than=session.cached)
+        if cache is not None:
+            _free_cache(session.cache)
+            session.cache = cache
 
     def _run_pass(self, batch: Pass) -> None:
         self._model_thread.submit(self._pass, batch).result()

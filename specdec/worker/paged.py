@@ -147,15 +147,19 @@ class PagedCache:
 
     def __deepcopy__(self, memo) -> "PagedCache":
         """A fork: new pages holding a copy of this session's tokens."""
+        return self.copy_prefix(self.length)
+
+    def copy_prefix(self, tokens: int) -> "PagedCache":
+        """New pages holding a copy of this session's first `tokens` tokens."""
         other = PagedCache(self.pool)
-        other.reserve(self.length)
+        other.reserve(tokens)
         if other.pages:
             n = len(other.pages)
             src = torch.tensor(self.pages[:n], device=self.pool.keys.device)
             dst = torch.tensor(other.pages, device=self.pool.keys.device)
             for pool in (self.pool.keys, self.pool.values):
                 pool.index_copy_(1, dst, pool.index_select(1, src))
-        other.length = self.length
+        other.length = tokens
         return other
 
 

@@ -50,7 +50,7 @@ class WorkerRole:
         return self.engine_class(loaded, max_sessions=config.max_sessions, max_cached_tokens=config.max_cached_tokens,
                                  session_ttl_s=config.session_ttl_s, max_batch_tokens=config.max_batch_tokens,
                                  pass_lock=config.pass_lock, grammar_limits=GrammarLimits.from_config(config),
-                                 cuda_graphs=config.cuda_graphs == "on")
+                                 cuda_graphs=config.cuda_graphs == "on", prefix_cache_tokens=config.prefix_cache_tokens)
 
 
 class EngineSlot:
@@ -123,12 +123,13 @@ class SessionRpcs:
     def OpenSession(self, request, context):
         engine = self.slot.get()
         if request.fork_of:
-            length, compute_s = engine.fork_session(request.session_id, request.fork_of, list(request.token_ids),
-                                                    peer_identity(context), request.fork_secret)
+            length, compute_s, cached = engine.fork_session(request.session_id, request.fork_of,
+                                                            list(request.token_ids), peer_identity(context),
+                                                            request.fork_secret)
         else:
-            length, compute_s = engine.open_session(request.session_id, list(request.token_ids),
-                                                    peer_identity(context))
-        return common_pb2.OpenSessionResponse(length=length, compute_s=compute_s,
+            length, compute_s, cached = engine.open_session(request.session_id, list(request.token_ids),
+                                                            peer_identity(context), request.prefix_scope)
+        return common_pb2.OpenSessionResponse(length=length, compute_s=compute_s, cached_tokens=cached,
                                               session_secret=engine.secret_of(request.session_id))
 
     def Truncate(self, request, context):

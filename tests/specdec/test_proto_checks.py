@@ -126,7 +126,7 @@ def test_buf_breaking_fails_on_a_broken_copy(buf_installed, proto_copy, change):
 
 def test_buf_breaking_passes_an_added_field_and_a_changed_comment(buf_installed, proto_copy):
     edit(proto_copy, "orchestrator.proto", "  uint64 seed = 26;\n",
-         "  uint64 seed = 26;\n  // A field added later.\n  uint32 added_later = 27;\n")
+         "  uint64 seed = 26;\n  // A field added later.\n  uint32 added_later = 99;\n")
     edit(proto_copy, "orchestrator.proto", "// Why a generation ended.\n", "// Why a generation stopped.\n")
     result = buf.breaking(proto_copy)
     assert result.returncode == 0, problems(result)

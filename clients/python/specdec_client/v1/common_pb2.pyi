@@ -107,26 +107,30 @@ class ModelInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_gamma: _Optional[int] = ..., open_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., held_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "fork_of", "fork_secret")
+    __slots__ = ("session_id", "token_ids", "fork_of", "fork_secret", "prefix_scope")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FORK_OF_FIELD_NUMBER: _ClassVar[int]
     FORK_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SCOPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     fork_of: str
     fork_secret: bytes
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., fork_of: _Optional[str] = ..., fork_secret: _Optional[bytes] = ...) -> None: ...
+    prefix_scope: str
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., fork_of: _Optional[str] = ..., fork_secret: _Optional[bytes] = ..., prefix_scope: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("length", "compute_s", "session_secret")
+    __slots__ = ("length", "compute_s", "cached_tokens", "session_secret")
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     length: int
     compute_s: float
+    cached_tokens: int
     session_secret: bytes
-    def __init__(self, length: _Optional[int] = ..., compute_s: _Optional[float] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, length: _Optional[int] = ..., compute_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class TruncateRequest(_message.Message):
     __slots__ = ("session_id", "length", "session_secret")
