@@ -21,11 +21,21 @@ from specdec_client.errors import (Aborted, AlreadyExists, Cancelled, DeadlineEx
 log = logging.getLogger(__name__)
 
 
+# a worker's answer about the request itself (not about the worker): it reaches the client as the
+# worker wrote it, with no worker address in it
+REQUEST_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
+
+
+def _worker_error(code: grpc.StatusCode, details: str, peer: str) -> ServiceError:
+    return ServiceError(details if code in REQUEST_FAULTS else f"{peer}: {details}", code)
+
+
 def from_rpc_error(err: grpc.RpcError, peer: str) -> ServiceError:
-    """A worker's failure as seen by the orchestrator, keeping the worker's status code."""
+    """A worker's failure as seen by the orchestrator, keeping the worker's status code (and, for a
+    fault of the worker's, naming it)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    return ServiceError(f"{peer}: {details}", code)
+    return _worker_error(code, details, peer)
 
 
 MAX_MESSAGE_CHARS = 1024  # a status message travels in a header: one quoting a huge input must not burst it
@@ -47,7 +57,7 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 def from_status(code: int, message: str, peer: str) -> ServiceError:
     """A status received as its number (a batched call's CallStatus), as from_rpc_error gives it."""
-    return ServiceError(f"{peer}: {message}", _CODES.get(code, grpc.StatusCode.UNKNOWN))
+    return _worker_error(_CODES.get(code, grpc.StatusCode.UNKNOWN), message, peer)
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException):

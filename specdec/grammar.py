@@ -44,6 +44,11 @@ class GrammarViolation(FailedPrecondition):
     """A token the grammar forbids was passed to `Matcher.consume` (the matcher is left unchanged)."""
 
 
+class UnsatisfiableGrammar(InvalidArgument):
+    """The grammar allows no token of the model's vocabulary where the output has to go on (e.g. a
+    layout that needs a character no token spells): the request cannot be answered as asked."""
+
+
 @dataclass(frozen=True)
 class GrammarLimits:
     """Bounds on what one request's grammar may cost. The fuel figures are llguidance's

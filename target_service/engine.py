@@ -72,6 +72,8 @@ class TargetEngine(WorkerEngine):
         if params.controlled:  # a copy only when the raw logits are still wanted (logprobs)
             logits = apply_controls(logits.float() if top_logprobs is None else logits.float().clone(), params,
                                     tokens, first, grammar)
+        if grammar is not None:
+            _check_satisfiable(logits, params, tokens, first)
         dists = None  # the processed distributions (sampling): p per position
         if params.coupled:
             dists = [process_logits(row, params, self.vocab_size) for row in logits]
@@ -104,6 +106,28 @@ class TargetEngine(WorkerEngine):
                 values, indices = logprobs.topk(min(top_logprobs, logprobs.shape[-1]), dim=-1)
                 top = list(zip(indices.tolist(), values.tolist()))
         return (choice.tolist() if params.deterministic else None), probs, bases, top, norms
+
+
+def _check_satisfiable(logits: torch.Tensor, params: SamplingParams, tokens: list[int], first: int) -> None:
+    """UnsatisfiableGrammar (INVALID_ARGUMENT) where the grammar leaves no token at a position the
+    round reaches: the first, or (greedy and coupled rounds) one after drafts the target takes."""
+    dead = (~torch.isfinite(logits).any(dim=-1)).tolist()
+    if not any(dead):
+        return
+    reach = 1
+    if params.greedy:  # the rows after drafts equal to the argmax before them are reached too
+        choice = logits.argmax(dim=-1).tolist()
+        while reach < len(dead) and choice[reach - 1] == tokens[first + reach - 1]:
+            reach += 1
+    else:  # sampled or coupled: any row may be reached
+        reach = len(dead)
+    if any(dead[:reach]):
+        from specdec.grammar import UnsatisfiableGrammar
+
+        at = first + dead.index(True) - params.output_start
+        raise UnsatisfiableGrammar(f"the structured output cannot be produced with this model's tokens: after "
+                                   f"{at} generated tokens the grammar allows none of them (a layout that needs a "
+                                   f"character no token spells?)")
 
 
 def _processed_logprobs(logits, dists, choice, k: int):

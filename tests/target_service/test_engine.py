@@ -36,3 +36,37 @@ def test_more_top_logprobs_than_the_vocabulary_gives_the_whole_vocabulary(target
     argmax, _, bases, top, _ = target_engine._score(logits, GREEDY, 20, first=0, tokens=[])
     assert argmax == [1, 0] and len(bases) == 2
     assert [ids for ids, _ in top] == [[1, 0, 2], [0, 2, 1]]
+
+
+def test_a_grammar_that_allows_no_token_is_an_invalid_argument():
+    """A position where the grammar leaves every logit at -inf (a layout no token of the vocabulary
+    spells) ends the request with INVALID_ARGUMENT (HTTP 400) saying so, where the round reaches
+    it: the first row always; a later row in a greedy round when the drafts before it are the
+    argmax; any row of a sampled round. Rows the round cannot reach are no error."""
+    import math
+
+    import pytest as _pytest
+
+    from specdec.grammar import UnsatisfiableGrammar
+    from specdec.protocol import SamplingParams
+    from target_service.engine import _check_satisfiable
+
+    def logits(dead: set[int], argmax: list[int]):
+        x = torch.zeros(len(argmax), 8)
+        for i, a in enumerate(argmax):
+            x[i, a] = 1.0
+        for i in dead:
+            x[i] = -math.inf
+        return x
+
+    greedy, sampled = SamplingParams(temperature=0.0, output_start=3), SamplingParams(temperature=0.8, output_start=3)
+    tokens = [1, 2, 3, 5, 6, 0]  # output from position 3; the round's drafts 5, 6 at first = 3
+    _check_satisfiable(logits(set(), [5, 6, 7]), greedy, tokens, 3)
+    with _pytest.raises(UnsatisfiableGrammar, match="after 0 generated tokens the grammar allows none"):
+        _check_satisfiable(logits({0}, [5, 6, 7]), greedy, tokens, 3)
+    with _pytest.raises(UnsatisfiableGrammar, match="after 2 generated tokens"):  # both drafts taken: row 2 reached
+        _check_satisfiable(logits({2}, [5, 6, 7]), greedy, tokens, 3)
+    _check_satisfiable(logits({2}, [5, 4, 7]), greedy, tokens, 3)  # draft 6 rejected: row 2 never reached
+    with _pytest.raises(UnsatisfiableGrammar):
+        _check_satisfiable(logits({2}, [5, 4, 7]), sampled, tokens, 3)
+    assert UnsatisfiableGrammar("x").code.name == "INVALID_ARGUMENT"
