@@ -10,7 +10,7 @@ import torch
 
 from draft_service.engine import DraftEngine
 from specdec.modeling import load_model
-from specdec.protocol import GenerationRequest, SamplingParams
+from specdec.protocol import SamplingParams
 from specdec.worker.paged import EagerGraph
 from specdec.worker.prefixes import MIN_PREFIX, PrefixStore
 from target_service.engine import TargetEngine
