@@ -351,13 +351,7 @@ class WorkerEngine:
         session = Session(session_id, list(token_ids[:-1]), self._new_cache(), owner=owner, scope=scope)
         session.lock.acquire()  # held from before the session is visible until its prefill is done
         try:
-            with self._sessions_lock:
-                if session_id in self._sessions:
-                    raise AlreadyExists(f"session {session_id} is already open")
-                if len(self._sessions) >= self.max_sessions:
-                    raise ResourceExhausted(f"this worker already holds its maximum of {self.max_sessions} sessions")
-                self._check_capacity(len(token_ids), locked=True)
-                self._sessions[session_id] = session
+            self._admit(session, len(token_ids))
             t0 = time.perf_counter()
             reused = 0
             try:
@@ -399,17 +393,21 @@ class WorkerEngine:
                 cache = copy.deepcopy(parent.cache)
             session = Session(session_id, list(parent.tokens), cache, owner=owner, scope=parent.scope)
         try:
-            with self._sessions_lock:
-                if session_id in self._sessions:
-                    raise AlreadyExists(f"session {session_id} is already open")
-                if len(self._sessions) >= self.max_sessions:
-                    raise ResourceExhausted(f"this worker already holds its maximum of {self.max_sessions} sessions")
-                self._check_capacity(len(session.tokens), locked=True)
-                self._sessions[session_id] = session
+            self._admit(session, len(session.tokens))
         except ServiceError:
             self._forget(session)
             raise
         return len(session.tokens), time.perf_counter() - t0, len(session.tokens)
+
+    def _admit(self, session: Session, tokens: int) -> None:
+        """Makes a new session visible, if its id is free and the worker has room for it and its tokens."""
+        with self._sessions_lock:
+            if session.session_id in self._sessions:
+                raise AlreadyExists(f"session {session.session_id} is already open")
+            if len(self._sessions) >= self.max_sessions:
+                raise ResourceExhausted(f"this worker already holds its maximum of {self.max_sessions} sessions")
+            self._check_capacity(tokens, locked=True)
+            self._sessions[session.session_id] = session
 
     def truncate(self, session_id: str, length: int) -> int:
         session = self.session(session_id)
