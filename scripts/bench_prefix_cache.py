@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     from specdec_tools.stack import DEFAULT_DRAFT_VOCAB, ProcessStack
 
     stack = ProcessStack(str(resolve_model(DEFAULT_TARGET)), str(resolve_model(DEFAULT_DRAFT)),
-                         draft_vocab=DEFAULT_DRAFT_VOCAB, orchestrator_args=tuple(a.orchestrator_args.split()))
+                         draft_vocab=DEFAULT_DRAFT_VOCAB, orchestrator_args=tuple(a.orchestrator_args.split()),
+                         prefix_cache=True)  # the workers' default size; the environment can set it
     runs = []
     try:
         stack.start()

@@ -186,6 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests-per-level", type=int, default=None, metavar="N",
                    help="requests at each level (default max(8, 2 x level))")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--prefix-cache", choices=["on", "off"], default="off",
+                   help="the workers' prefix cache (--prefix-cache-tokens): off by default, since every level and "
+                        "mode sends the same prompts and would find them cached after the first")
     p.add_argument("--pass-lock", choices=["on", "off"], default="on",
                    help="the workers' passes take turns on the shared cores (--pass-lock); off: the ablation")
     p.add_argument("--gamma", type=parse_modes, default=parse_modes("on,off"),
@@ -665,7 +668,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         orchestrator_args = (*(("--http-port", str(http_port)) if http_port else ()),
                              *(("--synthetic-acceptance", str(a.synthetic_acceptance)) if a.synthetic_acceptance else ()))
         stack = ProcessStack(target_dir, draft_dir, device=a.device, dtype=a.dtype, draft_vocab=draft_vocab,
-                             pass_lock=a.pass_lock == "on", orchestrator_args=orchestrator_args)
+                             pass_lock=a.pass_lock == "on", orchestrator_args=orchestrator_args,
+                             prefix_cache=a.prefix_cache == "on")
         links: dict[float, tuple] = {}
         try:
             t0 = time.monotonic()

@@ -51,11 +51,13 @@ class ProcessStack:
     def __init__(self, target_dir: str, draft_dir: str, *, device: str = "cpu", dtype: str = "auto",
                  quantization: str = "auto", draft_vocab: int = 0, pass_lock: bool = True,
                  cores: dict[str, str] | None = None, orchestrator_args: tuple[str, ...] = (),
-                 draft_args: tuple[str, ...] = ()):
+                 draft_args: tuple[str, ...] = (), prefix_cache: bool = False):
         """cores: {"target": "0", "draft": "1"} pins each worker to CPUs of its own (taskset -c,
         as many OpenMP threads as CPUs) and drops the pass lock: the workers no longer share
         cores. orchestrator_args / draft_args: more flags for the orchestrator (e.g. --draft-ahead
-        4) / the draft worker (e.g. --quantize int8-rows: the last one wins)."""
+        4) / the draft worker (e.g. --quantize int8-rows: the last one wins). prefix_cache: the
+        workers keep ended requests' KV (--prefix-cache-tokens' default); off by default here, as
+        benchmarks send their prompts again and again and must prefill each time, as the first did."""
         self.ports = {name: free_port() for name in ("target", "draft", "orchestrator")}
         self.cores = cores or {}
         pass_lock = pass_lock and not self.cores
@@ -63,7 +65,8 @@ class ProcessStack:
         self.pass_lock = os.path.join(tempfile.gettempdir(), f"specdec-passes-{self.ports['target']}.lock") \
             if pass_lock else None
         common = ["--host", "127.0.0.1", "--device", device, "--dtype", dtype, "--quantize", quantization,
-                  *(["--pass-lock", self.pass_lock] if pass_lock else [])]
+                  *(["--pass-lock", self.pass_lock] if pass_lock else []),
+                  *([] if prefix_cache else ["--prefix-cache-tokens", "0"])]
         self.commands = [
             ["target_service", "--model", target_dir, "--port", str(self.ports["target"]), *common],
             ["draft_service", "--model", draft_dir, "--port", str(self.ports["draft"]), *common,

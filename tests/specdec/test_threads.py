@@ -90,3 +90,12 @@ def test_the_one_host_stack_gives_both_workers_the_same_pass_lock():
     target, draft, orchestrator = stack.commands
     assert lock_of(target) == lock_of(draft)
     assert "--pass-lock" not in ProcessStack("t", "d", pass_lock=False).commands[0]
+
+
+def test_benchmark_stacks_keep_no_prefix_cache_unless_asked():
+    """Benchmarks send the same prompts again and again: their workers prefill each time."""
+    from specdec_tools.stack import ProcessStack
+
+    off = ProcessStack("t", "d").commands
+    assert all(cmd[cmd.index("--prefix-cache-tokens") + 1] == "0" for cmd in off[:2])
+    assert all("--prefix-cache-tokens" not in cmd for cmd in ProcessStack("t", "d", prefix_cache=True).commands)
