@@ -153,12 +153,6 @@ def apply_controls(logits: torch.Tensor, params: SamplingParams, tokens: list[in
     return logits
 
 
-def raw_logit(params: SamplingParams, controlled: float, token: int, prefix: list[int]) -> float:
-    """The raw logit of `token` after `prefix`, from its controlled logit: the controls of
-    apply_controls undone (SamplingParams.raw_logit, which the records use without torch)."""
-    return params.raw_logit(controlled, token, prefix)
-
-
 # ---- coupled sampling: Gumbel-max with noise keyed by (seed, position, token id) ----------------
 #
 # The token at absolute position t (the index it gets in the sequence, prompt included) is

@@ -24,7 +24,7 @@ from draft_service.ngram import NgramDraft
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationRequest, SamplingParams
-from specdec.sampling import apply_controls, coupled_choice, process_logits, raw_logit
+from specdec.sampling import apply_controls, coupled_choice, process_logits
 from tests.orchestrator.test_sampled_distribution import PROMPT, assert_matches, exact_distribution, sample
 
 NEW = 24
@@ -129,7 +129,7 @@ def test_raw_logit_undoes_the_controls_for_any_token():
     raw = torch.tensor([-2.0, 1.5, 0.7, -0.2, 3.0, 0.0, 2.2, -1.1, 0.4, -4.0]).repeat(1, 1)
     controlled = apply_controls(raw.clone(), params, prefix, len(prefix))[0]
     for t in range(10):
-        assert raw_logit(params, float(controlled[t]), t, prefix) == pytest.approx(float(raw[0, t]), abs=1e-5)
+        assert params.raw_logit(float(controlled[t]), t, prefix) == pytest.approx(float(raw[0, t]), abs=1e-5)
 
 
 def test_min_tokens_never_leaves_a_position_without_a_token():
