@@ -3,8 +3,10 @@
 `python -m draft_service`: role.py says what a draft is, specdec/worker/server.py serves it,
 servicer.py maps gRPC to engine.py, which does the model work.
 """
+from specdec.lifetime import die_with_supervisor
 from specdec.threads import bound_openmp_spinning
 
+die_with_supervisor()  # a no-op unless `specdec serve` started this process
 bound_openmp_spinning()  # before torch is imported (specdec/threads.py says why)
 
 from draft_service.role import DRAFT  # noqa: E402

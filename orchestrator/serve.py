@@ -23,7 +23,6 @@ cores: their passes take turns (--pass-lock) and the orchestrator prefills one a
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shlex
 import signal
@@ -35,11 +34,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.lifetime import SUPERVISOR_ENV
+
 DEFAULT_PORT = 50050  # the orchestrator's gRPC port (python -m orchestrator's default)
 DEFAULT_HTTP_PORT = 8000  # the OpenAI door, where vLLM serves it
 DEFAULT_DRAFT_VOCAB = 32768  # the default pair's draft scores the 32k most common ids
 BACKOFF_S = (1.0, 30.0)  # a crashed child's first and longest wait before its restart
 STABLE_S = 60.0  # a child up this long has its backoff reset
+WAIT_NOTE_S = 30.0  # a child not serving yet is reported this often (loading a large model takes minutes)
 STOP_GRACE_S = 30.0  # after SIGTERM, seconds a child gets before SIGKILL (the orchestrator drains 20 s)
 SERVE_OWNS = ("--host", "--port", "--model", "--target", "--draft", "--http-port")
 
@@ -49,23 +54,19 @@ def say(message: str) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
-def _die_with_parent(parent: int):
-    """A preexec_fn: the child gets SIGTERM when this process dies, however it dies (Linux)."""
-    def preexec() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return  # not Linux: Ctrl-C and SIGTERM still stop the children
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
+def free_ports(n: int) -> list[int]:
+    """n distinct loopback ports free now (each socket held until all are chosen)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @dataclass
@@ -84,8 +85,10 @@ class Child:
 
     def start(self) -> None:
         self.ready.clear()
-        self.proc = subprocess.Popen(self.argv, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # no preexec_fn: this process has threads, and a child must not run Python code before exec
+        # (the child arms PR_SET_PDEATHSIG itself: specdec/lifetime.py)
+        self.proc = subprocess.Popen(self.argv, start_new_session=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", SUPERVISOR_ENV: str(os.getpid())})
         self.started, self.restart_at = time.monotonic(), None
 
 
@@ -148,14 +151,16 @@ def build_children(a: argparse.Namespace, target_dir: str, draft_dir: str | None
         # both workers on this host's cores: their passes take turns (specdec.threads.PassLock)
         shared += ["--pass-lock", os.path.join(tempfile.gettempdir(), f"specdec-serve-{os.getpid()}.lock")]
     py = [sys.executable, "-m"]
-    target = Child("target", [*py, "target_service", "--model", target_dir, *shared, *target_flags], free_port())
+    taken = {a.port} | ({int(a.http_port)} if a.http_port.isdigit() else set())
+    target_port, draft_port = [p for p in free_ports(4) if p not in taken][:2]
+    target = Child("target", [*py, "target_service", "--model", target_dir, *shared, *target_flags], target_port)
     target.argv += ["--port", str(target.port)]
     children = [target]
     orchestrator_flags = ["--target", f"127.0.0.1:{target.port}"]
     if draft_dir is not None:
         if not _has(draft_flags, "--draft-vocab"):
             draft_flags = ["--draft-vocab", str(DEFAULT_DRAFT_VOCAB), *draft_flags]
-        draft = Child("draft", [*py, "draft_service", "--model", draft_dir, *shared, *draft_flags], free_port())
+        draft = Child("draft", [*py, "draft_service", "--model", draft_dir, *shared, *draft_flags], draft_port)
         draft.argv += ["--port", str(draft.port)]
         children.append(draft)
         orchestrator_flags += ["--draft", f"127.0.0.1:{draft.port}"]
@@ -184,9 +189,6 @@ def _values(flags: list[str], name: str) -> list[str]:
 def serving(port: int, timeout_s: float = 2.0) -> bool:
     """Whether the gRPC health service on 127.0.0.1:port says SERVING (a TLS port: whether it
     accepts connections)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
@@ -241,12 +243,22 @@ class Supervisor:
         proc = child.proc
 
         def watch() -> None:
+            next_note = child.started + WAIT_NOTE_S
             while proc.poll() is None and not self.stopping.is_set():
-                if serving(child.port):
+                try:
+                    up = serving(child.port)
+                except Exception as exc:  # a probe that fails oddly must not end the watch
+                    say(f"{child.name}: health probe failed ({type(exc).__name__}: {exc})")
+                    up = False
+                if up:
                     child.ready.set()
                     say(f"{child.name} SERVING on port {child.port} "
                         f"({time.monotonic() - child.started:.1f} s after its start)")
                     return
+                if time.monotonic() > next_note:
+                    next_note += WAIT_NOTE_S
+                    say(f"{child.name} (pid {proc.pid}) not serving yet, "
+                        f"{time.monotonic() - child.started:.0f} s after its start")
                 time.sleep(0.5)
 
         threading.Thread(target=watch, name=f"ready-{child.name}", daemon=True).start()

@@ -71,16 +71,19 @@ def _alive(pid: int) -> bool:
 
 
 class Served:
-    """`specdec serve` as a process, its [specdec] lines readable as they come."""
+    """`specdec serve` as a process, its [specdec] lines readable as they come; everything it and
+    its children print is kept for the failure message."""
 
     def __init__(self, *args: str):
         self.proc = subprocess.Popen([sys.executable, "-m", "specdec_tools.cli", "serve", *args], cwd=ROOT,
                                      stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.lines: queue.Queue = queue.Queue()
+        self.printed: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.proc.stderr:
+            self.printed.append(line.rstrip())
             if line.startswith("[specdec]"):
                 self.lines.put(line.strip())
 
@@ -90,7 +93,9 @@ class Served:
             try:
                 line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"no line with {text!r} within {timeout_s} s") from None
+                tail = "\n".join(self.printed[-80:])
+                raise AssertionError(f"no line with {text!r} within {timeout_s} s; the last lines printed:\n{tail}") \
+                    from None
             if text in line:
                 return line
 

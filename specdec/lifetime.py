@@ -1,0 +1,33 @@
+"""A supervised child process dies with its supervisor (`specdec serve`), however that dies.
+
+The supervisor names itself in SPECDEC_SUPERVISOR_PID; each entry point calls
+`die_with_supervisor()` first thing, which asks Linux for SIGTERM when the parent dies
+(PR_SET_PDEATHSIG) and exits at once if the parent is already gone. Done here, after exec, rather
+than in a Popen preexec_fn: the supervisor has threads (its readiness probes, gRPC's own), and a
+child forked from a threaded process may deadlock in Python code before it execs (a lock another
+thread held at fork stays held in the child).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+SUPERVISOR_ENV = "SPECDEC_SUPERVISOR_PID"
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_supervisor() -> None:
+    """SIGTERM to this process when the supervisor that started it dies (Linux; elsewhere the
+    supervisor's SIGINT/SIGTERM handling still stops its children)."""
+    supervisor = os.environ.pop(SUPERVISOR_ENV, None)  # not inherited by this process's own children
+    if not supervisor or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(supervisor):  # the supervisor died before prctl took effect
+        sys.exit(1)
