@@ -3,11 +3,13 @@
 `python -m draft_service`: role.py says what a draft is, specdec/worker/server.py serves it,
 servicer.py maps gRPC to engine.py, which does the model work.
 """
-from specdec.lifetime import die_with_supervisor
 from specdec.threads import bound_openmp_spinning
 
-die_with_supervisor()  # a no-op unless `specdec serve` started this process
 bound_openmp_spinning()  # before torch is imported (specdec/threads.py says why)
+
+from specdec.lifetime import die_with_supervisor  # noqa: E402
+
+die_with_supervisor()  # a no-op unless `specdec serve` started this process
 
 from draft_service.role import DRAFT  # noqa: E402
 from specdec.worker.server import main  # noqa: E402
