@@ -52,6 +52,10 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--draft-min", int, 1, "drafts a round makes before --draft-p-min may stop it", field="draft_min"),
     Flag("--draft-lookup", int, 4, "the longest n-gram a model draft looks up in the sequence to check the tokens "
          "that followed it in one pass (0: off)"),
+    Flag("--suffix-cache-tokens", int, 65536, "tokens of ended requests' prompts and outputs kept per orchestrator "
+         "for suffix drafts (drafts with no draft pass, from what followed the same tokens before: "
+         "orchestrator/suffix.py), searched within the requesting client's auth token only; a request's own tokens "
+         "are searched either way (0: only those)"),
     Flag("--draft-ahead", int, 0, "tokens a model draft keeps drafting past each round's drafts while the target "
          "verifies; the next round takes them when the round kept every draft. Pays only where the draft has "
          "cores (or a GPU) of its own (0: off)"),
@@ -124,6 +128,7 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
     draft_min: int = FLAGS.default("draft_min")
     draft_lookup: int = FLAGS.default("draft_lookup")
     draft_ahead: int = FLAGS.default("draft_ahead")
+    suffix_cache_tokens: int = FLAGS.default("suffix_cache_tokens")
     draft_grammar: bool = FLAGS.default("draft_grammar")
     draft_forced_tokens: bool = FLAGS.default("draft_forced_tokens")
     synthetic_acceptance: float = 0.0  # benchmarks only: greedy drafts kept w.p. this, whatever the target says
@@ -167,6 +172,8 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
             parse_entries(values["target"]), parse_entries(values["draft"])
             DraftOptions(values["draft_p_min"], values["draft_min"], values["draft_lookup"],
                          values["draft_ahead"]).validate()
+            if values["suffix_cache_tokens"] < 0:
+                raise ValueError(f"--suffix-cache-tokens must be at least 0, got {values['suffix_cache_tokens']}")
             if not 0.0 <= values["synthetic_acceptance"] < 1.0:
                 raise ValueError(f"--synthetic-acceptance must lie in [0, 1), got {values['synthetic_acceptance']}")
         except (ValueError, InvalidArgument) as exc:

@@ -40,6 +40,7 @@ from orchestrator.placement import Placement
 from orchestrator.pool import WorkerPool, pair_pools
 from orchestrator.rounds import RequestState
 from orchestrator.steps import StepLoops
+from orchestrator.suffix import SuffixIndex
 from orchestrator import tools
 from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
@@ -74,7 +75,7 @@ class SpeculativeDecoder:
                  tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
                  limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None,
                  draft_options: DraftOptions = DraftOptions(), seeded_sampling: str = "coupled",
-                 grammar_limits=None, synthetic_acceptance: float = 0.0):
+                 grammar_limits=None, synthetic_acceptance: float = 0.0, suffix_cache_tokens: int = 0):
         self.limits = limits
         # benchmarks only (--synthetic-acceptance): greedy rounds keep drafts by a coin, not by the target
         self.synthetic_acceptance = synthetic_acceptance
@@ -109,7 +110,8 @@ class SpeculativeDecoder:
         self.gamma_policy = gamma_policy or GammaPolicy(adaptive=False)
         self.draft_options = draft_options.validate()  # sent with every Propose (--draft-p-min, --draft-lookup)
         # one step loop per target runs the rounds of all its requests together (orchestrator/steps.py)
-        self.steps = StepLoops(self.gamma_policy, self.tracer, self.metrics)
+        # (suffix drafts from ended requests, --suffix-cache-tokens, when the gamma policy is goodput)
+        self.steps = StepLoops(self.gamma_policy, self.tracer, self.metrics, SuffixIndex(suffix_cache_tokens))
         self.grammar_limits = grammar_limits  # specdec.grammar.GrammarLimits (the --grammar-* flags); None: defaults
         self._grammars = None
         self._grammars_lock = threading.Lock()

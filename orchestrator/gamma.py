@@ -39,6 +39,7 @@ and so which random draws it makes, depend on timing.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ MARGIN = 0.10  # drafts must promise 10% more goodput than none: a model's error
 # one draft, + 0.09 at steady state): a bad first impression (a short warm-up request) must not
 # keep a request from ever drafting again, for then acceptance would never be measured again
 OPTIMISM = 0.6
+FREE_PRIOR = 0.5  # a suffix draft's tokens before any was judged: half as likely as their match counts say
+FREE_PRIOR_TOKENS = 8.0  # ... counted as this many promised tokens
 
 
 @dataclass
@@ -179,11 +182,17 @@ def expected(r: StepRequest, g: int, costs: StepCosts) -> float:
 
 
 def step_goodput(gammas: list[int], requests: list[StepRequest], costs: StepCosts) -> float:
-    """Expected tokens per second of one step in which request j drafts gammas[j] tokens: all
+    tokens, seconds = step_estimate(gammas, requests, costs)
+    return tokens / seconds
+
+
+def step_estimate(gammas: list[int], requests: list[StepRequest], costs: StepCosts) -> tuple[float, float]:
+    """Expected tokens and seconds of one step in which request j drafts gammas[j] tokens: all
     drafting requests share the draft passes (draft step i of all of them in one pass) and all
     requests share the target's pass of sum(g_j + 1) rows:
 
-        sum_j E_j(g_j) / (overhead + max over drafts of [max g_j * D(n) + extra] + T(sum_j (g_j + 1)))
+        tokens  = sum_j E_j(g_j)
+        seconds = overhead + max over drafts of [max g_j * D(n) + extra] + T(sum_j (g_j + 1))
 
     with D the draft's pass line, n the requests drafting on it, extra its phase's time beyond its
     passes (Leviathan et al. 2023's E(g), acceptance by position, each request's own, taken with
@@ -207,7 +216,7 @@ def step_goodput(gammas: list[int], requests: list[StepRequest], costs: StepCost
         line = costs.drafts.get(address)
         if line is not None and line.known:
             draft_s = max(draft_s, steps * line(n) + line.fit()[1] * catch_up + costs.draft_extra_s.get(address, 0.0))
-    return tokens / (costs.overhead_s + draft_s + costs.target(rows))
+    return tokens, costs.overhead_s + draft_s + costs.target(rows)
 
 
 class StepModel:
@@ -308,6 +317,25 @@ def best_step_gammas(requests: list[StepRequest], costs: StepCosts) -> list[int]
 
 
 @dataclass
+class Calibration:
+    """Tokens accepted per token promised by suffix drafts' path probabilities (orchestrator/suffix.py),
+    exponentially weighted by draft; before any, FREE_PRIOR counted as FREE_PRIOR_TOKENS promised tokens."""
+
+    promised: float = 0.0
+    accepted: float = 0.0
+
+    def observe(self, promised: float, accepted: int) -> None:
+        self.promised = self.promised * DECAY + promised
+        self.accepted = self.accepted * DECAY + accepted
+
+    def value(self, prior: "Calibration | None" = None) -> float:
+        """The ratio, with the prior's (a request's own over the target's pooled one) or FREE_PRIOR
+        counted as FREE_PRIOR_TOKENS tokens."""
+        start = prior.value() if prior is not None else FREE_PRIOR
+        return (self.accepted + FREE_PRIOR_TOKENS * start) / (self.promised + FREE_PRIOR_TOKENS)
+
+
+@dataclass
 class Average:
     """An exponentially weighted mean (DECAY per observation) that starts as the plain mean: the
     n-th observation weighs max(1 / n, 1 - DECAY), so the first one does not stand for the ~30
@@ -333,12 +361,69 @@ class GammaPolicy:
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
         self._draft_extra: dict[str, Average] = {}  # draft address -> its phase beyond its passes
         self._overhead: dict[str, Average] = {}  # target address -> a step's other time
+        self._free: dict[str, Calibration] = {}  # target -> its suffix drafts' calibration, pooled
         self.arms = Arms()
         # target -> its step's (level, arm, explored, predicted goodput)
         self._planned: dict[str, tuple[Level, str, bool, float]] = {}
 
     def _cost(self, address: str) -> LinearCost:
         return self._costs.setdefault(address, LinearCost())
+
+    def _step_costs(self, target: str, requests: list[StepRequest]) -> StepCosts:
+        drafts = {r.draft for r in requests if r.draft is not None}
+        return StepCosts(self._cost(target), {d: self._cost(d) for d in drafts},
+                         {d: self._acceptance.setdefault((target, d), Acceptance()) for d in drafts},
+                         self._overhead.get(target, Average()).value,
+                         {d: a.value for d, a in self._draft_extra.items()})
+
+    def free_calibration(self, target: str) -> "Calibration":
+        """The pooled calibration of suffix drafts on `target` (a request's own starts from it)."""
+        with self._lock:
+            return self._free.setdefault(target, Calibration())
+
+    def choose_free(self, target: str, requests: list[StepRequest], gammas: list[int],
+                    candidates: list[list[float]], calibrations: list["Calibration | None"]) -> list[int]:
+        """How many tokens of each request's suffix draft (orchestrator/suffix.py: candidates[j],
+        each position's path probability; [] for none) the step chosen (gammas) adds to the
+        target's pass. A free draft costs no draft pass, only its rows: request j's k tokens are
+        expected to add sum_{i<k} min(1, c_j p_i) tokens (c_j: how many tokens its suffix drafts
+        gave per token their probabilities promised, its own over the target's pooled one) for
+        beta k seconds (beta: the target's pass line's slope). Requests are taken in the order of
+        that ratio, each with the k that gives the step the most goodput, while it adds any."""
+        lengths = [0] * len(requests)
+        if not self.adaptive or not any(candidates):
+            return lengths
+        with self._lock:
+            costs = self._step_costs(target, requests)
+            if not costs.target.known:
+                return lengths
+            tokens, seconds = step_estimate(gammas, requests, costs)
+            beta = max(costs.target.fit()[1], 1e-9)
+            pooled = self._free.setdefault(target, Calibration())
+            offers = []
+            for j, (probs, own) in enumerate(zip(candidates, calibrations)):
+                if not probs or gammas[j] > 0:
+                    continue
+                c = own.value(pooled) if own is not None else pooled.value()
+                gains = list(itertools.accumulate(min(1.0, c * p) for p in probs))
+                offers.append((max(g / (beta * (k + 1)) for k, g in enumerate(gains)), j, gains))
+            for _, j, gains in sorted(offers, reverse=True):
+                best, best_k = tokens / seconds, 0
+                for k, gain in enumerate(gains, 1):
+                    rate = (tokens + gain) / (seconds + beta * k)
+                    if rate > best:
+                        best, best_k = rate, k
+                if best_k:
+                    lengths[j] = best_k
+                    tokens, seconds = tokens + gains[best_k - 1], seconds + beta * best_k
+            return lengths
+
+    def observe_free(self, target: str, promised: float, accepted: int) -> None:
+        """A suffix draft's outcome: its tokens' path probabilities summed to `promised`, and
+        `accepted` of them were kept."""
+        if self.adaptive:
+            with self._lock:
+                self._free.setdefault(target, Calibration()).observe(promised, accepted)
 
     def choose_step(self, target: str, requests: list[StepRequest], load: int | None = None) -> list[int]:
         """Each request's gamma for one step of the step loop on `target` (orchestrator/steps.py),
@@ -353,11 +438,7 @@ class GammaPolicy:
         if not self.adaptive:
             return caps
         with self._lock:
-            drafts = {r.draft for r in requests if r.draft is not None}
-            costs = StepCosts(self._cost(target), {d: self._cost(d) for d in drafts},
-                              {d: self._acceptance.setdefault((target, d), Acceptance()) for d in drafts},
-                              self._overhead.get(target, Average()).value,
-                              {d: a.value for d, a in self._draft_extra.items()})
+            costs = self._step_costs(target, requests)
             model = best_step_gammas(requests, costs)
             can_draft = any(c > 0 and r.draft is not None for c, r in zip(caps, requests))
             can_explore = any(c > 0 and r.draft is not None and r.explorable for c, r in zip(caps, requests))

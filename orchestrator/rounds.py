@@ -4,7 +4,8 @@ A round, in named steps on a Round (gpt-fast's `speculative_decode`, spread over
 The step loop (orchestrator/steps.py) runs these steps for all the requests on a target at once,
 the draft and verify steps as one batched call per worker; the per-request steps live here:
 
-  draft   the draft proposes x_0..x_{gamma-1}, each x_i ~ q_i (draft_call, take_proposals)
+  draft   the draft proposes x_0..x_{gamma-1}, each x_i ~ q_i (draft_call, take_proposals); or,
+          with no draft pass, a suffix draft does (take_free: orchestrator/suffix.py)
   verify  the target scores the unsynced tokens and the drafts in one pass: p_0..p_gamma (verify_call)
   accept  keep x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw the
           recovered token from norm(max(0, p_i - q_i)); if all gamma pass, the bonus token ~ p_gamma
@@ -34,9 +35,10 @@ from dataclasses import dataclass, field
 import torch
 
 from orchestrator.detokenizer import TextAssembler
-from orchestrator.gamma import Acceptance, GammaPolicy
+from orchestrator.gamma import Acceptance, Calibration, GammaPolicy
 from orchestrator.placement import Placement, is_worker_fault
 from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample, synthetic_verify
+from orchestrator.suffix import RequestIndex
 from specdec import telemetry as t
 from specdec.errors import ServiceError
 from specdec.protocol import (CompactProbs, DraftOptions, GenerationChunk, GenerationStats, Proposal, ProposeCall,
@@ -72,6 +74,8 @@ class RequestState:
     synthetic_acceptance: float = 0.0
     coin: random.Random | None = field(init=False, default=None)  # its draws; seeded by the prompt
     acceptance: Acceptance = field(init=False, default_factory=Acceptance)  # its own drafts' (the policy's)
+    free_calibration: Calibration = field(init=False, default_factory=Calibration)  # its suffix drafts'
+    own_index: RequestIndex = field(init=False, default_factory=RequestIndex)  # its tokens' n-grams (suffix drafts)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.target_synced = len(self.tokens)
@@ -95,6 +99,7 @@ class Round:
     draft_probs: list[CompactProbs | None] = field(default_factory=list)  # q_i (None when greedy)
     draft_rows: int = 0  # rows of the draft's passes, mean over this round's steps (0: not reported)
     draft_pass_s: float = 0.0  # and their seconds
+    free_probs: list[float] = field(default_factory=list)  # a suffix draft's path probabilities (no draft pass)
     verification: Verification | None = None  # p_i (or argmax p_i) for i = 0..gamma
     result: SampleResult | None = None
     emitted: list[int] = field(default_factory=list)
@@ -151,6 +156,14 @@ def take_proposals(req: RequestState, rnd: Round, proposals: list[Proposal]) -> 
         req.stats.wire_bytes += p.wire_bytes
         req.stats.draft_compute_s += p.compute_s
     rnd.gamma = len(rnd.drafts)  # fewer when the draft stopped early (or a lookup found nothing)
+
+
+def take_free(rnd: Round, tokens: list[int], probs: list[float]) -> None:
+    """A suffix draft (orchestrator/suffix.py) as the round's drafts: x_i with q_i a point mass on
+    x_i (no draft pass; rejection_sample then keeps x_i w.p. p_i(x_i)), each x_i's path probability kept
+    for learn."""
+    rnd.drafts, rnd.draft_probs, rnd.free_probs = list(tokens), [None] * len(tokens), list(probs)
+    rnd.gamma = len(tokens)
 
 
 def draft_failed(req: RequestState, rnd: Round, exc: ServiceError) -> None:
@@ -214,12 +227,12 @@ def commit(req: RequestState, rnd: Round) -> None:
     stats.sampling_s += rnd.sampling_s
     stats.verify_compute_s += v.compute_s
     stats.wire_bytes += v.wire_bytes
-    stats.record_round(rnd.gamma, rnd.num_accepted)
+    stats.record_round(rnd.gamma, rnd.num_accepted, suffix=bool(rnd.free_probs))
     rnd.wire_bytes = stats.wire_bytes - rnd.wire_before
     # no call is made: the next round's Propose and Verify start at target_synced, truncating there
     with req.tracer.start_as_current_span("rollback") as span:
         req.target_synced = len(req.tokens) + rnd.num_accepted  # tokens + x_0..x_{n-1}
-        if rnd.gamma > 0:
+        if rnd.gamma > 0 and not rnd.free_probs:  # a suffix draft never reached the draft's session
             req.draft_synced = req.target_synced
         if span.is_recording():
             span.set_attributes({t.TARGET_LENGTH: req.target_synced, t.DRAFT_LENGTH: req.draft_synced,
@@ -229,7 +242,11 @@ def commit(req: RequestState, rnd: Round) -> None:
 def learn(req: RequestState, rnd: Round) -> None:
     """The round's acceptance goes to the gamma policy (the pass costs: the step loop, once per
     step)."""
-    if rnd.gamma > 0:
+    if rnd.free_probs:  # a suffix draft's: how far its probabilities are to be trusted
+        promised = sum(rnd.free_probs)
+        req.policy.observe_free(req.placement.target.address, promised, rnd.num_accepted)
+        req.free_calibration.observe(promised, rnd.num_accepted)
+    elif rnd.gamma > 0:
         placement = req.placement
         req.policy.observe_round(placement.target.address, placement.draft.address, rnd.gamma, rnd.num_accepted)
         req.acceptance.observe(rnd.gamma, rnd.num_accepted)  # a request whose drafts keep failing stops drafting

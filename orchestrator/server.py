@@ -73,6 +73,7 @@ def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry)
                               limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens),
                               draft_options=config.draft_options, seeded_sampling=config.seeded_sampling,
                               synthetic_acceptance=config.synthetic_acceptance,
+                              suffix_cache_tokens=config.suffix_cache_tokens,
                               grammar_limits=GrammarLimits.from_config(config))
 
 

@@ -41,10 +41,11 @@ from orchestrator.arms import EXPLORE_MAX_LAG
 from orchestrator.gamma import CATCH_UP_LAG, GammaPolicy, StepRequest
 from orchestrator.metrics import DecodingMetrics
 from orchestrator.rounds import (RequestState, Round, draft_call, draft_failed, finish, gamma_cap, new_round,
-                                 take_proposals, target_failed, verify, verify_call)
+                                 take_free, take_proposals, target_failed, verify, verify_call)
+from orchestrator.suffix import SuffixIndex
 from specdec import telemetry as t
 from specdec.errors import ServiceError
-from specdec.protocol import GenerationChunk
+from specdec.protocol import MAX_GAMMA, GenerationChunk
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,10 @@ class Ticket:
 class StepLoops:
     """The step loops of one decoder, one per target address, made on first use."""
 
-    def __init__(self, policy: GammaPolicy, tracer, metrics: DecodingMetrics):
+    def __init__(self, policy: GammaPolicy, tracer, metrics: DecodingMetrics, suffix: SuffixIndex | None = None):
         self.policy, self.tracer, self.metrics = policy, tracer, metrics
+        # suffix drafts (orchestrator/suffix.py): ended requests' tokens, fed as requests end here
+        self.suffix = suffix if suffix is not None else SuffixIndex(0)
         self._loops: dict[str, StepLoop] = {}
         self._lock = threading.Lock()
         self.drafts = ThreadPoolExecutor(max_workers=8, thread_name_prefix="step-draft")  # several drafts at once
@@ -199,15 +202,20 @@ class StepLoop:
         self.steps += 1
         states = [tk.state for tk in tickets]
         caps = [gamma_cap(s) for s in states]
-        gammas = self.loops.policy.choose_step(self.address, [
-            StepRequest(cap, s.placement.draft.address if s.placement.draft is not None else None,
-                        len(s.tokens) - s.draft_synced, s.acceptance, s.max_new_tokens - s.generated,
-                        explorable=len(s.tokens) - s.draft_synced <= EXPLORE_MAX_LAG and s.draft_synced >= s.prompt_len)
-            for cap, s in zip(caps, states)], load=len(states) + self.loops.prefilling)  # those joining soon too
+        requests = [StepRequest(cap, s.placement.draft.address if s.placement.draft is not None else None,
+                                len(s.tokens) - s.draft_synced, s.acceptance, s.max_new_tokens - s.generated,
+                                explorable=len(s.tokens) - s.draft_synced <= EXPLORE_MAX_LAG and
+                                s.draft_synced >= s.prompt_len)
+                    for cap, s in zip(caps, states)]
+        gammas = self.loops.policy.choose_step(self.address, requests,
+                                               load=len(states) + self.loops.prefilling)  # those joining soon too
+        free = self._free_drafts(states, requests, gammas)
         rounds = [new_round(s, g) for s, g in zip(states, gammas)]
         spans = [self.loops.tracer.start_span("round", context=tk.ctx) for tk in tickets]
         errors: list[BaseException | None] = [None] * len(tickets)
         drafts = self._draft(states, rounds, spans, errors)
+        for j, (tokens, probs) in free.items():  # after the draft phase: they make no draft call
+            take_free(rounds[j], tokens, probs)
         draft_end = time.perf_counter()
         target_pass = self._verify(states, rounds, spans, errors)
         staying, tokens = [], 0
@@ -228,6 +236,7 @@ class StepLoop:
             tokens += len(rnd.result.token_ids)  # what the step gave the request (before a stop cuts it)
             ticket.put(rnd.chunk)
             if state.finish is not None:
+                self.loops.suffix.add(state.placement.scope, state.tokens)
                 ticket.release()
             elif state.placement.target.address != self.address:  # failover moved it
                 self.loops.loop(state.placement.target.address).add(ticket)
@@ -244,6 +253,30 @@ class StepLoop:
         if outcome is not None:
             self.loops.metrics.record_step(*outcome[:2], seconds, outcome[2])
         return staying
+
+    def _free_drafts(self, states: list[RequestState], requests: list[StepRequest],
+                     gammas: list[int]) -> dict[int, tuple[list[int], list[float]]]:
+        """Suffix drafts (orchestrator/suffix.py) for the requests this step drafts nothing for,
+        as many tokens of each as the gamma policy finds worth their rows in the target's pass.
+        Not for a request that asked for gamma 0 (the baseline stays plain), one with a grammar
+        (the draft's tokens could leave it), or a benchmark's synthetic acceptance."""
+        policy = self.loops.policy
+        if not policy.adaptive:
+            return {}
+        found = {}
+        for j, (s, g) in enumerate(zip(states, gammas)):
+            k = min(MAX_GAMMA, s.max_new_tokens - s.generated - 1)
+            if g or k <= 0 or s.gamma <= 0 or s.synthetic_acceptance or s.params.grammar is not None:
+                continue
+            tokens, probs = self.loops.suffix.draft(s.placement.scope, s.tokens, s.own_index, k)
+            if tokens:
+                found[j] = (tokens, probs)
+        if not found:
+            return {}
+        lengths = policy.choose_free(self.address, requests, gammas,
+                                     [found[j][1] if j in found else [] for j in range(len(states))],
+                                     [s.free_calibration for s in states])
+        return {j: (found[j][0][:k], found[j][1][:k]) for j, k in enumerate(lengths) if k}
 
     def _draft(self, states: list[RequestState], rounds: list[Round], spans,
                errors) -> dict[str, tuple[int, float, float]]:

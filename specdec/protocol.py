@@ -592,8 +592,13 @@ class GenerationStats:
     mean_gamma: float = 0.0
     sampling: str = ""  # "greedy", "coupled" or "rejection"
     seed: int = 0  # the seed the request ran with, as an unsigned 64-bit integer
+    suffix_drafted_tokens: int = 0  # of drafted_tokens, those of suffix drafts (orchestrator/suffix.py)
+    suffix_accepted_tokens: int = 0  # of accepted_tokens, those of suffix drafts
 
-    def record_round(self, gamma: int, num_accepted: int) -> None:
+    def record_round(self, gamma: int, num_accepted: int, suffix: bool = False) -> None:
+        if suffix:
+            self.suffix_drafted_tokens += gamma
+            self.suffix_accepted_tokens += num_accepted
         self.rounds += 1
         self.target_forward_passes += 1
         self.drafted_tokens += gamma

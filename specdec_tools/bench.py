@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from specdec_tools import can_plot
+
 FRESH = [  # answers written from scratch: little to copy from the prompt
     "Write a Python function that merges two sorted lists into one sorted list.",
     "Implement binary search in Python and return the index of the target or -1.",
@@ -412,7 +414,8 @@ def write_results(out: Path, header: str, config: dict, runs: list[Run], rows: l
             w = csv.DictWriter(f, fieldnames=list(sweep[0]))
             w.writeheader()
             w.writerows(sweep)
-        plot_sweep(sweep, baseline, out / "sweep.png")
+        if can_plot("sweep.png"):
+            plot_sweep(sweep, baseline, out / "sweep.png")
         table += "\n| mode | gamma | tok/s | acceptance | tokens/round |\n|---|---|---|---|---|\n" + "\n".join(
             f"| {s['mode']} | {s['gamma']} | {s['tokens_per_s']:.2f} | {s['acceptance_rate']:.2f} | "
             f"{s['mean_accepted_length']:.2f} |" for s in sweep) + "\n"

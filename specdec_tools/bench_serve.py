@@ -57,6 +57,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specdec_tools import can_plot
+
 DEFAULT_CONCURRENCY = "1,2,4,8,16"
 DEFAULT_PROMPTS = 8  # = the concurrency-1 level's default request count: every prompt gets a reference
 # orchestrator flags of each --setups name: the server as shipped, and the gamma policy turned off
@@ -189,6 +191,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", choices=["on", "off"], default="off",
                    help="the workers' prefix cache (--prefix-cache-tokens): off by default, since every level and "
                         "mode sends the same prompts and would find them cached after the first")
+    p.add_argument("--suffix-cache", choices=["on", "off"], default="off",
+                   help="suffix drafts from ended requests (the orchestrator's --suffix-cache-tokens): off by default, "
+                        "since every level and mode sends the same prompts, whose greedy outputs would then be drafted "
+                        "from the earlier identical ones (a request's own tokens are searched either way)")
     p.add_argument("--pass-lock", choices=["on", "off"], default="on",
                    help="the workers' passes take turns on the shared cores (--pass-lock); off: the ablation")
     p.add_argument("--gamma", type=parse_modes, default=parse_modes("on,off"),
@@ -231,6 +237,8 @@ class RequestRecord:
     finish_reason: str = ""
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    suffix_drafted_tokens: int = 0  # of drafted_tokens, suffix drafts' (no draft pass)
+    suffix_accepted_tokens: int = 0
     rounds: int = 0
     gamma: int | None = None  # as the server's stats report it
     server_total_s: float = 0.0
@@ -284,6 +292,11 @@ def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
         "latency_p95_s": _round(percentile(lat, 95)),
         "acceptance_rate": _round(accepted / drafted if drafted else None),
         "mean_gamma": _round(sum(gammas) / len(gammas) if gammas else None, 3),
+        # of the drafted tokens, those of suffix drafts, and of those the share kept
+        "suffix_share": _round(sum(r.suffix_drafted_tokens for r in ok) / drafted if drafted else None, 3),
+        "suffix_acceptance": _round(sum(r.suffix_accepted_tokens for r in ok) /
+                                    max(sum(r.suffix_drafted_tokens for r in ok), 1)
+                                    if any(r.suffix_drafted_tokens for r in ok) else None, 3),
         "ms_per_token_p50": _round(percentile([r.ms_per_token for r in ok if r.ms_per_token is not None], 50), 2),
     }
 
@@ -348,7 +361,8 @@ TABLE_COLUMNS = [
     ("ttft_p95_s", "TTFT p95 s", "{:.3f}"), ("latency_p50_s", "latency p50 s", "{:.3f}"),
     ("latency_p95_s", "latency p95 s", "{:.3f}"), ("ms_per_token_p50", "ms/token after the first p50", "{:.1f}"),
     ("acceptance_rate", "acceptance", "{:.3f}"),
-    ("mean_gamma", "gamma", "{:g}"), ("rpcs_per_token", "RPCs/token", "{:.2f}"),
+    ("mean_gamma", "gamma", "{:g}"), ("suffix_share", "suffix share of drafts", "{:.2f}"),
+    ("suffix_acceptance", "suffix acceptance", "{:.3f}"), ("rpcs_per_token", "RPCs/token", "{:.2f}"),
     ("rpcs_per_round", "RPCs/round", "{:.2f}"), ("bytes_per_token", "bytes/token", "{:,.0f}"),
     ("outputs_differ", "differ from c=1", "{}"), ("errors", "errors", "{}"),
 ]
@@ -472,6 +486,8 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
                     rec.ms_per_token = 1e3 * (latency - ttft) / (rec.generated_tokens - 1)
                 rec.drafted_tokens = stats.get("drafted_tokens", 0)
                 rec.accepted_tokens = stats.get("accepted_tokens", 0)
+                rec.suffix_drafted_tokens = stats.get("suffix_drafted_tokens", 0)
+                rec.suffix_accepted_tokens = stats.get("suffix_accepted_tokens", 0)
                 rec.rounds = stats.get("rounds", 0)
                 rec.gamma = stats.get("mean_gamma", stats.get("gamma"))  # as the gamma policy chose it
                 rec.server_total_s = stats.get("total_s", 0.0)
@@ -600,7 +616,8 @@ def write_outputs(out: Path, records: list[RequestRecord], rows: list[dict], met
                  f"by a coin, not by the target; random-weight models; {meta['machine'].get('accelerator') or 'CPU'})"
                  f"\n\n{table}")
     (out / "table.md").write_text(table + "\n")
-    plot(rows, out / "serve.png", title=f"{meta['models']['target']} + {meta['models']['draft']}")
+    if can_plot("serve.png"):
+        plot(rows, out / "serve.png", title=f"{meta['models']['target']} + {meta['models']['draft']}")
     return table
 
 
@@ -669,7 +686,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                              *(("--synthetic-acceptance", str(a.synthetic_acceptance)) if a.synthetic_acceptance else ()))
         stack = ProcessStack(target_dir, draft_dir, device=a.device, dtype=a.dtype, draft_vocab=draft_vocab,
                              pass_lock=a.pass_lock == "on", orchestrator_args=orchestrator_args,
-                             prefix_cache=a.prefix_cache == "on")
+                             prefix_cache=a.prefix_cache == "on", suffix_cache=a.suffix_cache == "on")
         links: dict[float, tuple] = {}
         try:
             t0 = time.monotonic()

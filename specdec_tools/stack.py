@@ -51,13 +51,15 @@ class ProcessStack:
     def __init__(self, target_dir: str, draft_dir: str, *, device: str = "cpu", dtype: str = "auto",
                  quantization: str = "auto", draft_vocab: int = 0, pass_lock: bool = True,
                  cores: dict[str, str] | None = None, orchestrator_args: tuple[str, ...] = (),
-                 draft_args: tuple[str, ...] = (), prefix_cache: bool = False):
+                 draft_args: tuple[str, ...] = (), prefix_cache: bool = False, suffix_cache: bool = False):
         """cores: {"target": "0", "draft": "1"} pins each worker to CPUs of its own (taskset -c,
         as many OpenMP threads as CPUs) and drops the pass lock: the workers no longer share
         cores. orchestrator_args / draft_args: more flags for the orchestrator (e.g. --draft-ahead
         4) / the draft worker (e.g. --quantize int8-rows: the last one wins). prefix_cache: the
         workers keep ended requests' KV (--prefix-cache-tokens' default); off by default here, as
-        benchmarks send their prompts again and again and must prefill each time, as the first did."""
+        benchmarks send their prompts again and again and must prefill each time, as the first did.
+        suffix_cache: the orchestrator drafts from ended requests' tokens (--suffix-cache-tokens'
+        default); off by default for the same reason (a request's own tokens are searched either way)."""
         self.ports = {name: free_port() for name in ("target", "draft", "orchestrator")}
         self.cores = cores or {}
         pass_lock = pass_lock and not self.cores
@@ -74,7 +76,7 @@ class ProcessStack:
             ["orchestrator", "--host", "127.0.0.1", "--port", str(self.ports["orchestrator"]), "--prefill",
              "sequential",  # all three share this host's cores
              "--target", f"127.0.0.1:{self.ports['target']}", "--draft", f"127.0.0.1:{self.ports['draft']}",
-             *orchestrator_args],
+             *([] if suffix_cache else ["--suffix-cache-tokens", "0"]), *orchestrator_args],
         ]
         self.procs: list[subprocess.Popen] = []
         self.extra_addresses: list[str] = []  # more orchestrators (add_orchestrator)

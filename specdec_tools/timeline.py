@@ -37,6 +37,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec_tools import PLOTS_EXTRA
+
 ORCHESTRATOR_SERVICE = "specdec-orchestrator"
 REQUEST_ATTR = "gen_ai.operation.name"  # marks the request span, whatever its name
 GENERATE_METHODS = ("/specdec.v1.Orchestrator/Generate", "/specdec.v1.Orchestrator/GenerateStream")
@@ -565,6 +567,10 @@ def _summary_text(s: Summary) -> str:
 
 
 def render(lay: Layout, out_path, title: str | None = None, dpi: int = 110) -> Path:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(f"specdec timeline draws with matplotlib, which is not installed: {PLOTS_EXTRA}") from None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch

@@ -120,7 +120,8 @@ def test_through_the_services_the_goodput_policy_stays_exact_and_reports_its_gam
         for r in (first, later):
             assert r.token_ids == reference(target_engine, ids, 30)
             assert r.stats["mean_gamma"] == pytest.approx(r.stats["drafted_tokens"] / r.stats["rounds"])
-        assert later.stats["mean_gamma"] < 4 and later.stats["gamma"] == 4
+        model_drafts = later.stats["drafted_tokens"] - later.stats["suffix_drafted_tokens"]
+        assert model_drafts < 4 * later.stats["rounds"] and later.stats["gamma"] == 4
     finally:
         parts.stop(None)
 
@@ -225,7 +226,9 @@ def test_on_shared_cores_a_request_served_at_gamma_0_never_prefills_its_draft(st
             passes = draft_engine._batcher.passes
             later = client.generate(token_ids=ids, max_new_tokens=30, temperature=0, gamma=4)
         assert first.stats["drafted_tokens"] > 0  # nothing measured yet: the first round drafts (and catches up)
-        assert later.stats["drafted_tokens"] == 0 and draft_engine._batcher.passes == passes
+        # (suffix drafts, which make no draft pass, may still ride in its verify passes)
+        model_drafts = later.stats["drafted_tokens"] - later.stats["suffix_drafted_tokens"]
+        assert model_drafts == 0 and draft_engine._batcher.passes == passes
         for r in (first, later):
             assert r.token_ids == reference(target_engine, ids, 30)
     finally:
