@@ -122,9 +122,10 @@ class SpeculativeDecoder:
         policy measured (orchestrator/arms.py)."""
         self.steps.close()
         for row in self.gamma_policy.snapshot() if self.gamma_policy.adaptive else ():
-            log.info("step policy on %s at %s requests: %s running; %.2f tok/s drafting (predicted %.2f), %.2f "
+            log.info("step policy on %s at %s requests, %s: %s running; %.2f tok/s with (predicted %.2f), %.2f "
                      "without (predicted %.2f); %d steps, %.1f%% exploring, %.2f s regret, %d switches", row["target"],
-                     row["level"], row["running"], row["draft_tok_s"], row["predicted_draft_tok_s"], row["plain_tok_s"],
+                     row["level"], row["kind"], row["running"], row["draft_tok_s"], row["predicted_draft_tok_s"],
+                     row["plain_tok_s"],
                      row["predicted_plain_tok_s"], row["steps"], 100 * row["explore_share"], row["regret_s"],
                      row["switches"])
 
@@ -135,13 +136,15 @@ class SpeculativeDecoder:
         the chat template, the detokenizer's stop search)."""
         if len(request.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in request.stop):
             raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
-                                  f"{MAX_STOP_CHARS} characters")
+                                  f"{MAX_STOP_CHARS} characters", param="stop")
         if request.messages is not None:
             if len(request.messages) > MAX_MESSAGES:
-                raise InvalidArgument(f"chat has {len(request.messages)} messages; at most {MAX_MESSAGES}")
+                raise InvalidArgument(f"chat has {len(request.messages)} messages; at most {MAX_MESSAGES}",
+                                      param="chat")
             for i, m in enumerate(request.messages):
                 if not 1 <= len(str(m.get("role", ""))) <= MAX_ROLE_CHARS:
-                    raise InvalidArgument(f"chat message {i}: its role must have 1 to {MAX_ROLE_CHARS} characters")
+                    raise InvalidArgument(f"chat message {i}: its role must have 1 to {MAX_ROLE_CHARS} characters",
+                                          param="chat")
 
     def encode(self, request: GenerationRequest) -> list[int]:
         given = [x is not None for x in (request.prompt, request.messages, request.token_ids)]
@@ -150,14 +153,15 @@ class SpeculativeDecoder:
         self.check_sizes(request)
         if request.prompt is not None:
             if not request.prompt:
-                raise InvalidArgument("prompt is empty")
+                raise InvalidArgument("prompt is empty", param="prompt")
             self._check_text_fits(len(request.prompt))
             ids = self.tokenizer(request.prompt).input_ids
         elif request.messages is not None:
             if not request.messages:
-                raise InvalidArgument("chat has no messages")
+                raise InvalidArgument("chat has no messages", param="chat")
             if not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidArgument(f"model '{self.target_info.model_name}' has no chat template; send a prompt")
+                raise InvalidArgument(f"model '{self.target_info.model_name}' has no chat template; send a prompt",
+                                      param="chat")
             self._check_text_fits(sum(len(str(m.get("content", ""))) + len(str(m.get("role", "")))
                                       for m in request.messages))
             try:
@@ -165,21 +169,23 @@ class SpeculativeDecoder:
                                                           tools=list(request.tools) or None, tokenize=False,
                                                           add_generation_prompt=True)
             except Exception as exc:  # jinja2 errors: e.g. a template that demands alternating roles
-                raise InvalidArgument(f"the chat template refused these messages: {exc}") from None
+                raise InvalidArgument(f"the chat template refused these messages: {exc}", param="chat") from None
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
         else:
             limit = min(self.max_context, self.limits.max_prompt_tokens or self.max_context)
             if len(request.token_ids) > limit:  # before touching each id: a list may hold millions
                 why = ("--max-prompt-tokens" if limit < self.max_context else f"context {self.max_context}")
-                raise InvalidArgument(f"the prompt has {len(request.token_ids)} token ids; at most {limit} fit ({why})")
+                raise InvalidArgument(f"the prompt has {len(request.token_ids)} token ids; at most {limit} fit ({why})",
+                                      param="token_ids")
             ids = [int(t) for t in request.token_ids]
             if not ids:
-                raise InvalidArgument("token_ids is empty")
+                raise InvalidArgument("token_ids is empty", param="token_ids")
             bad = [t for t in ids if not 0 <= t < self.target_info.vocab_size]
             if bad:
-                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {self.target_info.vocab_size})")
+                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {self.target_info.vocab_size})",
+                                      param="token_ids")
         if not ids:
-            raise InvalidArgument("the prompt encodes to no tokens")
+            raise InvalidArgument("the prompt encodes to no tokens", param="prompt")
         return list(ids)
 
     def _check_text_fits(self, chars: int) -> None:
@@ -189,59 +195,64 @@ class SpeculativeDecoder:
         limit = min(self.max_context, self.limits.max_prompt_tokens or self.max_context)
         if chars > limit * self._max_token_chars:
             raise InvalidArgument(f"a prompt of {chars} characters needs at least {chars // self._max_token_chars} "
-                                  f"tokens; at most {limit} fit (context {self.max_context})")
+                                  f"tokens; at most {limit} fit (context {self.max_context})", param="prompt")
 
     def validate(self, request: GenerationRequest, prompt_len: int) -> SamplingParams:
         params = request.sampling.validate()
         if not 0 <= request.gamma <= MAX_GAMMA:
-            raise InvalidArgument(f"gamma must lie in [0, {MAX_GAMMA}] (0 = no speculation), got {request.gamma}")
+            raise InvalidArgument(f"gamma must lie in [0, {MAX_GAMMA}] (0 = no speculation), got {request.gamma}",
+                                  param="gamma")
         if request.max_new_tokens <= 0:
-            raise InvalidArgument(f"max_new_tokens must be > 0, got {request.max_new_tokens}")
+            raise InvalidArgument(f"max_new_tokens must be > 0, got {request.max_new_tokens}", param="max_new_tokens")
         if prompt_len + request.max_new_tokens > self.max_context:
             raise InvalidArgument(
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the context "
                 f"of {self.max_context} tokens"
-            )
+            , param="max_new_tokens")
         if request.max_new_tokens > self.limits.max_new_tokens:
             raise InvalidArgument(f"max_new_tokens {request.max_new_tokens} exceeds this server's limit of "
-                                  f"{self.limits.max_new_tokens} (--max-new-tokens)")
+                                  f"{self.limits.max_new_tokens} (--max-new-tokens)", param="max_new_tokens")
         if self.limits.max_prompt_tokens and prompt_len > self.limits.max_prompt_tokens:
             raise InvalidArgument(f"the prompt has {prompt_len} tokens; this server accepts at most "
-                                  f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)")
+                                  f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)", param="prompt")
         if request.seed is not None and not -(2**63) <= request.seed < 2**64:
-            raise InvalidArgument(f"seed must lie in [-2**63, 2**64 - 1], got {request.seed}")
+            raise InvalidArgument(f"seed must lie in [-2**63, 2**64 - 1], got {request.seed}", param="seed")
         if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidArgument(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+            raise InvalidArgument(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}",
+                                  param="top_logprobs")
         if request.sampling_mode is not None and request.sampling_mode not in SAMPLING_MODES:
-            raise InvalidArgument(f"sampling_mode must be one of {sorted(SAMPLING_MODES)}, got {request.sampling_mode!r}")
+            raise InvalidArgument(f"sampling_mode must be one of {sorted(SAMPLING_MODES)}, got {request.sampling_mode!r}",
+                                  param="sampling_mode")
         if request.top_logprobs and not request.logprobs:
-            raise InvalidArgument("top_logprobs needs logprobs")
+            raise InvalidArgument("top_logprobs needs logprobs", param="top_logprobs")
         if request.gamma > 0 and self.drafts is None:
-            raise InvalidArgument("this orchestrator has no draft worker; use gamma 0")
+            raise InvalidArgument("this orchestrator has no draft worker; use gamma 0", param="gamma")
         if request.logprobs_mode not in LOGPROBS_MODES:
-            raise InvalidArgument(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {request.logprobs_mode!r}")
+            raise InvalidArgument(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {request.logprobs_mode!r}",
+                                  param="logprobs_mode")
         if not 1 <= request.n <= MAX_N:
-            raise InvalidArgument(f"n (choices) must lie in [1, {MAX_N}], got {request.n}")
+            raise InvalidArgument(f"n (choices) must lie in [1, {MAX_N}], got {request.n}", param="n")
         if not 0 <= request.min_tokens <= request.max_new_tokens:
             raise InvalidArgument(f"min_tokens must lie in [0, max_new_tokens = {request.max_new_tokens}], "
-                                  f"got {request.min_tokens}")
+                                  f"got {request.min_tokens}", param="min_tokens")
         if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidArgument(f"stop_token_ids has {len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+            raise InvalidArgument(f"stop_token_ids has {len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
+                                  param="stop_token_ids")
         bad = [t for t in request.stop_token_ids if not 0 <= t < self.target_info.vocab_size]
         if bad:
             raise InvalidArgument(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {self.target_info.vocab_size})")
+                                  f"[0, {self.target_info.vocab_size})", param="stop_token_ids")
         params.check_vocabulary(self.target_info.vocab_size)
         if request.tools or request.tool_choice is not None:
             if request.messages is None:
-                raise InvalidArgument("tools need a chat (messages), not a prompt")
+                raise InvalidArgument("tools need a chat (messages), not a prompt", param="tools")
             tools.check_tools(request.tools, request.tool_choice)
             constraint = tools.grammar(request.tools, request.tool_choice, self._tool_tags,
                                        parallel=request.parallel_tool_calls)
             if constraint is not None:
                 if params.grammar is not None:
                     raise InvalidArgument("tool_choice required or a named tool constrains the output already; "
-                                          "drop structured_output")
+                                          "drop structured_output", param="tool_choice")
                 params = replace(params, grammar=constraint)
         if params.grammar is not None:  # the engine's refusal now, before any worker holds a session
             self.grammar_compiler().compile(params.grammar)

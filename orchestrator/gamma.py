@@ -363,6 +363,8 @@ class GammaPolicy:
         self._overhead: dict[str, Average] = {}  # target address -> a step's other time
         self._free: dict[str, Calibration] = {}  # target -> its suffix drafts' calibration, pooled
         self.arms = Arms()
+        self.suffix_arms = Arms()  # per target and level: plain steps with suffix drafts ("draft") or without
+        self._planned_free: dict[str, tuple[Level, str, bool, float]] = {}  # target -> its step's, as _planned
         # target -> its step's (level, arm, explored, predicted goodput)
         self._planned: dict[str, tuple[Level, str, bool, float]] = {}
 
@@ -382,41 +384,63 @@ class GammaPolicy:
             return self._free.setdefault(target, Calibration())
 
     def choose_free(self, target: str, requests: list[StepRequest], gammas: list[int],
-                    candidates: list[list[float]], calibrations: list["Calibration | None"]) -> list[int]:
+                    candidates: list[list[float]], calibrations: list["Calibration | None"],
+                    load: int | None = None) -> list[int]:
         """How many tokens of each request's suffix draft (orchestrator/suffix.py: candidates[j],
         each position's path probability; [] for none) the step chosen (gammas) adds to the
         target's pass. A free draft costs no draft pass, only its rows: request j's k tokens are
         expected to add sum_{i<k} min(1, c_j p_i) tokens (c_j: how many tokens its suffix drafts
         gave per token their probabilities promised, its own over the target's pooled one) for
         beta k seconds (beta: the target's pass line's slope). Requests are taken in the order of
-        that ratio, each with the k that gives the step the most goodput, while it adds any."""
+        that ratio, each with the k that gives the step the most goodput, while it adds any.
+
+        The line's slope is a model: whether suffix drafts ride at all is then decided as drafting
+        is, by measured goodput (orchestrator/arms.py): per load level, plain steps that carried
+        suffix drafts against plain steps that did not, the worse explored within a budget. Only a
+        step in which no request drafts with the model carries them (its rate is then theirs).
+        load: as choose_step's."""
         lengths = [0] * len(requests)
-        if not self.adaptive or not any(candidates):
+        if not self.adaptive or not any(candidates) or any(gammas):
             return lengths
         with self._lock:
-            costs = self._step_costs(target, requests)
-            if not costs.target.known:
-                return lengths
-            tokens, seconds = step_estimate(gammas, requests, costs)
-            beta = max(costs.target.fit()[1], 1e-9)
-            pooled = self._free.setdefault(target, Calibration())
-            offers = []
-            for j, (probs, own) in enumerate(zip(candidates, calibrations)):
-                if not probs or gammas[j] > 0:
-                    continue
-                c = own.value(pooled) if own is not None else pooled.value()
-                gains = list(itertools.accumulate(min(1.0, c * p) for p in probs))
-                offers.append((max(g / (beta * (k + 1)) for k, g in enumerate(gains)), j, gains))
-            for _, j, gains in sorted(offers, reverse=True):
-                best, best_k = tokens / seconds, 0
-                for k, gain in enumerate(gains, 1):
-                    rate = (tokens + gain) / (seconds + beta * k)
-                    if rate > best:
-                        best, best_k = rate, k
-                if best_k:
-                    lengths[j] = best_k
-                    tokens, seconds = tokens + gains[best_k - 1], seconds + beta * best_k
+            lengths, predicted = self._free_lengths(target, requests, gammas, candidates, calibrations)
+            level = self.suffix_arms.level(target, max(load or 0, len(requests)))
+            arm, explored = self.suffix_arms.choose(level, DRAFT if any(lengths) else PLAIN, True)
+            if arm == PLAIN:
+                lengths = [0] * len(requests)
+            elif not any(lengths):  # exploring what the model would not send: each draft's likely part
+                lengths = [sum(p >= 0.5 for p in probs) for probs in candidates]
+            self._planned_free[target] = (level, arm, explored, predicted)
             return lengths
+
+    def _free_lengths(self, target: str, requests: list[StepRequest], gammas: list[int],
+                      candidates: list[list[float]],
+                      calibrations: list["Calibration | None"]) -> tuple[list[int], float]:
+        """choose_free's model: the lengths, and the goodput it expects of the step with them."""
+        lengths = [0] * len(requests)
+        costs = self._step_costs(target, requests)
+        if not costs.target.known:
+            return lengths, 0.0
+        tokens, seconds = step_estimate(gammas, requests, costs)
+        beta = max(costs.target.fit()[1], 1e-9)
+        pooled = self._free.setdefault(target, Calibration())
+        offers = []
+        for j, (probs, own) in enumerate(zip(candidates, calibrations)):
+            if not probs or gammas[j] > 0:
+                continue
+            c = own.value(pooled) if own is not None else pooled.value()
+            gains = list(itertools.accumulate(min(1.0, c * p) for p in probs))
+            offers.append((max(g / (beta * (k + 1)) for k, g in enumerate(gains)), j, gains))
+        for _, j, gains in sorted(offers, reverse=True):
+            best, best_k = tokens / seconds, 0
+            for k, gain in enumerate(gains, 1):
+                rate = (tokens + gain) / (seconds + beta * k)
+                if rate > best:
+                    best, best_k = rate, k
+            if best_k:
+                lengths[j] = best_k
+                tokens, seconds = tokens + gains[best_k - 1], seconds + beta * best_k
+        return lengths, tokens / seconds
 
     def observe_free(self, target: str, promised: float, accepted: int) -> None:
         """A suffix draft's outcome: its tokens' path probabilities summed to `promised`, and
@@ -482,12 +506,21 @@ class GammaPolicy:
             level, arm, explored, predicted = planned
             before = level.regret_s
             self.arms.observe(level, arm, explored, tokens, seconds, predicted if measured else None)
-            return arm, explored, level.regret_s - before
+            regret = level.regret_s - before
+            free = self._planned_free.pop(target, None)
+            if free is not None:
+                level, free_arm, free_explored, predicted = free
+                before = level.regret_s
+                self.suffix_arms.observe(level, free_arm, free_explored, tokens, seconds,
+                                         predicted if measured else None)
+                regret += level.regret_s - before
+            return arm, explored, regret
 
     def snapshot(self) -> list[dict]:
         """The measured arms per target and load level (arms.Arms.snapshot)."""
         with self._lock:
-            return self.arms.snapshot()
+            return [{**row, "kind": "drafting"} for row in self.arms.snapshot()] + \
+                [{**row, "kind": "suffix drafts"} for row in self.suffix_arms.snapshot()]
 
     def observe_step(self, target: str, overhead_s: float, drafts: dict[str, tuple[int, float, float]]) -> None:
         """A step's time beyond its draft phase and its target pass, and per draft that ran (the

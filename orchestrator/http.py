@@ -39,7 +39,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Annotated, Any, AsyncIterator, Callable, Literal
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,7 +50,7 @@ from orchestrator import tools
 from orchestrator.decoder import MAX_MESSAGES, MAX_N, MAX_STOP_STRINGS
 from orchestrator.tools import MAX_TOOLS
 from orchestrator.detokenizer import token_bytes
-from specdec.errors import ServiceError
+from specdec.errors import ServiceError, status_info
 from specdec.protocol import (MAX_GAMMA, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, GenerationChunk,
                               GenerationRequest, GrammarSpec)
 from specdec.security import ServerTls, TokenSet
@@ -86,35 +85,17 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-HTTP_STATUS = {  # gRPC status of a ServiceError -> (HTTP status, OpenAI error type)
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.FAILED_PRECONDITION: (503, "service_unavailable"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-}
-# the decoder's messages name its own fields; a client of this door knows them by OpenAI's names
-PARAM_NAMES = [("tool_choice", "tool_choice"), ("tools", "tools"), ("json_schema", "response_format"),
-               ("json_object", "response_format"), ("regex", "structured_outputs"), ("choice", "structured_outputs"),
-               ("grammar", "structured_outputs"),
-               *((name, name) for name in ("logit_bias", "stop_token_ids", "min_tokens", "min_p", "repetition_penalty",
-                                           "frequency_penalty", "presence_penalty")),
-               ("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-               ("top_k", "top_k"), ("gamma", "gamma"), ("stop", "stop"), ("prompt", "prompt"),
-               ("chat", "messages"), ("token id", "prompt"), ("seed", "seed")]
+# a GenerateRequest field (ServiceError.param) -> the name an OpenAI client knows it by, where they differ
+OPENAI_PARAMS = {"max_new_tokens": "max_tokens", "chat": "messages", "token_ids": "prompt",
+                 "structured_output": "response_format"}
 
 
-def from_service_error(exc: ServiceError) -> OpenAIError:
-    status, type_ = HTTP_STATUS.get(exc.code, (500, "internal_error"))
-    param = None
-    if status == 400:
-        param = next((name for word, name in PARAM_NAMES if word in exc.message), None)
-    return OpenAIError(status, exc.message, type_, param, exc.code.name.lower())
+def from_service_error(exc: ServiceError, params: dict[str, str] = OPENAI_PARAMS) -> OpenAIError:
+    """The OpenAI error of a ServiceError: status and type from specdec/errors.py's table, param
+    the field the error names (params: this request's OpenAI names for GenerateRequest fields)."""
+    status = status_info(exc.code)
+    param = params.get(exc.param, exc.param) if exc.param else None
+    return OpenAIError(status.http, exc.message, status.openai_type, param, exc.code.name.lower())
 
 
 class _AsciiJSON(JSONResponse):
@@ -285,6 +266,12 @@ class _Common(_Body):
         if spec is not None:
             kwargs["structured_output"] = spec
         return kwargs
+
+    def openai_params(self) -> dict[str, str]:
+        """OPENAI_PARAMS, with the output constraint under the name this body gave it."""
+        if (self.response_format or {}).get("type", "text") != "text":
+            return OPENAI_PARAMS
+        return {**OPENAI_PARAMS, "structured_output": "structured_outputs"}
 
     def grammar(self) -> GrammarSpec | None:
         """The one output constraint the body asks for, by any of the names clients use."""
@@ -542,16 +529,16 @@ class FrontDoor:
         finally:
             call.gone.set()
 
-    async def _first(self, chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk:
+    async def _first(self, chunks: AsyncIterator[GenerationChunk], params: dict[str, str]) -> GenerationChunk:
         """The first chunk, so that a refusal (bad input, full, not ready) is an HTTP status,
         not an event in a stream already begun."""
         try:
             return await chunks.__anext__()
         except ServiceError as exc:
-            raise from_service_error(exc) from None
+            raise from_service_error(exc, params) from None
 
     async def _collect(self, request: Request, chunks: AsyncIterator[GenerationChunk],
-                       call: _Call) -> list[GenerationChunk]:
+                       call: _Call, params: dict[str, str]) -> list[GenerationChunk]:
         """Every chunk of a non-streamed answer, watching for the client leaving meanwhile."""
         async def drain():
             return [chunk async for chunk in chunks]
@@ -567,7 +554,7 @@ class FrontDoor:
                     task.cancel()
                     raise OpenAIError(499, "the client disconnected", "cancelled")
         except ServiceError as exc:
-            raise from_service_error(exc) from None
+            raise from_service_error(exc, params) from None
 
     # -- endpoints --
 
@@ -658,15 +645,16 @@ class FrontDoor:
         if token:  # the workers reuse cached prompt prefixes within one bearer token's requests only
             generation = replace(generation, cache_scope=client_key(token, ""))
         chunks = self._chunks(generation, call, client_key(token, f"http:{request.client.host if request.client else ''}"))
-        first = await self._first(chunks)
+        params = body.openai_params()
+        first = await self._first(chunks, params)
         answer = Answer(chat, self.model_name, self.slot.get().tokenizer if generation.logprobs else None,
                         calling=chat and bool(generation.tools) and generation.tool_choice != "none", n=generation.n,
-                        names={t["function"]["name"] for t in generation.tools} or None)
+                        names={t["function"]["name"] for t in generation.tools} or None, params=params)
         if not body.stream:
             if first.finish_reason and generation.n == 1:
                 await chunks.aclose()
                 return answer.whole([first])
-            return answer.whole([first, *await self._collect(request, chunks, call)])
+            return answer.whole([first, *await self._collect(request, chunks, call, params)])
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(answer.events(first, chunks, include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -676,11 +664,12 @@ class Answer:
     """Chunks -> OpenAI response bodies: one whole object, or server-sent events."""
 
     def __init__(self, chat: bool, model: str, tokenizer=None, calling: bool = False, n: int = 1,
-                 names: set[str] | None = None):
+                 names: set[str] | None = None, params: dict[str, str] = OPENAI_PARAMS):
         """tokenizer: the request asked for logprobs (token strings come from it); calling: the
         model may call tools (a stream holds their blocks back; names: the tools, for bare JSON
-        calls); n: choices."""
+        calls); n: choices; params: the request's OpenAI names of fields (an error event names one)."""
         self.chat, self.model, self.tokenizer, self.n = chat, model, tokenizer, n
+        self.params = params
         self.held = {i: tools.HeldText(names) for i in range(n)} if calling else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -793,7 +782,7 @@ class Answer:
         except StopAsyncIteration:  # the producer ended without a final chunk: not expected
             pass
         except ServiceError as exc:  # after the stream began: an error event, then [DONE]
-            yield f"data: {json.dumps(from_service_error(exc).body())}\n\n"
+            yield f"data: {json.dumps(from_service_error(exc, self.params).body())}\n\n"
         finally:
             await rest.aclose()
         yield "data: [DONE]\n\n"

@@ -17,22 +17,18 @@ import grpc
 
 from orchestrator.pool import Member, WorkerPool
 from specdec import telemetry as t
-from specdec.errors import ServiceError, Unavailable
+from specdec.errors import WORKER_FAULTS, ServiceError, Unavailable
 from specdec.telemetry import current_context, run_in_context
 
 log = logging.getLogger(__name__)
 
-# statuses that say "this worker, not this request": another worker may well succeed
-FAILOVER_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.UNKNOWN,
-})
 MAX_FAILOVERS = 4  # per role and request: beyond this, the fault is not one worker's
 
 
 def is_worker_fault(exc: BaseException) -> bool:
-    return isinstance(exc, ServiceError) and exc.code in FAILOVER_CODES
+    """A status that says "this worker, not this request" (specdec/errors.py, STATUSES): another
+    worker may well succeed."""
+    return isinstance(exc, ServiceError) and exc.code in WORKER_FAULTS
 
 
 class Placement:

@@ -261,7 +261,7 @@ class StepLoop:
         Not for a request that asked for gamma 0 (the baseline stays plain), one with a grammar
         (the draft's tokens could leave it), or a benchmark's synthetic acceptance."""
         policy = self.loops.policy
-        if not policy.adaptive:
+        if not policy.adaptive or any(gammas):  # a step that drafts with the model carries none (choose_free)
             return {}
         found = {}
         for j, (s, g) in enumerate(zip(states, gammas)):
@@ -275,7 +275,7 @@ class StepLoop:
             return {}
         lengths = policy.choose_free(self.address, requests, gammas,
                                      [found[j][1] if j in found else [] for j in range(len(states))],
-                                     [s.free_calibration for s in states])
+                                     [s.free_calibration for s in states], load=len(states) + self.loops.prefilling)
         return {j: (found[j][0][:k], found[j][1][:k]) for j, k in enumerate(lengths) if k}
 
     def _draft(self, states: list[RequestState], rounds: list[Round], spans,
@@ -376,11 +376,12 @@ class StepLoop:
 
     def _learn(self, started: float, draft_end: float, target_pass: tuple[int, float, int],
                drafts: dict[str, tuple[int, float, float]]) -> None:
-        """The step's costs go to the gamma policy once: the target's pass (rows, seconds), each
-        draft's passes and the rest of its phase, and the rest of the step."""
+        """The step's costs go to the gamma policy once: the target's pass (rows, seconds) when it
+        ran this step's rows alone, each draft's passes and the rest of its phase, and the rest of
+        the step."""
         policy = self.loops.policy
-        rows, pass_s, _ = target_pass
-        if rows:
+        rows, pass_s, own_rows = target_pass
+        if 0 < rows <= own_rows:  # a pass that also ran prefill chunks (or others' rows) is no step's cost
             policy.observe_pass(self.address, rows, pass_s)
         overhead = max(time.perf_counter() - draft_end - pass_s, 0.0)
         policy.observe_step(self.address, overhead, drafts)

@@ -51,24 +51,24 @@ class ToolCall:
 def check_tools(tools, tool_choice) -> None:
     """INVALID_ARGUMENT for tools or a tool_choice OpenAI's API would refuse."""
     if len(tools) > MAX_TOOLS:
-        raise InvalidArgument(f"tools: at most {MAX_TOOLS}, got {len(tools)}")
+        raise InvalidArgument(f"tools: at most {MAX_TOOLS}, got {len(tools)}", param="tools")
     names = set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise InvalidArgument(f"tools[{i}]: must be {{'type': 'function', 'function': {{...}}}}")
+            raise InvalidArgument(f"tools[{i}]: must be {{'type': 'function', 'function': {{...}}}}", param="tools")
         name = fn.get("name")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-            raise InvalidArgument(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -")
+            raise InvalidArgument(f"tools[{i}].function.name must be 1-64 letters, digits, _ . or -", param="tools")
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
-            raise InvalidArgument(f"tools[{i}].function.parameters must be a JSON Schema object")
+            raise InvalidArgument(f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
         names.add(name)
     if tool_choice is not None and tool_choice not in CHOICES and named(tool_choice) not in names:
         raise InvalidArgument(f"tool_choice must be none, auto, required or a function among the tools; got "
-                              f"{str(tool_choice)[:80]}")
+                              f"{str(tool_choice)[:80]}", param="tool_choice")
     if tool_choice not in (None, "none") and not tools:
-        raise InvalidArgument("tool_choice needs tools")
+        raise InvalidArgument("tool_choice needs tools", param="tool_choice")
 
 
 def named(tool_choice) -> str | None:

@@ -1,4 +1,5 @@
-"""Errors that carry their gRPC status, and the one place that maps them onto gRPC.
+"""Errors that carry their gRPC status, the one table of what each status means (HTTP, failover),
+and the one place that maps them onto gRPC.
 
 Engines (draft, target, orchestrator loop) raise these; they know nothing of gRPC servers.
 `ErrorInterceptor` turns them into status codes on every server, and `from_rpc_error` turns a
@@ -9,6 +10,7 @@ remote paths raise the same things.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import grpc
 
@@ -17,17 +19,49 @@ import grpc
 from specdec_client.errors import (Aborted, AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition,  # noqa: F401
                                    InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted,
                                    ServiceError, Unavailable)
+from specdec_client.errors import PARAM_METADATA, param_of
 
 log = logging.getLogger(__name__)
 
 
-# a worker's answer about the request itself (not about the worker): it reaches the client as the
-# worker wrote it, with no worker address in it
-REQUEST_FAULTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
+@dataclass(frozen=True)
+class Status:
+    """What a gRPC status means to each part of the service."""
+
+    http: int  # the OpenAI-compatible door's HTTP status (orchestrator/http.py)
+    openai_type: str  # and its error type
+    request_fault: bool = False  # from a worker: about the request, not the worker (no address in it)
+    worker_fault: bool = False  # from a worker: the worker's trouble; the request moves to another (placement.py)
 
 
-def _worker_error(code: grpc.StatusCode, details: str, peer: str) -> ServiceError:
-    return ServiceError(details if code in REQUEST_FAULTS else f"{peer}: {details}", code)
+# The one table of what each status is; a code not in it is a 500 and no worker's fault.
+STATUSES = {
+    grpc.StatusCode.INVALID_ARGUMENT: Status(400, "invalid_request_error", request_fault=True),
+    grpc.StatusCode.OUT_OF_RANGE: Status(400, "invalid_request_error", request_fault=True),
+    grpc.StatusCode.UNAUTHENTICATED: Status(401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: Status(403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: Status(404, "not_found_error", worker_fault=True),  # a worker lost the session
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Status(429, "rate_limit_error", worker_fault=True),
+    grpc.StatusCode.CANCELLED: Status(499, "cancelled", worker_fault=True),
+    grpc.StatusCode.FAILED_PRECONDITION: Status(503, "service_unavailable"),
+    grpc.StatusCode.UNAVAILABLE: Status(503, "service_unavailable", worker_fault=True),
+    grpc.StatusCode.DEADLINE_EXCEEDED: Status(504, "timeout", worker_fault=True),
+    grpc.StatusCode.ABORTED: Status(500, "internal_error", worker_fault=True),
+    grpc.StatusCode.UNKNOWN: Status(500, "internal_error", worker_fault=True),  # a worker that crashed mid-call
+}
+OTHER = Status(500, "internal_error")
+
+
+def status_info(code: grpc.StatusCode) -> Status:
+    return STATUSES.get(code, OTHER)
+
+
+REQUEST_FAULTS = frozenset(code for code, s in STATUSES.items() if s.request_fault)
+WORKER_FAULTS = frozenset(code for code, s in STATUSES.items() if s.worker_fault)
+
+
+def _worker_error(code: grpc.StatusCode, details: str, peer: str, param: str | None = None) -> ServiceError:
+    return ServiceError(details if code in REQUEST_FAULTS else f"{peer}: {details}", code, param)
 
 
 def from_rpc_error(err: grpc.RpcError, peer: str) -> ServiceError:
@@ -35,7 +69,7 @@ def from_rpc_error(err: grpc.RpcError, peer: str) -> ServiceError:
     fault of the worker's, naming it)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    return _worker_error(code, details, peer)
+    return _worker_error(code, details, peer, param_of(err) if hasattr(err, "trailing_metadata") else None)
 
 
 MAX_MESSAGE_CHARS = 1024  # a status message travels in a header: one quoting a huge input must not burst it
@@ -63,6 +97,8 @@ def from_status(code: int, message: str, peer: str) -> ServiceError:
 def _abort(context: grpc.ServicerContext, exc: BaseException):
     if not isinstance(exc, ServiceError):
         log.exception("unexpected error in %s", type(exc).__name__)
+    elif exc.param:  # the request field at fault travels beside the message
+        context.set_trailing_metadata(((PARAM_METADATA, exc.param),))
     context.abort(*status_of(exc))
 
 

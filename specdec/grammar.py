@@ -48,6 +48,8 @@ class UnsatisfiableGrammar(InvalidArgument):
     """The grammar allows no token of the model's vocabulary where the output has to go on (e.g. a
     layout that needs a character no token spells): the request cannot be answered as asked."""
 
+    param = "structured_output"
+
 
 @dataclass(frozen=True)
 class GrammarLimits:
@@ -178,10 +180,10 @@ class GrammarCompiler:
         try:
             grammar = _engine_grammar(spec)
         except ValueError as exc:  # bad JSON, or GBNF that does not convert
-            raise InvalidArgument(f"invalid {spec.kind}: {exc}") from None
+            raise InvalidArgument(f"invalid {spec.kind}: {exc}", param="structured_output") from None
         template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._engine_limits)
         if template.is_error():
-            raise InvalidArgument(f"invalid {spec.kind}: {_reason(template.get_error())}")
+            raise InvalidArgument(f"invalid {spec.kind}: {_reason(template.get_error())}", param="structured_output")
         _check_rollback(template, spec, self.vocab_size)
         compile_ms = (time.perf_counter() - t0) * 1e3
         log.debug("compiled %s grammar (%d chars) in %.2f ms", spec.kind, len(spec.text), compile_ms)
@@ -218,13 +220,15 @@ def _check_rollback(template: llguidance.LLMatcher, spec: GrammarSpec, vocab_siz
     words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
     template.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
     if template.is_error() or (template.is_stopped() and template.stop_reason() not in _NORMAL_STOPS):
-        raise InvalidArgument(f"invalid {spec.kind}: {_reason(template.get_error()) or template.stop_reason()}")
+        raise InvalidArgument(f"invalid {spec.kind}: {_reason(template.get_error()) or template.stop_reason()}",
+                              param="structured_output")
     if template.is_stopped():
         return
     token = int(np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))[0])
     if template.try_consume_tokens([token]) == 1 and not template.rollback(1):
         raise InvalidArgument(f"{spec.kind}: grammars whose lexemes use max_tokens= or stop= cannot be rolled "
-                              f"back, which speculative decoding needs ({_reason(template.get_error())})")
+                              f"back, which speculative decoding needs ({_reason(template.get_error())})",
+                              param="structured_output")
 
 
 class Matcher:

@@ -66,34 +66,40 @@ class GrammarSpec:
     def validate(self, max_chars: int | None = None) -> "GrammarSpec":
         """Structural checks that need no engine; the engine's own come at compile. Raises InvalidArgument."""
         if self.kind not in GRAMMAR_KINDS:
-            raise InvalidArgument(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}; got {self.kind!r}")
+            raise InvalidArgument(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}; got {self.kind!r}",
+                                  param="structured_output")
         if not isinstance(self.text, str):
-            raise InvalidArgument(f"grammar text must be a string, got {type(self.text).__name__}")
+            raise InvalidArgument(f"grammar text must be a string, got {type(self.text).__name__}",
+                                  param="structured_output")
         if max_chars is not None and len(self.text) > max_chars:
-            raise InvalidArgument(f"{self.kind} text is {len(self.text)} characters; the limit is {max_chars}")
+            raise InvalidArgument(f"{self.kind} text is {len(self.text)} characters; the limit is {max_chars}",
+                                  param="structured_output")
         if self.kind == "json_object":
             if self.text.strip():
-                raise InvalidArgument("json_object takes no text (use json_schema for a schema)")
+                raise InvalidArgument("json_object takes no text (use json_schema for a schema)",
+                                      param="structured_output")
             return self
         if not self.text.strip():
-            raise InvalidArgument(f"{self.kind} text is empty")
+            raise InvalidArgument(f"{self.kind} text is empty", param="structured_output")
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.text)
             except ValueError as exc:
-                raise InvalidArgument(f"json_schema is not valid JSON: {exc}") from None
+                raise InvalidArgument(f"json_schema is not valid JSON: {exc}", param="structured_output") from None
             if not isinstance(schema, dict):
-                raise InvalidArgument(f"json_schema must be a JSON object, got {type(schema).__name__}")
+                raise InvalidArgument(f"json_schema must be a JSON object, got {type(schema).__name__}",
+                                      param="structured_output")
         elif self.kind == "choice":
             try:
                 choices = json.loads(self.text)
             except ValueError as exc:
-                raise InvalidArgument(f"choice is not valid JSON: {exc}") from None
+                raise InvalidArgument(f"choice is not valid JSON: {exc}", param="structured_output") from None
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-                raise InvalidArgument("choice must be a non-empty JSON list of non-empty strings")
+                raise InvalidArgument("choice must be a non-empty JSON list of non-empty strings",
+                                      param="structured_output")
         elif self.kind == "grammar" and self.text.lstrip().startswith("{"):
             # llguidance would read a JSON text as its internal grammar list, with options we do not vet
-            raise InvalidArgument("grammar must be Lark or GBNF text, not JSON")
+            raise InvalidArgument("grammar must be Lark or GBNF text, not JSON", param="structured_output")
         return self
 
     def to_proto(self) -> common_pb2.Grammar:
@@ -170,31 +176,37 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}",
+                                  param="temperature")
         if not 0 <= self.top_k < 2**31:  # the wire's int32; any value >= the vocabulary is the same as 0
-            raise InvalidArgument(f"top_k must lie in [0, 2**31 - 1] (0 turns it off), got {self.top_k}")
+            raise InvalidArgument(f"top_k must lie in [0, 2**31 - 1] (0 turns it off), got {self.top_k}", param="top_k")
         if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
-            raise InvalidArgument(f"top_p must lie in (0, 1], got {self.top_p}")
+            raise InvalidArgument(f"top_p must lie in (0, 1], got {self.top_p}", param="top_p")
         if self.coupling_seed is not None and not 0 <= self.coupling_seed < 2**64:
-            raise InvalidArgument(f"coupling_seed must lie in [0, 2**64 - 1], got {self.coupling_seed}")
+            raise InvalidArgument(f"coupling_seed must lie in [0, 2**64 - 1], got {self.coupling_seed}", param="seed")
         if not 0.0 < self.repetition_penalty <= 1e4:  # vLLM: > 0 (1 = off); also rejects NaN and inf
-            raise InvalidArgument(f"repetition_penalty must lie in (0, 10000] (1 turns it off), got {self.repetition_penalty}")
+            raise InvalidArgument(f"repetition_penalty must lie in (0, 10000] (1 turns it off), got {self.repetition_penalty}",
+                                  param="repetition_penalty")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:  # OpenAI's and vLLM's range
-                raise InvalidArgument(f"{name} must lie in [-2, 2], got {getattr(self, name)}")
+                raise InvalidArgument(f"{name} must lie in [-2, 2], got {getattr(self, name)}", param=name)
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidArgument(f"min_p must lie in [0, 1], got {self.min_p}")
+            raise InvalidArgument(f"min_p must lie in [0, 1], got {self.min_p}", param="min_p")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise InvalidArgument(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+            raise InvalidArgument(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}",
+                                  param="logit_bias")
         for i, (token, bias) in enumerate(self.logit_bias):
             if token < 0 or i and token <= self.logit_bias[i - 1][0]:
-                raise InvalidArgument("logit_bias: token ids must be >= 0, each once, in ascending order")
+                raise InvalidArgument("logit_bias: token ids must be >= 0, each once, in ascending order",
+                                      param="logit_bias")
             if not -100.0 <= bias <= 100.0:  # OpenAI's range; also rejects NaN
-                raise InvalidArgument(f"logit_bias: the bias of token {token} must lie in [-100, 100], got {bias}")
+                raise InvalidArgument(f"logit_bias: the bias of token {token} must lie in [-100, 100], got {bias}",
+                                      param="logit_bias")
         if self.output_start < 0 or self.min_tokens < 0:
-            raise InvalidArgument(f"output_start and min_tokens must be >= 0, got {self.output_start}, {self.min_tokens}")
+            raise InvalidArgument(f"output_start and min_tokens must be >= 0, got {self.output_start}, {self.min_tokens}",
+                                  param="min_tokens")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS + 16 or any(t < 0 for t in self.stop_token_ids):
-            raise InvalidArgument(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids >= 0")
+            raise InvalidArgument(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids >= 0", param="stop_token_ids")
         return self
 
     def raw_logit(self, controlled: float, token: int, prefix: list[int]) -> float:
@@ -214,7 +226,8 @@ class SamplingParams:
         for name, tokens in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
             bad = [t for t in tokens if t >= vocab_size]
             if bad:
-                raise InvalidArgument(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+                raise InvalidArgument(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                                      param=name)
 
     def to_proto(self) -> common_pb2.SamplingParams:
         return common_pb2.SamplingParams(
@@ -546,7 +559,7 @@ class GenerationRequest:
         the model (output_start, the stop tokens min_tokens holds back, a coupling seed)."""
         bias = self.logit_bias or {}
         if len(bias) > MAX_LOGIT_BIAS:  # before sorting a dict of any size
-            raise InvalidArgument(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+            raise InvalidArgument(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
         return SamplingParams(self.temperature, self.top_k, self.top_p, repetition_penalty=self.repetition_penalty,
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                               min_p=self.min_p, logit_bias=tuple(sorted((int(t), float(b)) for t, b in bias.items())),
@@ -639,7 +652,8 @@ def request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationReque
             kwargs[name] = getattr(msg, name)
     if msg.sampling_mode:
         if msg.sampling_mode not in SAMPLING_MODE_NAMES:  # a number this server does not know
-            raise InvalidArgument(f"sampling_mode {msg.sampling_mode} is not one of {sorted(SAMPLING_MODES)}")
+            raise InvalidArgument(f"sampling_mode {msg.sampling_mode} is not one of {sorted(SAMPLING_MODES)}",
+                                  param="sampling_mode")
         kwargs["sampling_mode"] = SAMPLING_MODE_NAMES[msg.sampling_mode]
     return GenerationRequest(**kwargs, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                              logit_bias=dict(msg.logit_bias) or None,
@@ -661,7 +675,7 @@ def _tool(t: orchestrator_pb2.Tool) -> dict:
     try:
         parameters = json.loads(t.parameters_json) if t.parameters_json else {"type": "object"}
     except ValueError as exc:
-        raise InvalidArgument(f"tools: {t.name[:64]}'s parameters_json is not JSON: {exc}") from None
+        raise InvalidArgument(f"tools: {t.name[:64]}'s parameters_json is not JSON: {exc}", param="tools") from None
     return {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": parameters}}
 
 

@@ -201,6 +201,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="modes to compare: on (the server's default gamma), off (gamma 0) or a number "
                         "(default on,off)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
+    p.add_argument("--prompt-set", default="fresh", choices=["fresh", "edit"],
+                   help="fresh: code written from scratch (specdec_tools.bench.FRESH); edit: code edits whose answers "
+                        "re-use the prompt's code (EDIT, 6 prompts)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
                    help=f"the first N of specdec_tools.bench.PROMPTS, or comma-separated indices "
                         f"(default {DEFAULT_PROMPTS})")
@@ -454,8 +457,9 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
     """`level` threads, one client each (gRPC, or HTTP at `address` = its base URL), drain the
     level's request list; returns (records, wall_s)."""
     from orchestrator.client import Client
-    from specdec_tools.bench import PROMPTS
+    from specdec_tools.bench import PROMPT_SETS
 
+    prompts = PROMPT_SETS[getattr(a, "prompt_set", "fresh")]
     n = requests_for_level(level, a.requests_per_level)
     work: queue.Queue = queue.Queue()
     for i in range(n):
@@ -478,7 +482,7 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
             t_start = time.perf_counter() - t_level[0]
             rec = RequestRecord(mode.name, level, i, p, thread, round(t_start, 4), 0.0, None, 0, 0.0)
             try:
-                latency, ttft, ids, finish, stats = one(clients[thread], mode, PROMPTS[p], a, seed=p + 1)
+                latency, ttft, ids, finish, stats = one(clients[thread], mode, prompts[p], a, seed=p + 1)
                 rec.latency_s, rec.ttft_s, rec.token_ids, rec.finish_reason = latency, ttft, ids, finish
                 rec.generated_tokens = stats.get("generated_tokens", len(ids))
                 rec.tokens_per_s = rec.generated_tokens / latency if latency > 0 else 0.0
@@ -666,11 +670,11 @@ def _accelerator(device: str) -> str | None:
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
-    from specdec_tools.bench import PROMPTS
+    from specdec_tools.bench import PROMPT_SETS
     from specdec_tools.stack import ProcessStack
 
     log = lambda msg: print(f"[bench-serve] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    prompt_ids = parse_prompts(a.prompts, len(PROMPTS))
+    prompt_ids = parse_prompts(a.prompts, len(PROMPT_SETS[a.prompt_set]))
     modes, levels, out = a.gamma, a.concurrency, Path(a.out)
     # SIGTERM, like Ctrl-C, stops the services (they run in their own sessions)
     main_thread = threading.current_thread() is threading.main_thread()

@@ -320,3 +320,28 @@ def test_a_sampling_mode_the_server_does_not_know_is_invalid_argument(stack, cli
         client.generate(prompt="abc", max_new_tokens=2, temperature=0.9, sampling_mode="gumbel")
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert client.generate(prompt="abc", max_new_tokens=2, temperature=0.9, seed=3).stats["sampling"] == "coupled"
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(gamma=99), "gamma"),
+    (dict(max_new_tokens=10**6), "max_new_tokens"),
+    (dict(stop_token_ids=[10**7]), "stop_token_ids"),
+])
+def test_a_refusal_names_the_request_field_at_fault(client, kwargs, param):
+    """The field travels as trailing metadata beside the message (specdec_client.errors.PARAM_METADATA):
+    a client need not parse messages to point at the bad field."""
+    with pytest.raises(ServiceError) as err:
+        client.generate(**{"prompt": "abc", "max_new_tokens": 2, **kwargs})
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.param == param
+
+
+def test_the_status_table_says_what_each_code_means():
+    from specdec.errors import REQUEST_FAULTS, STATUSES, WORKER_FAULTS, status_info
+
+    assert REQUEST_FAULTS == {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+    assert not REQUEST_FAULTS & WORKER_FAULTS
+    assert {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND} <= WORKER_FAULTS
+    assert all(s.http >= 400 for s in STATUSES.values())
+    assert status_info(grpc.StatusCode.DATA_LOSS).http == 500  # a code not in the table

@@ -119,6 +119,27 @@ def test_drafts_that_keep_failing_stop_being_sent():
     assert choose(policy, probs, own) > 0  # a request whose own suffix drafts were kept goes on getting them
 
 
+def test_suffix_drafts_that_measure_slower_stop_riding_but_for_exploration():
+    """The model says they pay (cheap rows, certain matches), the steps say otherwise: measured
+    goodput wins, as for drafting (orchestrator/arms.py)."""
+    policy = policy_with(alpha=0.020, beta=0.0002)
+    requests = [StepRequest(0, None)] * 4
+    sent = []
+    for _ in range(300):
+        gammas = policy.choose_step("t", requests, load=4)
+        lengths = policy.choose_free("t", requests, gammas, [[1.0] * 4] * 4, [None] * 4, load=4)
+        sent.append(any(lengths))
+        policy.observe_outcome("t", 4 + sum(lengths) // 4, 0.2 if any(lengths) else 0.05)
+    assert all(sent[:5])  # the model's choice until both are measured
+    assert sum(sent[-100:]) <= 10  # then the faster arm, the other explored within its budget
+
+
+def test_a_step_that_drafts_with_the_model_carries_no_suffix_drafts():
+    policy = policy_with(alpha=0.020, beta=0.0002)
+    assert policy.choose_free("t", [StepRequest(4, "d"), StepRequest(4, "d")], [3, 0], [[], [1.0] * 4],
+                              [None, None]) == [0, 0]
+
+
 def test_the_fixed_policy_sends_none():
     assert GammaPolicy(adaptive=False).choose_free("t", [StepRequest(4, "d")], [0], [[1.0]], [None]) == [0]
 

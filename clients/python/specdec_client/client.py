@@ -49,7 +49,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec_client.channel import ClientTls, open_aio_channel, open_channel
-from specdec_client.errors import ServiceError, Unavailable
+from specdec_client.errors import ServiceError, Unavailable, param_of
 from specdec_client.protocol import (CLIENT_MAX_MESSAGE_BYTES, GenerationChunk, GenerationResult, chunk_from_proto,
                                      message_options, request_to_proto, result_from_proto)
 from specdec_client.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -119,7 +119,7 @@ def channel_options(*, retries: int = DEFAULT_RETRIES, load_balancing: str = "ro
 
 
 def _error(err: grpc.RpcError) -> ServiceError:
-    return ServiceError(err.details(), err.code())
+    return ServiceError(err.details(), err.code(), param_of(err))
 
 
 def _workers(response) -> list[dict]:

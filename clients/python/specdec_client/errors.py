@@ -9,16 +9,30 @@ from __future__ import annotations
 
 import grpc
 
+PARAM_METADATA = "specdec-param"  # trailing metadata of a refused call: the request field at fault
+
+
+def param_of(err: grpc.RpcError) -> str | None:
+    """The request field a refused call names (PARAM_METADATA), or None."""
+    try:
+        metadata = err.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - an error raised before any call has none
+        return None
+    return next((value for key, value in metadata if key == PARAM_METADATA), None)
+
 
 class ServiceError(Exception):
     """A request failed with a known gRPC status."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    param: str | None = None  # a refused request: the GenerateRequest field at fault, where one is
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, param: str | None = None):
         super().__init__(message)
         if code is not None:
             self.code = code
+        if param is not None:
+            self.param = param
 
     @property
     def message(self) -> str:
