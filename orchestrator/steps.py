@@ -256,10 +256,11 @@ class StepLoop:
 
     def _free_drafts(self, states: list[RequestState], requests: list[StepRequest],
                      gammas: list[int]) -> dict[int, tuple[list[int], list[float]]]:
-        """Suffix drafts (orchestrator/suffix.py) for the requests this step drafts nothing for,
-        as many tokens of each as the gamma policy finds worth their rows in the target's pass.
-        Not for a request that asked for gamma 0 (the baseline stays plain), one with a grammar
-        (the draft's tokens could leave it), or a benchmark's synthetic acceptance."""
+        """Suffix drafts (orchestrator/suffix.py) in a step that drafts nothing with the model, as
+        many tokens of each as the gamma policy finds worth their rows in the target's pass (and
+        none where its measured arms say they do not pay: GammaPolicy.choose_free). Not for a
+        request that asked for gamma 0 (the baseline stays plain), one with a grammar (the draft's
+        tokens could leave it), or a benchmark's synthetic acceptance."""
         policy = self.loops.policy
         if not policy.adaptive or any(gammas):  # a step that drafts with the model carries none (choose_free)
             return {}
