@@ -9,7 +9,9 @@ as `specdec run` does), once for the whole run. For each mode (--gamma: `on` lea
 gamma unset, so the server's default applies; `off` is gamma 0, the target alone; a number asks
 for that gamma) one short warm-up request, then for each concurrency level c, each mode in turn (the
 order alternating from level to level, so drift over the run weighs on the modes alike; on CUDA
-after c untimed requests of 8 tokens at once, which warm the level's shapes): c client threads,
+after c untimed requests of 8 tokens at once, which warm the level's shapes; with --warm-up full
+after the whole level once untimed, so that the gamma policy's measurements of that load have
+begun): c client threads,
 one `orchestrator.client.Client` each, take requests from a shared list (the chat-templated
 prompts of specdec_tools.bench.PROMPTS in turn, sent as a user message) until the level's
 --requests-per-level are done (default max(8, 2c)), each streamed so that the first token shows.
@@ -191,6 +193,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", choices=["on", "off"], default="off",
                    help="the workers' prefix cache (--prefix-cache-tokens): off by default, since every level and "
                         "mode sends the same prompts and would find them cached after the first")
+    p.add_argument("--warm-up", choices=["auto", "off", "short", "full"], default="auto",
+                   help="before each mode's timed level: short, c requests of 8 tokens at once (warms a GPU's "
+                        "shapes); full, the whole level once untimed (the gamma policy's measurements of that load "
+                        "begin first: its steady state, not its cold start); auto: short on CUDA, else off")
     p.add_argument("--suffix-cache", choices=["on", "off"], default="off",
                    help="suffix drafts from ended requests (the orchestrator's --suffix-cache-tokens): off by default, "
                         "since every level and mode sends the same prompts, whose greedy outputs would then be drafted "
@@ -716,10 +722,14 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                 # machine warming up (or drifting) over the run weighs on each mode alike
                 for i, level in enumerate(levels):
                     for mode in (modes if i % 2 == 0 else modes[::-1]):
-                        if a.device.startswith("cuda"):  # the level's shapes once, untimed (the caching
-                            # allocator growing, lazy initialisation): `level` requests at once, a few tokens each
+                        warm_up = a.warm_up if a.warm_up != "auto" else "short" if a.device.startswith("cuda") else "off"
+                        if warm_up == "short":  # the level's shapes once, untimed (the caching allocator
+                            # growing, lazy initialisation): `level` requests at once, a few tokens each
                             warm = argparse.Namespace(**{**vars(a), "max_new_tokens": 8, "requests_per_level": level})
                             run_level(address, mode, level, prompt_ids, warm, lambda *args: None, api)
+                        elif warm_up == "full":  # the whole level once, untimed: the gamma policy's
+                            # measurements of this load start before the timed run (its steady state)
+                            run_level(address, mode, level, prompt_ids, a, lambda *args: None, api)
                         before = _link_counts(links.get(rtt))
                         recs, wall = run_level(address, mode, level, prompt_ids, a, log, api)
                         for r in recs:

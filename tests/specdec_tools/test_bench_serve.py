@@ -144,6 +144,28 @@ def test_smoke_tiny_stack(tmp_path, capsys):
     assert rc == 0
 
 
+def test_a_full_warm_up_runs_each_level_once_untimed(tmp_path, capsys, monkeypatch):
+    """--warm-up full: every mode's level runs whole once before its timed run; only the timed one is recorded."""
+    from specdec_tools import bench_serve
+    from specdec_tools.cli import main
+
+    runs = []
+    real = bench_serve.run_level
+
+    def counted(address, mode, level, prompt_ids, a, log, api="grpc"):
+        runs.append((mode.name, level, a.max_new_tokens, a.requests_per_level))
+        return real(address, mode, level, prompt_ids, a, log, api)
+
+    monkeypatch.setattr(bench_serve, "run_level", counted)
+    out = tmp_path / "serve"
+    assert main(["bench-serve", "--tiny", "--concurrency", "2", "--requests-per-level", "2", "--max-new-tokens", "4",
+                 "--warm-up", "full", "--out", str(out), "--startup-timeout", "240"]) == 0
+    assert sorted(runs) == sorted([("on", 2, 4, 2), ("off", 2, 4, 2)] * 2)  # each whole, twice
+    with open(out / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4  # 2 requests x 2 modes: the warm-up runs are not records
+    capsys.readouterr()
+
+
 def test_smoke_setups_and_links(tmp_path, capsys):
     """--setups runs more orchestrators on the same workers and --link-rtt-ms routes them through
     the delaying proxy, whose RPC and byte counts reach the table; every output stays exact."""
