@@ -416,6 +416,8 @@ class SpeculativeDecoder:
                              stop_token_ids=frozenset(request.stop_token_ids),
                              synthetic_acceptance=self.synthetic_acceptance)
         yield from self.steps.join(state, ctx)  # leaving it (done, failed, cancelled) waits for the step
+        if state.finish is not None:  # ended whole: later requests may draft from it (here, not in the step loop)
+            self.steps.suffix.add(placement.scope, state.tokens)
 
 
 def choice_seed(seed: int, index: int) -> int:

@@ -426,7 +426,7 @@ class GammaPolicy:
         pooled = self._free.setdefault(target, Calibration())
         offers = []
         for j, (probs, own) in enumerate(zip(candidates, calibrations)):
-            if not probs or gammas[j] > 0:
+            if not probs:
                 continue
             c = own.value(pooled) if own is not None else pooled.value()
             gains = list(itertools.accumulate(min(1.0, c * p) for p in probs))

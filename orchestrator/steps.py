@@ -94,7 +94,7 @@ class StepLoops:
 
     def __init__(self, policy: GammaPolicy, tracer, metrics: DecodingMetrics, suffix: SuffixIndex | None = None):
         self.policy, self.tracer, self.metrics = policy, tracer, metrics
-        # suffix drafts (orchestrator/suffix.py): ended requests' tokens, fed as requests end here
+        # suffix drafts (orchestrator/suffix.py): ended requests' tokens, fed by each request's own thread
         self.suffix = suffix if suffix is not None else SuffixIndex(0)
         self._loops: dict[str, StepLoop] = {}
         self._lock = threading.Lock()
@@ -236,7 +236,6 @@ class StepLoop:
             tokens += len(rnd.result.token_ids)  # what the step gave the request (before a stop cuts it)
             ticket.put(rnd.chunk)
             if state.finish is not None:
-                self.loops.suffix.add(state.placement.scope, state.tokens)
                 ticket.release()
             elif state.placement.target.address != self.address:  # failover moved it
                 self.loops.loop(state.placement.target.address).add(ticket)
@@ -265,9 +264,9 @@ class StepLoop:
         if not policy.adaptive or any(gammas):  # a step that drafts with the model carries none (choose_free)
             return {}
         found = {}
-        for j, (s, g) in enumerate(zip(states, gammas)):
+        for j, s in enumerate(states):
             k = min(MAX_GAMMA, s.max_new_tokens - s.generated - 1)
-            if g or k <= 0 or s.gamma <= 0 or s.synthetic_acceptance or s.params.grammar is not None:
+            if k <= 0 or s.gamma <= 0 or s.synthetic_acceptance or s.params.grammar is not None:
                 continue
             tokens, probs = self.loops.suffix.draft(s.placement.scope, s.tokens, s.own_index, k)
             if tokens:
