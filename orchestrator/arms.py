@@ -7,14 +7,18 @@ level (the requests on the target, those still prefilling included, so that a wa
 counts at once: 1, 2-3, 4-7, 8-15, ...) two arms are measured as they
 run: the tokens per second of steps that drafted ("draft") and of steps that did not ("plain").
 Once both arms have MIN_STEPS measured steps, the better one runs, and the other takes over only
-when it measures HYSTERESIS better; before that the model's choice runs. The cost model still
-picks gamma inside the drafting arm. A step that overlapped a prefill, or whose target pass also
+when it measures HYSTERESIS better. Before that a level starts from its measured neighbours, as
+drafting pays less the more requests share the passes: where it lost at a lighter load it starts
+off, where it won at a heavier load it starts on; else the model's choice runs. The cost model
+still picks gamma inside the drafting arm. A step that overlapped a prefill, or whose target pass also
 ran other work, counts toward the level's time but not toward either rate (steps.py decides).
 
 The arm not running is explored with a bounded budget: a run of EXPLORE_RUN steps when the time
 spent exploring, with the run's expected cost, fits in EXPLORE_SHARE of the level's time (and at
-least EXPLORE_GAP steps after the last run; an arm not yet measured sooner), so the policy cannot
-lose more than about that share to the worse arm. The
+least EXPLORE_GAP steps after the last run; an arm not yet measured, with no neighbour's verdict,
+sooner; an arm that measured more than FAR worse, at a quarter of the share: it is unlikely to
+have become the better one), so the policy cannot lose more than about that share to the worse
+arm. The
 first step of a run that switches arms is not measured: it pays the draft sessions' catch-up
 (the tokens they missed while drafting was off), which the budget charges instead.
 
@@ -37,6 +41,7 @@ EXPLORE_SHARE = 0.05  # at most this share of a level's time explores the arm no
 EXPLORE_RUN = 6  # steps of one exploring run (the first, which pays a catch-up, is not measured)
 EXPLORE_GAP = 24  # steps at a level before its first run, and between runs
 ARM_DECAY = 0.9  # per measured step of an arm: its rate follows its last ~10 steps
+FAR = 0.2  # an arm measured this much slower than the running one is explored at a quarter of the share
 EXPLORE_MAX_LAG = 64  # a request whose draft lags more (or lacks its prompt) drafts in no exploring step
 DRAFT, PLAIN = "draft", "plain"
 
@@ -84,6 +89,7 @@ class Level:
     regret_s: float = 0.0
     switches: int = 0
     chose: bool = True  # the last step chosen could have drafted
+    key: tuple[str, int] | None = None  # (target, level of load) in its Arms (None: a level on its own)
 
     @property
     def measured(self) -> bool:
@@ -97,7 +103,27 @@ class Arms:
         self.levels: dict[tuple[str, int], Level] = {}
 
     def level(self, target: str, requests: int) -> Level:
-        return self.levels.setdefault((target, level_of(requests)), Level())
+        key = (target, level_of(requests))
+        level = self.levels.get(key)
+        if level is None:
+            level = self.levels[key] = Level(key=key)
+        return level
+
+    def prior(self, level: Level) -> str | None:
+        """The arm a level not yet measured starts with, from its measured neighbours on the same
+        target: plain where drafting measured worse at a lighter load (more requests in a pass only
+        make the drafts' rows dearer), drafting where it measured better at a heavier one; None:
+        no neighbour says (the model's choice runs)."""
+        if level.key is None:
+            return None
+        target, lv = level.key
+        measured = [(n, other_level.running) for (t, n), other_level in self.levels.items()
+                    if t == target and n != lv and other_level.measured]
+        if any(n < lv and running == PLAIN for n, running in measured):
+            return PLAIN
+        if any(n > lv and running == DRAFT for n, running in measured):
+            return DRAFT
+        return None
 
     def choose(self, level: Level, predicted: str, can_draft: bool, can_explore: bool = True) -> tuple[str, bool]:
         """The arm of the next step and whether it explores. predicted: the cost model's arm;
@@ -113,7 +139,8 @@ class Arms:
             if arm == PLAIN or can_explore:
                 return arm, True
             level.exploring = 0
-        arm = predicted
+        prior = None if level.measured else self.prior(level)
+        arm = prior or predicted
         if level.measured:
             arm = level.running or predicted
             if level.rates[other(arm)].value > (1 + HYSTERESIS) * level.rates[arm].value:
@@ -122,21 +149,25 @@ class Arms:
                 level.switches += level.running is not None
                 level.running = arm
         level.since_run += 1
-        if level.since_run >= EXPLORE_GAP and self._budget_allows(level, other(arm)) and \
+        if level.since_run >= EXPLORE_GAP and self._budget_allows(level, other(arm), prior is not None) and \
                 (other(arm) == PLAIN or can_explore):
             level.exploring, level.since_run = EXPLORE_RUN - 1, 0
             return other(arm), True
         return arm, False
 
     @staticmethod
-    def _budget_allows(level: Level, arm: str) -> bool:
+    def _budget_allows(level: Level, arm: str, informed: bool = False) -> bool:
         """An arm not yet measured is explored early (EXPLORE_GAP steps in, within four times the
-        budget); after that a run starts only if it fits the budget with its expected cost
-        (EXPLORE_RUN mean steps)."""
-        if level.rates[arm].steps < MIN_STEPS:  # (steps whose passes ran others' work measure nothing)
+        budget) unless a neighbouring level's verdict chose the arm running (informed); after that
+        a run starts only if it fits the budget with its expected cost (EXPLORE_RUN mean steps),
+        a quarter of it for an arm that measured more than FAR worse than the running one."""
+        if level.rates[arm].steps < MIN_STEPS and not informed:  # (steps whose passes ran others' work measure nothing)
             return level.explore_s <= 4 * EXPLORE_SHARE * level.total_s
+        share = EXPLORE_SHARE
+        if level.measured and level.rates[arm].value < (1 - FAR) * level.rates[other(arm)].value:
+            share /= 4
         run_s = EXPLORE_RUN * level.total_s / max(level.steps, 1)
-        return level.explore_s + run_s <= EXPLORE_SHARE * level.total_s
+        return level.explore_s + run_s <= share * level.total_s
 
     def observe(self, level: Level, arm: str, explored: bool, tokens: int, seconds: float,
                 predicted: float | None = 0.0) -> None:

@@ -405,11 +405,10 @@ class GammaPolicy:
         with self._lock:
             lengths, predicted = self._free_lengths(target, requests, gammas, candidates, calibrations)
             level = self.suffix_arms.level(target, max(load or 0, len(requests)))
-            arm, explored = self.suffix_arms.choose(level, DRAFT if any(lengths) else PLAIN, True)
+            # the arm is "the model's suffix drafts": a step it would send none in is no choice
+            arm, explored = self.suffix_arms.choose(level, DRAFT, can_draft=any(lengths))
             if arm == PLAIN:
                 lengths = [0] * len(requests)
-            elif not any(lengths):  # exploring what the model would not send: each draft's likely part
-                lengths = [sum(p >= 0.5 for p in probs) for probs in candidates]
             self._planned_free[target] = (level, arm, explored, predicted)
             return lengths
 
@@ -522,17 +521,21 @@ class GammaPolicy:
             return [{**row, "kind": "drafting"} for row in self.arms.snapshot()] + \
                 [{**row, "kind": "suffix drafts"} for row in self.suffix_arms.snapshot()]
 
-    def observe_step(self, target: str, overhead_s: float, drafts: dict[str, tuple[int, float, float]]) -> None:
-        """A step's time beyond its draft phase and its target pass, and per draft that ran (the
-        rows and seconds per pass of its passes, the phase's time beyond them)."""
+    def observe_step(self, target: str, overhead_s: float | None,
+                     drafts: dict[str, tuple[int, float, float | None]]) -> None:
+        """A step's time beyond its draft phase and its target pass (None: not the step's own,
+        a prefill overlapped it), and per draft that ran (the rows and seconds per pass of its
+        passes, the phase's time beyond them, None where a prefill overlapped it)."""
         if not self.adaptive:
             return
         with self._lock:
-            self._overhead.setdefault(target, Average()).observe(overhead_s)
+            if overhead_s is not None:
+                self._overhead.setdefault(target, Average()).observe(overhead_s)
             for address, (rows, pass_s, extra_s) in drafts.items():
                 if rows:
                     self._cost(address).observe(rows, pass_s)
-                self._draft_extra.setdefault(address, Average()).observe(extra_s)
+                if extra_s is not None:
+                    self._draft_extra.setdefault(address, Average()).observe(extra_s)
 
     def observe_pass(self, address: str, rows: int, seconds: float) -> None:
         if not self.adaptive:  # the fixed policy uses none of it: keep the round path free of it

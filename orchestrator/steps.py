@@ -27,6 +27,7 @@ request, which records the step's size; the other requests' draft and verify spa
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -48,6 +49,8 @@ from specdec.errors import ServiceError
 from specdec.protocol import MAX_GAMMA, GenerationChunk
 
 log = logging.getLogger(__name__)
+
+LOAD_MEMORY_S = 2.0  # a step's load level: the most requests on its loop in the last this many seconds
 
 
 class Ticket:
@@ -150,6 +153,7 @@ class StepLoop:
         self._wake = threading.Condition()
         self._closed = False
         self.steps = 0
+        self._loads: collections.deque[tuple[float, int]] = collections.deque()  # (time, requests) of recent steps
         self._thread = threading.Thread(target=self._run, name=f"steps-{address}", daemon=True)
         self._thread.start()
 
@@ -202,14 +206,20 @@ class StepLoop:
         self.steps += 1
         states = [tk.state for tk in tickets]
         caps = [gamma_cap(s) for s in states]
+        # a draft session's catch-up (a whole prompt, when it opened lazily) waits: for a step without
+        # prefills (it would take turns on the cores with the target's prefills, and this step, which
+        # joining requests wait for, would wait for both), and until its request's first token
+        # (which it would delay by the catch-up: ~0.3 s for a 100-token prompt here)
+        caps = [0 if len(s.tokens) - s.draft_synced > CATCH_UP_LAG and (self.loops.prefilling or not s.generated)
+                else cap for cap, s in zip(caps, states)]
         requests = [StepRequest(cap, s.placement.draft.address if s.placement.draft is not None else None,
                                 len(s.tokens) - s.draft_synced, s.acceptance, s.max_new_tokens - s.generated,
                                 explorable=len(s.tokens) - s.draft_synced <= EXPLORE_MAX_LAG and
                                 s.draft_synced >= s.prompt_len)
                     for cap, s in zip(caps, states)]
-        gammas = self.loops.policy.choose_step(self.address, requests,
-                                               load=len(states) + self.loops.prefilling)  # those joining soon too
-        free = self._free_drafts(states, requests, gammas)
+        load = self._load(started, len(states) + self.loops.prefilling)  # those joining soon too
+        gammas = self.loops.policy.choose_step(self.address, requests, load=load)
+        free = self._free_drafts(states, requests, gammas, load)
         rounds = [new_round(s, g) for s, g in zip(states, gammas)]
         spans = [self.loops.tracer.start_span("round", context=tk.ctx) for tk in tickets]
         errors: list[BaseException | None] = [None] * len(tickets)
@@ -241,20 +251,38 @@ class StepLoop:
                 self.loops.loop(state.placement.target.address).add(ticket)
             else:
                 staying.append(ticket)
-        self._learn(started, draft_end, target_pass, drafts)
+        alone = quiet is not None and self.loops.quiet_since() == quiet  # no prefill overlapped the step
+        self._learn(started, draft_end, target_pass, drafts, alone)
         seconds = time.perf_counter() - started
         # a target pass that also ran other work (prefill chunks of joining requests, another
         # orchestrator's sessions) says nothing of this step's arm: its time counts, its rate not
         rows, _, own_rows = target_pass
-        alone = quiet is not None and self.loops.quiet_since() == quiet  # no prefill overlapped the step
         outcome = self.loops.policy.observe_outcome(self.address, tokens, seconds,
                                                     measured=alone and 0 < rows <= own_rows)
         if outcome is not None:
             self.loops.metrics.record_step(*outcome[:2], seconds, outcome[2])
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step on %s: %d requests (%d prefilling), gammas %s, suffix %s, %d rows in the target's pass "
+                      "(%d its own), %d tokens in %.1f ms (target %.1f ms, draft phase %.1f ms)%s", self.address,
+                      len(states), self.loops.prefilling, gammas, [len(f[0]) for f in free.values()], rows, own_rows,
+                      tokens, seconds * 1e3, target_pass[1] * 1e3, (draft_end - started) * 1e3,
+                      "" if alone else ", a prefill overlapped")
         return staying
 
+    def _load(self, now: float, requests: int) -> int:
+        """The load whose level's measured arms decide this step: the most requests (those
+        prefilling included) on this loop in the last LOAD_MEMORY_S seconds. Where one wave of
+        requests ends and the next joins, the first to join runs alone for a step or two; taken as a
+        light load, it drafted (a lazily opened draft taking its prompt in) while the others'
+        prefills held the cores, and the step everyone joins at waited seconds for it."""
+        loads = self._loads
+        while loads and loads[0][0] < now - LOAD_MEMORY_S:
+            loads.popleft()
+        loads.append((now, requests))
+        return max(n for _, n in loads)
+
     def _free_drafts(self, states: list[RequestState], requests: list[StepRequest],
-                     gammas: list[int]) -> dict[int, tuple[list[int], list[float]]]:
+                     gammas: list[int], load: int) -> dict[int, tuple[list[int], list[float]]]:
         """Suffix drafts (orchestrator/suffix.py) in a step that drafts nothing with the model, as
         many tokens of each as the gamma policy finds worth their rows in the target's pass (and
         none where its measured arms say they do not pay: GammaPolicy.choose_free). Not for a
@@ -275,7 +303,7 @@ class StepLoop:
             return {}
         lengths = policy.choose_free(self.address, requests, gammas,
                                      [found[j][1] if j in found else [] for j in range(len(states))],
-                                     [s.free_calibration for s in states], load=len(states) + self.loops.prefilling)
+                                     [s.free_calibration for s in states], load=load)
         return {j: (found[j][0][:k], found[j][1][:k]) for j, k in enumerate(lengths) if k}
 
     def _draft(self, states: list[RequestState], rounds: list[Round], spans,
@@ -375,13 +403,19 @@ class StepLoop:
         return pass_rows, pass_s, own_rows
 
     def _learn(self, started: float, draft_end: float, target_pass: tuple[int, float, int],
-               drafts: dict[str, tuple[int, float, float]]) -> None:
+               drafts: dict[str, tuple[int, float, float]], alone: bool) -> None:
         """The step's costs go to the gamma policy once: the target's pass (rows, seconds) when it
         ran this step's rows alone, each draft's passes and the rest of its phase, and the rest of
-        the step."""
+        the step when no prefill overlapped it (alone)."""
         policy = self.loops.policy
         rows, pass_s, own_rows = target_pass
         if 0 < rows <= own_rows:  # a pass that also ran prefill chunks (or others' rows) is no step's cost
             policy.observe_pass(self.address, rows, pass_s)
-        overhead = max(time.perf_counter() - draft_end - pass_s, 0.0)
+        # the rest of a step that a prefill overlapped holds its waits for the prefill's passes (a
+        # second, where a step's own rest is ~5 ms): learnt, they made plain steps look ~10x dearer
+        # beside their passes, and drafting, whose passes add more tokens per step, look better
+        own = alone and 0 < rows <= own_rows
+        overhead = max(time.perf_counter() - draft_end - pass_s, 0.0) if own else None
+        if not alone:  # so do a draft phase's waits beyond its passes (the worker times its passes alone)
+            drafts = {address: (n, s, None) for address, (n, s, _) in drafts.items()}
         policy.observe_step(self.address, overhead, drafts)

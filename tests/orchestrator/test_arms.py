@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.arms import (DRAFT, EXPLORE_RUN, EXPLORE_SHARE, HYSTERESIS, MIN_STEPS, PLAIN, Arms, Level,
-                               level_of)
+from orchestrator.arms import (DRAFT, EXPLORE_GAP, EXPLORE_RUN, EXPLORE_SHARE, FAR, HYSTERESIS, MIN_STEPS, PLAIN,
+                               Arms, Level, level_of)
 
 
 def run(arms: Arms, level: Level, predicted: str, rate: dict[str, float], steps: int, step_s: float = 0.1,
@@ -89,3 +89,41 @@ def test_steps_no_request_could_draft_in_add_no_regret():
         arm, explored = arms.choose(level, DRAFT, can_draft=False)
         arms.observe(level, arm, explored, 2, 0.1)
     assert arm == PLAIN and level.regret_s == before
+
+
+def test_a_heavier_load_starts_plain_where_drafting_lost_at_a_lighter_one():
+    """Drafting pays less the more requests share the passes: at a level not yet measured, the
+    verdict of a lighter level that drafting lost at outranks the model's "draft" (a wave of
+    arrivals at a new load no longer pays the model's error before its first measurements), and
+    drafting there is explored within the plain budget, not the early one."""
+    arms = Arms()
+    light = arms.level("t", 4)
+    run(arms, light, DRAFT, {DRAFT: 20.0, PLAIN: 40.0}, steps=300)
+    assert light.running == PLAIN
+    heavy = arms.level("t", 8)
+    chosen = run(arms, heavy, DRAFT, {DRAFT: 20.0, PLAIN: 40.0}, steps=100)
+    assert chosen[:EXPLORE_GAP] == [PLAIN] * EXPLORE_GAP
+    assert heavy.explore_s <= EXPLORE_SHARE * heavy.total_s + 1e-9
+    other_target = arms.level("u", 8)  # another target's verdicts say nothing of this one
+    assert run(arms, other_target, DRAFT, {DRAFT: 20.0, PLAIN: 40.0}, steps=3) == [DRAFT] * 3
+
+
+def test_a_lighter_load_starts_drafting_where_drafting_won_at_a_heavier_one():
+    arms = Arms()
+    heavy = arms.level("t", 8)
+    run(arms, heavy, PLAIN, {DRAFT: 40.0, PLAIN: 20.0}, steps=300)
+    assert heavy.running == DRAFT
+    assert run(arms, arms.level("t", 2), PLAIN, {DRAFT: 40.0, PLAIN: 20.0}, steps=10) == [DRAFT] * 10
+
+
+def test_an_arm_measured_far_worse_is_explored_at_a_quarter_of_the_budget():
+    """Both arms measured, the other one more than FAR slower: a quarter of the exploring share
+    (it keeps being explored, in case things change); one within FAR gets the whole share."""
+    shares = {}
+    for ratio in (1 - 2 * FAR, 1 - FAR / 2):
+        arms, level = Arms(), Level()
+        run(arms, level, PLAIN, {DRAFT: 40.0 * ratio, PLAIN: 40.0}, steps=4000)
+        assert level.running == PLAIN
+        shares[ratio] = level.explore_s / level.total_s
+    assert 0 < shares[1 - 2 * FAR] <= EXPLORE_SHARE / 4 + 0.005
+    assert shares[1 - FAR / 2] > EXPLORE_SHARE / 2

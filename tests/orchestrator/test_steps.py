@@ -283,3 +283,37 @@ def test_a_draft_phase_that_takes_a_whole_session_in_teaches_no_step_costs(targe
     assert result.stats["drafted_tokens"] > 0
     assert seen and seen[0] == {}  # the first step drafted, after a 40-token catch-up: nothing learnt
     assert any(seen[1:])  # later drafting steps report the draft's rows, seconds and extra time
+
+
+def test_a_draft_session_does_not_catch_up_while_a_prefill_runs(target_engine, draft_engine):
+    """A lazily opened draft session takes its whole prompt in when its request first drafts. While
+    another request prefills, that catch-up would take turns with the prefill on shared cores and
+    hold up the step joining requests wait for: the request runs plain until no prefill runs."""
+    decoder = SpeculativeDecoder(target_engine, draft_engine, gamma_policy=GammaPolicy(adaptive=True))
+    request = GenerationRequest(token_ids=list(range(40, 80)), max_new_tokens=12, temperature=0, gamma=3)
+    try:
+        with decoder.steps.prefill():  # another request's prefill, in flight throughout
+            during = decoder.generate(request)
+        after = decoder.generate(request)
+    finally:
+        decoder.close()
+    assert during.stats["drafted_tokens"] - during.stats.get("suffix_drafted_tokens", 0) == 0
+    assert after.stats["drafted_tokens"] - after.stats.get("suffix_drafted_tokens", 0) > 0
+    assert during.token_ids == after.token_ids
+
+
+def test_a_step_a_prefill_overlapped_teaches_no_step_overhead(target_engine, draft_engine):
+    """A step's time beyond its passes (the RPCs, sampling: a few ms) is learnt from steps no
+    prefill overlapped: one that waited for a prefill's passes once taught the policy an overhead
+    ~10x too large, which made plain steps look dear and drafting, with more tokens a step, better."""
+    policy = GammaPolicy(adaptive=True)
+    decoder = SpeculativeDecoder(target_engine, draft_engine, gamma_policy=policy)
+    request = GenerationRequest(token_ids=[5, 6, 7, 8], max_new_tokens=8, temperature=0, gamma=2)
+    try:
+        with decoder.steps.prefill():
+            decoder.generate(request)
+        assert not policy._overhead and not policy._draft_extra
+        decoder.generate(request)
+        assert policy._overhead
+    finally:
+        decoder.close()
