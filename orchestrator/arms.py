@@ -133,13 +133,13 @@ class Arms:
         if not can_draft:
             level.exploring = 0
             return PLAIN, False
+        prior = None if level.measured else self.prior(level)
         if level.exploring > 0:
             level.exploring -= 1
-            arm = other(level.running or predicted)
+            arm = other(level.running or prior or predicted)
             if arm == PLAIN or can_explore:
                 return arm, True
             level.exploring = 0
-        prior = None if level.measured else self.prior(level)
         arm = prior or predicted
         if level.measured:
             arm = level.running or predicted

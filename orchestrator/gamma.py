@@ -398,6 +398,9 @@ class GammaPolicy:
         is, by measured goodput (orchestrator/arms.py): per load level, plain steps that carried
         suffix drafts against plain steps that did not, the worse explored within a budget. Only a
         step in which no request drafts with the model carries them (its rate is then theirs).
+        (Starting them off where drafting measured worse at the load cost repeated prompts their
+        gain at 4-8 clients: the one-request drafting verdict is noisy and reaches every heavier
+        level through the neighbours' rule; docs/benchmarks/policy-under-load.)
         load: as choose_step's."""
         lengths = [0] * len(requests)
         if not self.adaptive or not any(candidates) or any(gammas):

@@ -93,6 +93,8 @@ def parse_modes(text: str) -> list[Mode]:
             mode = Mode(f"gamma{int(item)}", int(item))
         else:
             raise argparse.ArgumentTypeError(f"--gamma: '{item}' is not on, off or a number")
+        if mode in modes:  # named twice: a second run of it, whose ratio to the first is the run's noise
+            mode = Mode(f"{mode.name}-again", mode.gamma)
         if mode not in modes:
             modes.append(mode)
     if not modes:
@@ -205,7 +207,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the workers' passes take turns on the shared cores (--pass-lock); off: the ablation")
     p.add_argument("--gamma", type=parse_modes, default=parse_modes("on,off"),
                    help="modes to compare: on (the server's default gamma), off (gamma 0) or a number "
-                        "(default on,off)")
+                        "(default on,off); a mode named twice runs twice, the second as NAME-again (off,off: "
+                        "the spread of a ratio between two identical modes, the machine's noise)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
     p.add_argument("--prompt-set", default="fresh", choices=["fresh", "edit"],
                    help="fresh: code written from scratch (specdec_tools.bench.FRESH); edit: code edits whose answers "

@@ -104,6 +104,8 @@ def test_a_heavier_load_starts_plain_where_drafting_lost_at_a_lighter_one():
     chosen = run(arms, heavy, DRAFT, {DRAFT: 20.0, PLAIN: 40.0}, steps=100)
     assert chosen[:EXPLORE_GAP] == [PLAIN] * EXPLORE_GAP
     assert heavy.explore_s <= EXPLORE_SHARE * heavy.total_s + 1e-9
+    run(arms, heavy, DRAFT, {DRAFT: 20.0, PLAIN: 40.0}, steps=1000)  # its exploring runs try drafting
+    assert heavy.rates[DRAFT].steps >= MIN_STEPS and heavy.running == PLAIN
     other_target = arms.level("u", 8)  # another target's verdicts say nothing of this one
     assert run(arms, other_target, DRAFT, {DRAFT: 20.0, PLAIN: 40.0}, steps=3) == [DRAFT] * 3
 
@@ -127,3 +129,4 @@ def test_an_arm_measured_far_worse_is_explored_at_a_quarter_of_the_budget():
         shares[ratio] = level.explore_s / level.total_s
     assert 0 < shares[1 - 2 * FAR] <= EXPLORE_SHARE / 4 + 0.005
     assert shares[1 - FAR / 2] > EXPLORE_SHARE / 2
+

@@ -326,3 +326,4 @@ def test_the_step_search_computes_step_goodput_and_finds_what_a_plain_search_fin
             left = gammas[:j] + [0] + gammas[j + 1:]
             assert model.without(gammas, sums, j) == pytest.approx(step_goodput(left, requests, costs), rel=1e-12)
         assert drafting_gammas(requests, costs) == plain_search(requests, costs)
+

@@ -4,6 +4,7 @@ one call per worker per step carries them all; a bad call fails alone."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -317,3 +318,27 @@ def test_a_step_a_prefill_overlapped_teaches_no_step_overhead(target_engine, dra
         assert policy._overhead
     finally:
         decoder.close()
+
+
+def test_the_step_debug_line_is_what_the_step_log_summary_reads(target_engine, draft_engine, caplog):
+    """--log-level debug logs every step (requests, gammas, suffix drafts, rows, times);
+    scripts/step_log_summary.py turns a run's lines into where its time went. Their format must agree."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "step_log_summary.py"
+    spec = importlib.util.spec_from_file_location("specdec_scripts_step_log_summary", path)
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    decoder = SpeculativeDecoder(target_engine, draft_engine, gamma_policy=GammaPolicy(adaptive=True))
+    try:
+        with caplog.at_level("DEBUG", logger="orchestrator.steps"):
+            result = decoder.generate(GenerationRequest(token_ids=list(range(40, 60)), max_new_tokens=10,
+                                                        temperature=0, gamma=3))
+    finally:
+        decoder.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.steps"]
+    lines.append("[bench-serve]   on c=1   1 requests in 1.0 s: 10.00 tok/s aggregate")
+    (line,) = summary.summarize(lines)
+    counts = {kind: int(n) for kind, n in re.findall(r"(\w): (\d+) steps", line)}
+    assert sum(counts.values()) == result.stats["rounds"]  # one step per round: every step's line parsed

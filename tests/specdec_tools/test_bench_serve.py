@@ -96,7 +96,8 @@ def test_compare_outputs():
 
 def test_parsers():
     assert bs.parse_modes("on,off") == [bs.Mode("on", None), bs.Mode("off", 0)]
-    assert bs.parse_modes("off, 3, 0") == [bs.Mode("off", 0), bs.Mode("gamma3", 3)]
+    # a mode named twice runs twice: the ratio of identical modes is the run's noise
+    assert bs.parse_modes("off, 3, 0") == [bs.Mode("off", 0), bs.Mode("gamma3", 3), bs.Mode("off-again", 0)]
     with pytest.raises(argparse.ArgumentTypeError):
         bs.parse_modes("fast")
     assert bs.parse_levels("16,1,4,4") == [1, 4, 16]
