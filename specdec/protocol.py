@@ -368,6 +368,7 @@ class ModelInfo:
     open_sessions: int = 0
     draining: bool = False
     held_tokens: int = 0
+    kernels: str = ""  # the code its passes run on (worker/engine.py, kernels_in_use)
 
     def to_proto(self) -> common_pb2.ModelInfo:
         return common_pb2.ModelInfo(**{**self.__dict__, "eos_token_ids": list(self.eos_token_ids)})

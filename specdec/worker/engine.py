@@ -37,11 +37,27 @@ from specdec.protocol import ModelInfo
 from specdec.threads import PassLock
 from specdec.worker.batching import (DEFAULT_MAX_BATCH_TOKENS, Batcher, Pass, RaggedCache, Work, grow_append,
                                      use_ragged_attention)
-from specdec.worker.forward import model_forward
+from specdec.worker.forward import NativeForward, model_forward
 from specdec.worker.paged import PAGE, CudaGraph, KVPages, StaticForward, static_forward_fits
 from specdec.worker.prefixes import MIN_PREFIX, PrefixStore
 
 log = logging.getLogger(__name__)
+
+
+def kernels_in_use(quantization: str, forward, graphs: bool) -> str:
+    """ModelInfo.kernels: "native <isa>" where this project's C kernels run the decoder layers
+    (forward.NativeForward) or the quantized linears, "fbgemm" for torch's int8 / fp16 linears,
+    else "torch"; ", CUDA graphs" where passes replay captured graphs."""
+    from specdec.kernels import native_available, native_library
+
+    if isinstance(forward, NativeForward) or quantization in ("int8-rows", "int4-rows", "q4k-rows") \
+            and native_available():
+        name = f"native {native_library().isa}"
+    elif quantization in ("int8", "int8-rows", "fp16"):
+        name = "fbgemm"
+    else:
+        name = "torch"
+    return name + (", CUDA graphs" if graphs else "")
 
 MAX_SESSION_ID_LENGTH = 128
 
@@ -202,15 +218,16 @@ class WorkerEngine:
         if kv_pages if kv_pages is not None else cuda and static_forward_fits(self.model):
             self._pages = KVPages.for_model(self.model, tokens=max_cached_tokens + prefix_cache_tokens,
                                             sessions=max_sessions)
+            graph = graph_class or (CudaGraph if cuda and cuda_graphs else None)
             self._forward = StaticForward(self.model, self._pages, max_sessions=max_sessions,
-                                          max_context=self.max_context,
-                                          graph=graph_class or (CudaGraph if cuda and cuda_graphs else None))
+                                          max_context=self.max_context, graph=graph)
             self._forward_device = torch.device("cpu")  # it copies what a pass needs in one go
             self._model_thread.submit(self._forward.capture).result()
             log.info("KV cache: %d pages of %d tokens, %.2f GiB; %d CUDA graphs captured in %.1f s (%.2f GiB)",
                      self._pages.pages, PAGE, self._pages.nbytes / 2**30, len(self._forward.buckets),
                      self._forward.capture_s, self._forward.capture_bytes / 2**30)
         else:
+            graph = None
             self._forward = model_forward(self.model)  # specdec/worker/forward.py: native or lean for Llama/Qwen2
             self._forward_device = self.input_device
         self._batcher = Batcher(self._run_pass, max_batch_tokens)
@@ -229,7 +246,9 @@ class WorkerEngine:
             device=str(self.input_device),
             dtype=str(loaded.dtype).removeprefix("torch.")
             + ("" if loaded.quantization == "none" else f"+{loaded.quantization}-weights"),
+            kernels=kernels_in_use(loaded.quantization, self._forward, graph is not None),
         )
+        log.info("passes run on %s kernels, weights %s", self.info.kernels, self.info.dtype)
         self._tokenizer_files: dict[str, bytes] | None = None
         self._prefixes = PrefixStore(prefix_cache_tokens, self._copy_prefix, _free_cache) if prefix_cache_tokens else None
         self.grammar_limits = grammar_limits  # specdec.grammar.GrammarLimits; None: its defaults

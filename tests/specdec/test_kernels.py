@@ -647,3 +647,14 @@ def test_q4k_rows_keeps_its_requantized_blocks_and_reads_them_back(gguf_dir, tmp
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # the store changed
     load_model(str(gguf_dir), quantization="q4k-rows")
     assert calls and len(list((tmp_path / "cache" / "q4k").glob("*.safetensors"))) == 2
+
+
+def test_a_worker_says_which_kernels_its_passes_run_on(int8_rows_target, target_engine):
+    """Describe (ModelInfo.kernels, beside dtype's quantization) names the code the passes run
+    on, so an operator sees a fallback (fbgemm, torch) rather than only a slower server."""
+    info = int8_rows_target.describe()
+    assert info.dtype == "float32+int8-rows-weights"
+    library = native_library()
+    assert info.kernels == (f"native {library.isa}" if library is not None else "fbgemm")
+    assert target_engine.describe().kernels == "torch"  # float64, no quantization: the model's own layers
+    assert info.to_proto().kernels == info.kernels  # and it travels

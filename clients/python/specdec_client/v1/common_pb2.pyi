@@ -77,7 +77,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "bos_token_id", "pad_token_id", "max_context", "device", "dtype", "max_gamma", "open_sessions", "draining", "held_tokens")
+    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "bos_token_id", "pad_token_id", "max_context", "device", "dtype", "max_gamma", "open_sessions", "draining", "held_tokens", "kernels")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class ModelInfo(_message.Message):
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     vocab_fingerprint: str
@@ -104,7 +105,8 @@ class ModelInfo(_message.Message):
     open_sessions: int
     draining: bool
     held_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_gamma: _Optional[int] = ..., open_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., held_tokens: _Optional[int] = ...) -> None: ...
+    kernels: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_gamma: _Optional[int] = ..., open_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., held_tokens: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "token_ids", "fork_of", "fork_secret", "prefix_scope")
