@@ -36,11 +36,12 @@ COPY draft_service ./draft_service
 COPY target_service ./target_service
 COPY orchestrator ./orchestrator
 RUN pip install --no-deps . && rm -rf build *.egg-info clients/python/*.egg-info
-# The native int8-rows kernel (specdec/csrc/int8_rows.c), compiled here beside its installed source:
-# the runtime image has no compiler. Skipped where it cannot build (not x86-64); fbgemm then serves.
+# The native kernels (specdec/csrc/), compiled here beside their installed sources (`pip install .`
+# above had no compiler to build them with): the runtime image has none. Skipped where they cannot
+# build (not x86-64); fbgemm then serves, as the workers' ModelInfo.kernels says.
 RUN if [ "$(uname -m)" = "x86_64" ]; then \
         apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
-        && python -m specdec.kernels; \
+        && python -m specdec.native_build; \
     fi
 
 # ---- runtime ----

@@ -55,7 +55,7 @@ ENV_SWITCHES = [
      "Runs the Linears the GGUF holds in Q6_K as `int8-rows` (requantized) instead of on their own Q6_K "
      "blocks."),
     ("CC", "a compiler",
-     "The C compiler that builds the native kernels on first use (default: `cc`, else `gcc`; it needs "
+     "The C compiler that builds the native kernels at install, else on first use (default: `cc`, else `gcc`; it needs "
      "`-mavx2` and `-fopenmp`)."),
     ("GOMP_SPINCOUNT", "a count",
      "Every entry point sets 200000 (idle OpenMP threads spin about a millisecond, then sleep) unless "

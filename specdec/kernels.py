@@ -52,26 +52,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import mmap
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
-from pathlib import Path
 
 import torch
 
+from specdec import native_build
+
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "int8_rows.c"
-# compiled with it into one library: the decoder layers around the kernels (worker/forward.py's native_forward)
-_SOURCES = (_SOURCE, _SOURCE.with_name("decoder.c"))
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+_SOURCE = native_build.SOURCES[0]
+_CFLAGS = native_build.CFLAGS
 
 
 def _prepack(weight: torch.Tensor) -> object:
@@ -117,49 +111,21 @@ def _native_wanted() -> bool:
     return os.environ.get("SPECDEC_NATIVE_KERNELS", "1") != "0"
 
 
-def _library_name() -> str:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-    return f"int8_rows-{digest}.so"
-
-
-def build_native(directory: Path) -> Path | None:
-    """Compiles specdec/csrc/int8_rows.c and decoder.c into `directory` (named by the source's and flags' hash)
-    unless it is there; the library's path, or None (logged) where no compiler builds it. Written
-    to a temporary name and renamed: workers starting together each see a whole library."""
-    target = Path(directory) / _library_name()
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler: int8-rows runs on fbgemm (slower; set CC to build the native kernel)")
-        return None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        done = subprocess.run([compiler, *_CFLAGS, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True)
-        if done.returncode != 0:
-            log.warning("the native int8-rows kernel did not build (int8-rows runs on fbgemm): %s",
-                        done.stderr.strip()[-2000:])
-            return None
-        os.replace(built, target)
-    return target
-
-
 @functools.cache
 def native_library() -> ctypes._CFuncPtr | None:
     """The native int8-rows kernel (specdec/csrc/int8_rows.c), loaded from beside its source where
-    an image built it there (the Dockerfile: `python -m specdec.kernels`), else compiled on first
-    use into `<cache root>/kernels/`; None where it cannot run here (no AVX2, not Linux x86-64, no
-    C compiler) or fails to build (logged, and every Int8RowLinear then uses fbgemm). torch is
+    the install built it there (setup.py; an image: `python -m specdec.native_build`), else
+    compiled on first use into `<cache root>/kernels/`; None where it cannot run here (no AVX2, not
+    Linux x86-64, no C compiler) or fails to build (logged, and every Int8RowLinear then uses
+    fbgemm: the worker's ModelInfo.kernels says "fbgemm"). torch is
     imported first, so the library's libgomp.so.1 is the one torch loaded: its parallel regions
     run on torch's threads."""
-    if not (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")):
+    if not (native_build.can_run_here() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")):
         return None
     from specdec.model_store import cache_root
 
-    shipped = _SOURCE.with_name(_library_name())
-    path = shipped if shipped.exists() else build_native(cache_root() / "kernels")
+    shipped = native_build.SOURCE_DIR / native_build.library_name()
+    path = shipped if shipped.exists() else native_build.build(cache_root() / "kernels")
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
@@ -691,8 +657,3 @@ def replace_linears(model: torch.nn.Module, quantization: str, blocks: dict | No
     return model
 
 
-if __name__ == "__main__":  # python -m specdec.kernels: build the native kernel beside its source (images)
-    import sys
-
-    logging.basicConfig(level=logging.INFO)
-    sys.exit(0 if build_native(_SOURCE.parent) is not None else 1)
