@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = (SOURCE_DIR / "int8_rows.c", SOURCE_DIR / "decoder.c")  # one library: the kernels and the layers
+HEADER = SOURCE_DIR / "specdec_kernels.h"  # its entry points and structs, which both include
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -32,7 +33,8 @@ def can_run_here() -> bool:
 
 
 def library_name() -> str:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
+                            + " ".join(CFLAGS).encode()).hexdigest()[:16]
     return f"int8_rows-{digest}.so"
 
 

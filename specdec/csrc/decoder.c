@@ -30,39 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int specdec_int8_rows_linear(const float *x, int64_t M, int64_t K, const int8_t *w, int64_t Kp, int64_t N,
-                             const int32_t *wsum, const float *ws, const float *bias, float *y, int32_t threads);
-int specdec_q4k_rows_linear(const float *x, int64_t M, int64_t K, int64_t Kp, const uint8_t *qs, const uint8_t *meta,
-                            int64_t N, const float *bias, float *y, int32_t threads);
-int specdec_q6k_rows_linear(const float *x, int64_t M, int64_t K, int64_t Kp, const uint8_t *qs, const uint8_t *meta,
-                            int64_t N, const float *bias, float *y, int32_t threads);
-
-/* One projection: the fields of kernels.py's Int8RowLinear (kind 1), Q4KRowLinear (2) or Q6KRowLinear (3), all
- * eight bytes wide (forward.py writes them as an int64 tensor). */
-typedef struct {
-    int64_t kind, K, N, Kp;
-    const void *w;      /* int8 tiles | Q4_K or Q6_K qs */
-    const void *aux;    /* int32 channel sums | Q4_K or Q6_K meta */
-    const float *scale; /* int8: one per channel | unused */
-    const float *bias;  /* or NULL */
-} sd_linear;
-
-typedef struct {
-    const float *in_norm, *post_norm;
-    sd_linear q, k, v, o, gate, up, down;
-} sd_layer;
-
-typedef struct {
-    int64_t layers, hidden, heads, kv_heads, head_dim, inter;
-    const float *final_norm;
-    const sd_layer *layer;
-} sd_model;
-
-/* one session's buffers in one layer: [kv_heads][capacity][head_dim] keys and values */
-typedef struct {
-    float *keys, *values;
-    int64_t capacity;
-} sd_kv;
+#include "specdec_kernels.h"
 
 static int linear(const sd_linear *l, const float *x, int64_t M, float *y, int32_t threads) {
     if (l->kind == 1)

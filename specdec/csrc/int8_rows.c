@@ -36,6 +36,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "specdec_kernels.h"
+
 #define TILE 4           /* output channels per tile: one accumulator each, per row */
 #define PREFETCH 1024    /* bytes ahead in the tile's stream */
 

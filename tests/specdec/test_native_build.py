@@ -3,6 +3,8 @@ sources, and a worker loads that library instead of compiling its own."""
 
 from __future__ import annotations
 
+import ctypes
+import re
 import shutil
 import subprocess
 import sys
@@ -30,3 +32,35 @@ def test_a_library_is_named_by_its_sources_and_flags(monkeypatch):
     name = native_build.library_name()
     monkeypatch.setattr(native_build, "CFLAGS", [*native_build.CFLAGS, "-DSOMETHING"])
     assert native_build.library_name() != name
+
+
+C_TO_CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
+               "int": ctypes.c_int}
+
+
+def _header_signatures() -> dict[str, tuple[list, object]]:
+    """Each entry point of specdec_kernels.h: its parameters' and result's ctypes types (a pointer
+    is a c_void_p, as kernels.py passes tensors' addresses)."""
+    text = re.sub(r"/\*.*?\*/", "", native_build.HEADER.read_text(), flags=re.S)
+    signatures = {}
+    for result, name, params in re.findall(r"^(\w+)\s+(specdec_\w+)\(([^)]*)\);", text, flags=re.M):
+        kinds = [ctypes.c_void_p if "*" in p else C_TO_CTYPES[p.split()[-2]] for p in params.split(",")]
+        signatures[name] = (kinds, C_TO_CTYPES[result])
+    return signatures
+
+
+def test_the_header_declares_what_the_library_is_called_with():
+    """kernels.py's ctypes signatures are written by hand: they must match the header, which both
+    C files include (so the compiler holds the definitions to it)."""
+    from specdec.kernels import native_library
+
+    library = native_library()
+    if library is None:
+        pytest.skip("the native kernels do not run here")
+    signatures = _header_signatures()
+    assert set(signatures) == {"specdec_native_isa", "specdec_int8_rows_linear", "specdec_q4k_rows_linear",
+                               "specdec_q6k_rows_linear", "specdec_decoder_pass"}
+    called = {"specdec_int8_rows_linear": library, "specdec_q4k_rows_linear": library.q4k,
+              "specdec_q6k_rows_linear": library.q6k, "specdec_decoder_pass": library.decoder}
+    for name, fn in called.items():
+        assert (list(fn.argtypes), fn.restype) == signatures[name], name
