@@ -238,6 +238,7 @@ def test_a_kernel_that_does_not_build_leaves_int8_rows_on_fbgemm(tmp_path, monke
     from specdec.modeling import resolve_quantization
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels.native_build, "SOURCE_DIR", tmp_path / "installed")  # none built at install
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
     build = kernels.native_library.__wrapped__
     if not (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")):
@@ -259,6 +260,7 @@ def test_the_native_kernel_is_built_once_and_reused(tmp_path, monkeypatch):
     import specdec.kernels as kernels
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels.native_build, "SOURCE_DIR", tmp_path / "installed")  # none built at install
     kernels.native_library.__wrapped__()
     built = list((tmp_path / "kernels").glob("int8_rows-*.so"))
     assert len(built) == 1
@@ -266,6 +268,21 @@ def test_the_native_kernel_is_built_once_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")  # a rebuild would fail now
     assert kernels.native_library.__wrapped__() is not None
     assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_a_library_built_at_install_is_loaded_and_nothing_compiled(tmp_path, monkeypatch):
+    """setup.py builds the library beside the sources; a worker loads that one, compiling nothing."""
+    if native_library() is None:
+        pytest.skip("no native kernel here")
+    import specdec.kernels as kernels
+
+    installed = tmp_path / "installed"
+    assert kernels.native_build.build(installed) is not None  # as setup.py's build_py does
+    monkeypatch.setattr(kernels.native_build, "SOURCE_DIR", installed)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "false")  # compiling would fail now
+    assert kernels.native_library.__wrapped__() is not None
+    assert not (tmp_path / "cache").exists()
 
 
 # ---- int4-rows: the GGUF's own Q4_K blocks -------------------------------------------------------
