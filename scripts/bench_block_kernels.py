@@ -28,11 +28,11 @@ BYTES_PER_BLOCK = {"Q4_K": 128 + 20, "Q6_K": 192 + 20}  # the native layout's we
 
 def build(source: str, out: Path):
     """The kernel library from `source` (C text); its q4k/q6k entry points and whether they take Kp."""
-    from specdec.kernels import _CFLAGS
+    from specdec.native_build import CFLAGS, SOURCE_DIR
 
     src = out.with_suffix(".c")
     src.write_text(source)
-    subprocess.run(["cc", *_CFLAGS, str(src), "-o", str(out)], check=True)
+    subprocess.run(["cc", *CFLAGS, f"-I{SOURCE_DIR}", str(src), "-o", str(out)], check=True)  # its header
     return ctypes.CDLL(str(out)), "int64_t K, int64_t Kp, const uint8_t *qs" in source
 
 

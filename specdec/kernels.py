@@ -64,9 +64,6 @@ from specdec import native_build
 
 log = logging.getLogger(__name__)
 
-_SOURCE = native_build.SOURCES[0]
-_CFLAGS = native_build.CFLAGS
-
 
 def _prepack(weight: torch.Tensor) -> object:
     """fbgemm-packed int8 weight, one symmetric scale per output channel."""

@@ -43,6 +43,8 @@ from specdec.worker.prefixes import MIN_PREFIX, PrefixStore
 
 log = logging.getLogger(__name__)
 
+MAX_SESSION_ID_LENGTH = 128
+
 
 def kernels_in_use(quantization: str, forward, graphs: bool) -> str:
     """ModelInfo.kernels: "native <isa>" where this project's C kernels run the decoder layers
@@ -58,8 +60,6 @@ def kernels_in_use(quantization: str, forward, graphs: bool) -> str:
     else:
         name = "torch"
     return name + (", CUDA graphs" if graphs else "")
-
-MAX_SESSION_ID_LENGTH = 128
 
 
 def check_session_id(session_id: str) -> None:
