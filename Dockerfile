@@ -26,12 +26,12 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
-# The four packages the services run, specdec_tools for the `specdec` command, and the client
-# package the server ships from clients/python (the generated gRPC code, client records and errors
-# that the server imports too); tests, docs and protos stay out.
+# The four packages the services run (orchestrator/ holds the `specdec` command: serve, generate,
+# workers) and the client package the server ships from clients/python (the generated gRPC code,
+# client records and errors that the server imports too); the tools (specdec_tools: benchmarks,
+# load test, timeline, and their `bench` extra), tests, docs and protos stay out.
 COPY clients/python ./clients/python
 COPY specdec ./specdec
-COPY specdec_tools ./specdec_tools
 COPY draft_service ./draft_service
 COPY target_service ./target_service
 COPY orchestrator ./orchestrator

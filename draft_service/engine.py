@@ -26,8 +26,9 @@ from opentelemetry import metrics
 from specdec.errors import Aborted, InvalidArgument, ServiceError
 from specdec import ngram
 from specdec import telemetry as t
-from specdec.protocol import MAX_GAMMA, CompactProbs, DraftOptions, Proposal, ProposeCall, SamplingParams
+from specdec.protocol import MAX_GAMMA, SamplingParams
 from specdec.sampling import apply_controls, coupled_choice, process_logits
+from specdec.wire import CompactProbs, DraftOptions, Proposal, ProposeCall
 from specdec.worker.engine import Session, WorkerEngine
 
 log = logging.getLogger(__name__)

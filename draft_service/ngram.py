@@ -19,7 +19,8 @@ from typing import Iterator
 
 from specdec import ngram
 from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError
-from specdec.protocol import ANY_VOCABULARY, MAX_GAMMA, DraftOptions, ModelInfo, Proposal, ProposeCall, SamplingParams
+from specdec.protocol import MAX_GAMMA, SamplingParams
+from specdec.wire import ANY_VOCABULARY, DraftOptions, ModelInfo, Proposal, ProposeCall
 
 NGRAM_MODEL = "ngram"
 

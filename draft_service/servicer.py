@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from specdec.protocol import DraftOptions, Proposal, ProposeCall, SamplingParams, call_status
+from specdec.protocol import SamplingParams
 from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec.wire import DraftOptions, Proposal, ProposeCall, call_status
 from specdec.worker.server import SessionRpcs
 
 

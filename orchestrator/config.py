@@ -9,8 +9,8 @@ from orchestrator.pool import parse_entries
 from specdec.flags import Flag, FlagTable, ServedConfig, connection_flags, log_level_flag, reflection_flag, tls_flags
 from specdec.grammar import GrammarConfig, grammar_flags
 from specdec.errors import InvalidArgument
-from specdec.protocol import DraftOptions
 from specdec.security import ClientTls
+from specdec.wire import DraftOptions
 
 DEFAULT_PORT = 50050
 
@@ -112,7 +112,7 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
     draft: str | None = None  # draft workers, the same way; None serves gamma 0 only
     host: str = FLAGS.default("host")
     port: int = 0  # 0: any free port (the command line's default is 50050)
-    http_port: int | None = None  # the OpenAI-compatible HTTP API (orchestrator/http.py); None: off
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (orchestrator/http/); None: off
     served_model_name: str | None = None  # its model id (None: the target's model name)
     http_max_body_bytes: int = FLAGS.default("http_max_body_bytes")
     http_body_timeout_s: float = FLAGS.default("http_body_timeout_s")

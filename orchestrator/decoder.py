@@ -45,9 +45,11 @@ from orchestrator import tools
 from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
 from specdec.errors import Cancelled, InvalidArgument, ServiceError
-from specdec.protocol import (MAX_GAMMA, MAX_TOP_LOGPROBS, DraftOptions, GenerationChunk, GenerationRequest, GenerationResult, GenerationStats,
-                              LOGPROBS_MODES, MAX_STOP_TOKEN_IDS, RequestLimits, SAMPLING_MODES, SamplingParams)
+from specdec.protocol import (MAX_GAMMA, MAX_TOP_LOGPROBS, GenerationChunk, GenerationRequest, GenerationResult,
+                              GenerationStats, LOGPROBS_MODES, MAX_STOP_TOKEN_IDS, RequestLimits, SAMPLING_MODES,
+                              SamplingParams)
 from specdec.telemetry import Telemetry
+from specdec.wire import DraftOptions
 
 log = logging.getLogger(__name__)
 

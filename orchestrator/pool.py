@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 from orchestrator.workers import check_pair
 from specdec.errors import FailedPrecondition, ServiceError, Unavailable
-from specdec.protocol import ModelInfo
+from specdec.wire import ModelInfo
 
 log = logging.getLogger(__name__)
 

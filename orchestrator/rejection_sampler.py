@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.protocol import CompactProbs
+from specdec.wire import CompactProbs
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.errors import ServiceError, Unavailable, from_rpc_error
-from specdec.protocol import (WORKER_MAX_MESSAGE_BYTES, CompactProbs, DraftOptions, ModelInfo, Proposal, ProposeCall,
-                              SamplingParams, Verification, VerifyCall, error_from_status, message_options)
+from specdec.protocol import SamplingParams, message_options
 from specdec.security import ClientTls, open_channel
 from specdec.telemetry import Telemetry
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.wire import (WORKER_MAX_MESSAGE_BYTES, CompactProbs, DraftOptions, ModelInfo, Proposal, ProposeCall,
+                          Verification, VerifyCall, error_from_status)
 
 GRPC_PREFIX_BYTES = 5  # each gRPC message is framed by a flag byte and a 4-byte length
 # gRPC backs off reconnecting up to 120 s by default; a restarted worker should rejoin its pool

@@ -41,8 +41,8 @@ from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejectio
 from orchestrator.suffix import RequestIndex
 from specdec import telemetry as t
 from specdec.errors import ServiceError
-from specdec.protocol import (CompactProbs, DraftOptions, GenerationChunk, GenerationStats, Proposal, ProposeCall,
-                              SamplingParams, TokenLogprob, Verification, VerifyCall)
+from specdec.protocol import GenerationChunk, GenerationStats, SamplingParams, TokenLogprob
+from specdec.wire import CompactProbs, DraftOptions, Proposal, ProposeCall, Verification, VerifyCall
 
 
 @dataclass

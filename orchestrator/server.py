@@ -19,7 +19,8 @@ from opentelemetry import metrics
 from orchestrator.admission import Admission
 from orchestrator.config import OrchestratorConfig
 from orchestrator.gamma import GammaPolicy
-from orchestrator.http import FrontDoor, HttpServer
+from orchestrator.http.app import FrontDoor
+from orchestrator.http.transport import HttpServer
 from draft_service.ngram import NGRAM_MODEL, NgramDraft
 from orchestrator.pool import WorkerPool, pair_pools, parse_entries
 from orchestrator.remote import RemoteDraft, RemoteTarget

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Iterator, Protocol
 
 from specdec.errors import FailedPrecondition
-from specdec.protocol import ANY_VOCABULARY
-from specdec.protocol import DraftOptions, ModelInfo, Proposal, SamplingParams, Verification
+from specdec.protocol import SamplingParams
+from specdec.wire import ANY_VOCABULARY, DraftOptions, ModelInfo, Proposal, Verification
 
 
 class Worker(Protocol):

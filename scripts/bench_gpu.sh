@@ -45,7 +45,7 @@ passes() {  # passes NAME ARGS...: scripts/bench_gpu_passes.py on one model
 serve() {  # serve NAME TARGET LEVELS SETUPS: bench-serve with the 0.5B draft
   step bench-serve $1
   # no pipe: the services inherit the output (a pipe held open by them kept a timeout waiting)
-  timeout 300 python3 -m specdec_tools.cli bench-serve --target $models/qwen2.5-coder-$2 \
+  timeout 300 python3 -m orchestrator.cli bench-serve --target $models/qwen2.5-coder-$2 \
     --draft $models/qwen2.5-coder-0.5b --device cuda --synthetic-acceptance 0.8 --concurrency $3 --gamma on,off \
     --max-new-tokens 64 --setups $4 --out "$out/r/serve-$1" >"$out/r/serve-$1.log" 2>&1
   cat "$out/r/serve-$1/table.md" 2>/dev/null || tail -20 "$out/r/serve-$1.log"

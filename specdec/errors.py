@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class Status:
     """What a gRPC status means to each part of the service."""
 
-    http: int  # the OpenAI-compatible door's HTTP status (orchestrator/http.py)
+    http: int  # the OpenAI-compatible door's HTTP status (orchestrator/http/)
     openai_type: str  # and its error type
     request_fault: bool = False  # from a worker: about the request, not the worker (no address in it)
     worker_fault: bool = False  # from a worker: the worker's trouble; the request moves to another (placement.py)

@@ -18,9 +18,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import ErrorInterceptor
-from specdec.protocol import WORKER_MAX_MESSAGE_BYTES, message_options
+from specdec.protocol import message_options
 from specdec.security import ServerTls, bind
 from specdec.telemetry import Telemetry
+from specdec.wire import WORKER_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 

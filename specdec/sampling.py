@@ -1,4 +1,4 @@
-"""Logits processing, shared by both workers: logits in, a CompactProbs (specdec/protocol.py) out.
+"""Logits processing, shared by both workers: logits in, a CompactProbs (specdec/wire.py) out.
 
 The decoding controls (logit_bias, min_tokens, penalties: `apply_controls`) come first, at every
 position with the prefix it sees. The draft computes q and the target computes p with the same
@@ -23,7 +23,8 @@ import math
 import numpy as np
 import torch
 
-from specdec.protocol import CompactProbs, SamplingParams
+from specdec.protocol import SamplingParams
+from specdec.wire import CompactProbs
 
 TOP_P_CANDIDATES = 2048  # sorting 152k logits per position costs ~10 ms; a top-k of 2k ~1 ms
 

@@ -1,10 +1,12 @@
-"""The tools on top of the runtime: the command line, the local stack, the benchmarks, the load test
-and the timeline.
+"""The tools on top of the runtime: the local stack, the benchmarks, the load test and the timeline,
+as commands of `specdec` (orchestrator/cli.py adds them where this package is installed). Their
+dependencies are the `bench` extra (`pip install '.[bench]'`); the service image leaves them out.
 
-Nothing in specdec/, draft_service/, target_service/ or orchestrator/ imports this package.
+Nothing in specdec/, draft_service/, target_service/ or orchestrator/ imports this package but the
+command line (orchestrator/cli.py), which adds its commands where it is installed.
 """
 
-PLOTS_EXTRA = "pip install 'specdec-service[plots]'"  # matplotlib: the pictures are optional
+PLOTS_EXTRA = "pip install '.[bench]' from a checkout"  # matplotlib: the pictures are optional
 
 
 def can_plot(picture: str) -> bool:

@@ -345,7 +345,8 @@ def run_ablation(a, target, drafts: dict, prompt_sets: dict, modes: list[str], l
     """Runs every LADDER rung over every prompt set and mode; returns one row per (set, mode, rung)."""
     from orchestrator.decoder import SpeculativeDecoder
     from orchestrator.gamma import GammaPolicy
-    from specdec.protocol import DraftOptions, GenerationRequest
+    from specdec.protocol import GenerationRequest
+    from specdec.wire import DraftOptions
 
     rows = []
     for set_name, ids_list in prompt_sets.items():

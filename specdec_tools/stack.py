@@ -175,7 +175,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     from orchestrator.client import Client
     from specdec.errors import ServiceError
     from specdec.model_store import resolve_model
-    from specdec_tools.cli_args import format_stats, request_kwargs
+    from orchestrator.cli import format_stats, request_kwargs
 
     # Ctrl-C and `kill` both stop the children: they run in their own sessions, so nothing else
     # would (and a shell's background job starts with SIGINT ignored)

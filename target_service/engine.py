@@ -13,8 +13,9 @@ import time
 import torch
 
 from specdec.errors import InvalidArgument, ServiceError
-from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, SamplingParams, Verification, VerifyCall
+from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.sampling import apply_controls, coupled_choice, process_logits
+from specdec.wire import Verification, VerifyCall
 from specdec.worker.engine import WorkerEngine
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from specdec.protocol import SamplingParams, Verification, VerifyCall, call_status
+from specdec.protocol import SamplingParams
 from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.wire import Verification, VerifyCall, call_status
 from specdec.worker.server import SessionRpcs
 
 

@@ -33,8 +33,8 @@ from specdec.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, 
                             ResourceExhausted, ServiceError, Unavailable)
 from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
 from specdec import telemetry as t
-from specdec.protocol import ModelInfo
 from specdec.threads import PassLock
+from specdec.wire import ModelInfo
 from specdec.worker.batching import (DEFAULT_MAX_BATCH_TOKENS, Batcher, Pass, RaggedCache, Work, grow_append,
                                      use_ragged_attention)
 from specdec.worker.forward import NativeForward, model_forward

@@ -10,7 +10,8 @@ import torch
 
 import draft_service.engine as engine_module
 from specdec.errors import Aborted
-from specdec.protocol import DraftOptions, SamplingParams
+from specdec.protocol import SamplingParams
+from specdec.wire import DraftOptions
 from tests.specdec.worker.test_engine import fresh_logits
 
 GREEDY = SamplingParams(temperature=0)

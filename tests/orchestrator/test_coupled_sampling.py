@@ -18,8 +18,9 @@ from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramDraft
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
-from specdec.protocol import DraftOptions, GenerationRequest, SamplingParams
+from specdec.protocol import GenerationRequest, SamplingParams
 from specdec.sampling import coupled_choice, process_logits
+from specdec.wire import DraftOptions
 from tests.orchestrator.test_sampled_distribution import PROMPT, assert_matches, exact_distribution
 
 SETTINGS = [SamplingParams(0.9), SamplingParams(0.7, top_k=6, top_p=0.8), SamplingParams(1.3, top_p=0.95)]

@@ -204,7 +204,7 @@ def test_controls_are_exact_under_concurrency_over_grpc(client, decoder, target_
 
 @pytest.mark.parametrize("draft", ["n-gram", "lookup and drafting ahead", "the target itself"])
 def test_controls_are_exact_whatever_the_draft(target_engine, draft_engine, draft):
-    from specdec.protocol import DraftOptions
+    from specdec.wire import DraftOptions
 
     made = {
         "n-gram": lambda: (NgramDraft(), DraftOptions()),

@@ -16,8 +16,9 @@ import torch
 
 from draft_service.ngram import NgramDraft
 from orchestrator.decoder import SpeculativeDecoder
-from specdec.protocol import DraftOptions, GenerationRequest
+from specdec.protocol import GenerationRequest
 from specdec.sampling import process_logits
+from specdec.wire import DraftOptions
 from tests.orchestrator.test_greedy_equivalence import PROMPTS, reference
 from tests.orchestrator.test_sampled_distribution import PARAMS, assert_matches, exact_distribution
 

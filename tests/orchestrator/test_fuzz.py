@@ -46,9 +46,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from specdec.protocol import CompactProbs
 from specdec.v1 import (common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2,
                         target_pb2_grpc)
+from specdec.wire import CompactProbs
 
 CALL_TIMEOUT_S = 30.0
 OK_ORCHESTRATOR = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,

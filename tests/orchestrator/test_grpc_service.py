@@ -232,7 +232,7 @@ def test_greedy_sends_no_distributions(client):
 
 def test_cli_json(stack):
     out = subprocess.run(
-        [sys.executable, "-m", "specdec_tools.cli", "generate", "--server", stack["address"], "--prompt", "def",
+        [sys.executable, "-m", "orchestrator.cli", "generate", "--server", stack["address"], "--prompt", "def",
          "--max-new-tokens", "5", "--temperature", "0", "--gamma", "2", "--json"],
         capture_output=True, text=True, timeout=120,
     )
@@ -245,7 +245,7 @@ def test_cli_json(stack):
 
 def test_cli_refusal_prints_status(stack):
     out = subprocess.run(
-        [sys.executable, "-m", "specdec_tools.cli", "generate", "--server", stack["address"], "--prompt", "def",
+        [sys.executable, "-m", "orchestrator.cli", "generate", "--server", stack["address"], "--prompt", "def",
          "--gamma", "99", "--json"],
         capture_output=True, text=True, timeout=120,
     )

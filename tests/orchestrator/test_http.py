@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP door (orchestrator/http.py), with the official openai SDK as the
+"""The OpenAI-compatible HTTP door (orchestrator/http/), with the official openai SDK as the
 client and raw HTTP for the server-sent-event framing; real servers on free ports."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from orchestrator.admission import Admission
-from orchestrator.http import FrontDoor, HttpServer
+from orchestrator.http.app import FrontDoor
+from orchestrator.http.transport import HttpServer
 from orchestrator.servicer import DecoderSlot
 from tests.support.servers import client_of, paced, start_stack, stop_stack, wait_for
 

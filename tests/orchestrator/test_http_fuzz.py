@@ -1,4 +1,4 @@
-"""Hostile input against the HTTP door (orchestrator/http.py), property-based with hypothesis.
+"""Hostile input against the HTTP door (orchestrator/http/), property-based with hypothesis.
 
 Random bodies for every endpoint, built from the fields the door knows with values of every JSON
 type at their edges (integers past 64 bits, NaN and infinities, strings holding lone surrogates,

@@ -161,11 +161,11 @@ def test_workers_are_added_at_run_time_and_a_mismatch_is_refused(orchestrator, t
 
 def test_workers_command_lists_the_pools(orchestrator, workers):
     admin = ["--token", ADMIN_TOKEN]  # the addresses are for admins
-    out = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "workers", "--server", orchestrator["address"], "--json",
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "workers", "--server", orchestrator["address"], "--json",
                           *admin], capture_output=True, text=True, timeout=60, check=True).stdout
     listed = {(w["role"], w["address"]) for w in json.loads(out)}
     assert {(role, w["address"]) for role in workers for w in workers[role]} <= listed
-    table = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "workers", "--server", orchestrator["address"]],
+    table = subprocess.run([sys.executable, "-m", "orchestrator.cli", "workers", "--server", orchestrator["address"]],
                            capture_output=True, text=True, timeout=60, check=True).stdout
     assert "serving" in table and "tiny-target" in table
 

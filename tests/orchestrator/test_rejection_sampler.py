@@ -14,8 +14,9 @@ import torch
 from scipy import stats
 
 from orchestrator.rejection_sampler import greedy_verify, rejection_sample
-from specdec.protocol import CompactProbs, SamplingParams
+from specdec.protocol import SamplingParams
 from specdec.sampling import process_logits
+from specdec.wire import CompactProbs
 
 V = 8
 DRAWS = 20_000

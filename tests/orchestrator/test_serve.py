@@ -75,7 +75,7 @@ class Served:
     its children print is kept for the failure message."""
 
     def __init__(self, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "specdec_tools.cli", "serve", *args], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", *args], cwd=ROOT,
                                      stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.lines: queue.Queue = queue.Queue()
         self.printed: list[str] = []

@@ -17,7 +17,8 @@ from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.gamma import GammaPolicy, StepRequest
 from orchestrator.remote import RemoteDraft, RemoteTarget
 from specdec.errors import ServiceError
-from specdec.protocol import GenerationRequest, ProposeCall, SamplingParams, VerifyCall
+from specdec.protocol import GenerationRequest, SamplingParams
+from specdec.wire import ProposeCall, VerifyCall
 from specdec.worker.config import WorkerConfig
 from tests.orchestrator.test_gamma import CPU_DRAFT, CPU_TARGET, FLAT_DRAFT, FLAT_TARGET, accepting
 from tests.support.servers import (HOST, client_of, create_draft, create_target, start_orchestrator, start_stack,

@@ -24,7 +24,8 @@ from draft_service.engine import DraftEngine
 from draft_service.ngram import NgramDraft
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
-from specdec.protocol import DraftOptions, GenerationRequest, GrammarSpec, SamplingParams
+from specdec.protocol import GenerationRequest, GrammarSpec, SamplingParams
+from specdec.wire import DraftOptions
 from tests.orchestrator.test_decoding_controls import reference  # the target alone, under its controls
 from tests.orchestrator.test_sampled_distribution import PROMPT, assert_matches
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec.protocol import CompactProbs
 from specdec.sampling import coupled_choice, coupling_exponentials
+from specdec.wire import CompactProbs
 
 VOCAB = 151_936  # the default pair's
 

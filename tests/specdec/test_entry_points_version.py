@@ -10,7 +10,7 @@ import pytest
 
 from specdec import __version__
 
-MODULES = ["orchestrator", "target_service", "draft_service", "specdec_tools.cli"]
+MODULES = ["orchestrator", "target_service", "draft_service", "orchestrator.cli"]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -17,7 +17,8 @@ from orchestrator.decoder import SpeculativeDecoder
 from specdec.kernels import (Fp16Linear, Int8RowLinear, activation_bits, fp16_rows_independent, native_library,
                              quantize_rows)
 from specdec.modeling import load_model
-from specdec.protocol import GenerationRequest, SamplingParams, VerifyCall
+from specdec.protocol import GenerationRequest, SamplingParams
+from specdec.wire import VerifyCall
 from target_service.engine import TargetEngine
 
 GREEDY = SamplingParams(temperature=0)

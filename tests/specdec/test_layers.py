@@ -1,5 +1,6 @@
-"""The shared runtime's layers: the records (specdec/protocol.py) sit below the tensor math
-(specdec/sampling.py), and specdec/ imports none of the packages above it."""
+"""The shared runtime's layers: the records (specdec/protocol.py, the client-facing ones, below
+specdec/wire.py, the worker hop's) sit below the tensor math (specdec/sampling.py), and specdec/
+imports none of the packages above it."""
 
 from __future__ import annotations
 
@@ -22,7 +23,12 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_the_records_do_not_import_the_sampling_math():
-    assert not {m for m in _imports(ROOT / "specdec" / "protocol.py") if m.startswith("specdec.sampling")}
+    for name in ("protocol.py", "wire.py"):
+        assert not {m for m in _imports(ROOT / "specdec" / name) if m.startswith("specdec.sampling")}, name
+
+
+def test_the_client_records_do_not_import_the_worker_wire():
+    assert "specdec.wire" not in _imports(ROOT / "specdec" / "protocol.py")
 
 
 def test_the_shared_runtime_imports_nothing_above_it():

@@ -5,8 +5,9 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specdec.errors import InvalidArgument
-from specdec.protocol import CompactProbs, SamplingParams
+from specdec.protocol import SamplingParams
 from specdec.sampling import process_logits
+from specdec.wire import CompactProbs
 
 V = 1000
 

@@ -48,7 +48,7 @@ def test_the_policy_is_set_before_anything_is_imported(module):
 
 
 def test_the_cli_and_the_image_set_it_too():
-    from specdec_tools import cli
+    from orchestrator import cli
 
     assert "bound_openmp_spinning()" in Path(cli.__file__).read_text()
     assert "GOMP_SPINCOUNT=200000" in (ROOT / "Dockerfile").read_text()

@@ -122,7 +122,7 @@ def test_format_table():
 
 def test_smoke_tiny_stack(tmp_path, capsys):
     """The real services on loopback, tiny models: both modes, concurrency 1 and 2."""
-    from specdec_tools.cli import main
+    from orchestrator.cli import main
 
     out = tmp_path / "serve"
     rc = main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
@@ -148,7 +148,7 @@ def test_smoke_tiny_stack(tmp_path, capsys):
 def test_a_full_warm_up_runs_each_level_once_untimed(tmp_path, capsys, monkeypatch):
     """--warm-up full: every mode's level runs whole once before its timed run; only the timed one is recorded."""
     from specdec_tools import bench_serve
-    from specdec_tools.cli import main
+    from orchestrator.cli import main
 
     runs = []
     real = bench_serve.run_level
@@ -170,7 +170,7 @@ def test_a_full_warm_up_runs_each_level_once_untimed(tmp_path, capsys, monkeypat
 def test_smoke_setups_and_links(tmp_path, capsys):
     """--setups runs more orchestrators on the same workers and --link-rtt-ms routes them through
     the delaying proxy, whose RPC and byte counts reach the table; every output stays exact."""
-    from specdec_tools.cli import main
+    from orchestrator.cli import main
 
     out = tmp_path / "serve"
     rc = main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
@@ -201,7 +201,7 @@ def test_setups_are_names_or_orchestrator_flags():
 
 def test_smoke_grpc_and_http_side_by_side(tmp_path, capsys):
     """--api grpc,http: the same orchestrator through both doors, with the gap between tokens."""
-    from specdec_tools.cli import main
+    from orchestrator.cli import main
 
     out = tmp_path / "serve"
     rc = main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",

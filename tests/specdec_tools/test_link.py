@@ -3,7 +3,8 @@ real worker unchanged and counts the RPCs and bytes that cross it."""
 
 from __future__ import annotations
 
-from specdec.protocol import SamplingParams, VerifyCall
+from specdec.protocol import SamplingParams
+from specdec.wire import VerifyCall
 from specdec.worker.config import WorkerConfig
 from specdec_tools.link import HTTP2_PREFACE, FrameCounter, DelayLink
 from tests.support.servers import HOST, create_target

@@ -1,0 +1,54 @@
+"""The `specdec` command (orchestrator/cli.py): the service's commands stand alone, and the tools'
+commands join them only where the tools are installed (not in the service image)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICE = ("orchestrator", "draft_service", "target_service", "specdec")
+
+# runs the command as the service image has it: specdec_tools cannot be imported
+WITHOUT_TOOLS = "import sys; sys.modules['specdec_tools'] = None; from orchestrator.cli import main; sys.exit(main())"
+
+
+def _specdec(*args: str, tools: bool = True) -> subprocess.CompletedProcess:
+    command = ["-m", "orchestrator.cli"] if tools else ["-c", WITHOUT_TOOLS]
+    return subprocess.run([sys.executable, *command, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_without_the_tools_the_service_commands_remain_and_a_tool_command_says_how_to_get_it():
+    help_text = _specdec("--help", tools=False)
+    assert help_text.returncode == 0, help_text.stderr
+    assert "serve" in help_text.stdout and "bench-serve" not in help_text.stdout.split("{")[1].split("}")[0]
+    assert "pip install '.[bench]'" in help_text.stdout
+    assert _specdec("serve", "--help", tools=False).returncode == 0
+    refused = _specdec("bench-serve", "--concurrency", "1", tools=False)
+    assert refused.returncode == 2
+    assert "bench-serve" in refused.stderr and "pip install '.[bench]'" in refused.stderr
+
+
+def test_with_the_tools_their_commands_join_the_service_ones():
+    text = _specdec("--help").stdout
+    commands = set(text.split("{")[1].split("}")[0].split(","))
+    assert {"serve", "generate", "workers", "run", "bench-serve", "loadtest", "timeline"} <= commands
+
+
+def test_only_the_command_line_imports_the_tools():
+    """The service runs without specdec_tools (the image leaves it out): no module of the service
+    imports it, but orchestrator/cli.py, which adds the tools' commands where they are installed."""
+    from tests.specdec.test_layers import _imports
+
+    for package in SERVICE:
+        for path in (ROOT / package).rglob("*.py"):
+            if any(n.split(".")[0] == "specdec_tools" for n in _imports(path)):
+                assert path == ROOT / "orchestrator" / "cli.py", f"{path.relative_to(ROOT)} imports specdec_tools"
+
+
+def test_the_image_leaves_the_tools_out():
+    from tests.deploy.test_dockerfile import instructions
+
+    steps = instructions((ROOT / "Dockerfile").read_text())
+    assert not any(word == "COPY" and "specdec_tools" in rest for word, rest in steps)
