@@ -14,7 +14,9 @@ after the whole level once untimed, so that the gamma policy's measurements of t
 begun): c client threads,
 one `orchestrator.client.Client` each, take requests from a shared list (the chat-templated
 prompts of specdec_tools.bench.PROMPTS in turn, sent as a user message) until the level's
---requests-per-level are done (default max(8, 2c)), each streamed so that the first token shows.
+--requests-per-level are done (default max(8, 2c)), each streamed so that the first token shows;
+the clients' first requests are staggered (--arrivals: client k starts once the first request has
+k/c of its tokens), so that requests end and join one at a time, as a server's users do.
 Measured per request: wall latency, time to first token (the first chunk carrying token ids),
 generated tokens and tok/s (generated / latency), the server's acceptance counts and gamma.
 Per mode and level: aggregate tok/s (all generated tokens / the level's wall time), mean
@@ -209,6 +211,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="modes to compare: on (the server's default gamma), off (gamma 0) or a number "
                         "(default on,off); a mode named twice runs twice, the second as NAME-again (off,off: "
                         "the spread of a ratio between two identical modes, the machine's noise)")
+    p.add_argument("--arrivals", choices=["staggered", "together"], default="staggered",
+                   help="staggered: at c clients, client k sends its first request once the first client's first "
+                        "request has k/c of --max-new-tokens, so requests end and join one at a time; together: all "
+                        "c at once (then every c requests end and join in a wave)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
     p.add_argument("--prompt-set", default="fresh", choices=["fresh", "edit"],
                    help="fresh: code written from scratch (specdec_tools.bench.FRESH); edit: code edits whose answers "
@@ -398,8 +404,9 @@ def format_table(rows: list[dict]) -> str:
 # running
 
 
-def _one_request(client, mode: Mode, prompt: str, a: argparse.Namespace, seed: int):
-    """Streams one request; returns (latency_s, ttft_s, token_ids, finish_reason, stats)."""
+def _one_request(client, mode: Mode, prompt: str, a: argparse.Namespace, seed: int, progress=None):
+    """Streams one request; returns (latency_s, ttft_s, token_ids, finish_reason, stats).
+    progress: called with the tokens received so far, after each chunk that brings some."""
     kwargs = dict(messages=[{"role": "user", "content": prompt}], max_new_tokens=a.max_new_tokens,
                   temperature=a.temperature, gamma=mode.gamma)
     if a.temperature > 0:
@@ -411,6 +418,8 @@ def _one_request(client, mode: Mode, prompt: str, a: argparse.Namespace, seed: i
             if ttft is None:
                 ttft = time.perf_counter() - t0
             token_ids.extend(chunk.token_ids)
+            if progress is not None:
+                progress(len(token_ids))
         if chunk.stats is not None:
             finish, stats = chunk.finish_reason or "", chunk.stats
     return time.perf_counter() - t0, ttft, token_ids, finish, stats
@@ -446,14 +455,19 @@ class HttpClient:
         self.http.close()
 
 
-def _one_http_request(client: HttpClient, mode: Mode, prompt: str, a: argparse.Namespace, seed: int):
-    """As _one_request, over HTTP: (latency_s, ttft_s, [], finish_reason, stats with the token count)."""
-    ttft, finish, stats = None, "", {}
+def _one_http_request(client: HttpClient, mode: Mode, prompt: str, a: argparse.Namespace, seed: int,
+                      progress=None):
+    """As _one_request, over HTTP: (latency_s, ttft_s, [], finish_reason, stats with the token count);
+    progress counts events with text (a step's tokens each)."""
+    ttft, finish, stats, events = None, "", {}, 0
     t0 = time.perf_counter()
     for text, finish_reason, usage in client.stream([{"role": "user", "content": prompt}], a.max_new_tokens,
                                                     a.temperature, mode.gamma, seed if a.temperature > 0 else None):
         if text and ttft is None:
             ttft = time.perf_counter() - t0
+        if text and progress is not None:
+            events += 1
+            progress(events)
         if finish_reason:
             finish = finish_reason
         if usage:
@@ -480,18 +494,35 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
     one = _one_http_request if api == "http" else _one_request
     start = threading.Barrier(level + 1)
     t_level = [0.0]
+    # staggered arrivals: client k sends its first request once the first client's first request
+    # has k/level of --max-new-tokens (or has ended), so the clients' requests end and join one by
+    # one, as a server's users do, not in waves of `level` that a step's difference can regroup
+    staggered = getattr(a, "arrivals", "together") == "staggered" and level > 1
+    spacing = a.max_new_tokens / level
+    joined = [threading.Event() for _ in range(level)]
+    joined[0].set()
+
+    def lead_progress(tokens: int) -> None:
+        for k in range(1, min(level, int(tokens / spacing) + 1)):
+            joined[k].set()
 
     def worker(thread: int) -> None:
         start.wait()
+        if staggered:
+            joined[thread].wait()
+        first = staggered and thread == 0
         while True:
             try:
                 i, p = work.get_nowait()
             except queue.Empty:
+                for event in joined:  # nothing left: the clients still waiting have nothing to send
+                    event.set()
                 return
             t_start = time.perf_counter() - t_level[0]
             rec = RequestRecord(mode.name, level, i, p, thread, round(t_start, 4), 0.0, None, 0, 0.0)
             try:
-                latency, ttft, ids, finish, stats = one(clients[thread], mode, prompts[p], a, seed=p + 1)
+                latency, ttft, ids, finish, stats = one(clients[thread], mode, prompts[p], a, seed=p + 1,
+                                                        progress=lead_progress if first else None)
                 rec.latency_s, rec.ttft_s, rec.token_ids, rec.finish_reason = latency, ttft, ids, finish
                 rec.generated_tokens = stats.get("generated_tokens", len(ids))
                 rec.tokens_per_s = rec.generated_tokens / latency if latency > 0 else 0.0
@@ -511,6 +542,10 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
                 code = getattr(getattr(err, "code", None), "name", None)
                 rec.error = f"{code or type(err).__name__}: {getattr(err, 'message', None) or err}"
                 log(f"{mode.name} c={level} request {i}: {rec.error}")
+            if first:
+                first = False
+                for event in joined:  # the lead request ended: whoever still waits joins now
+                    event.set()
             with lock:
                 records.append(rec)
 

@@ -214,3 +214,42 @@ def test_smoke_grpc_and_http_side_by_side(tmp_path, capsys):
         assert row["errors"] == 0 and row["generated_tokens"] > 0 and row["ms_per_token_p50"] > 0, row
     assert "| http | off | 2 |" in printed
     assert summary["outputs"]["identical"] and rc == 0
+
+
+@pytest.mark.parametrize("arrivals", ["staggered", "together"])
+def test_staggered_arrivals_join_one_client_at_a_time(monkeypatch, arrivals):
+    """--arrivals staggered: client k's first request starts once the first client's first request has
+    k/c of --max-new-tokens (so the clients' requests end and join one at a time); together: at once."""
+    import threading
+    import time
+    import types
+
+    events, lock = [], threading.Lock()
+
+    def fake_request(client, mode, prompt, a, seed, progress=None):
+        with lock:
+            events.append(("start", seed))
+        for n in range(1, a.max_new_tokens + 1):
+            time.sleep(0.002)
+            if progress is not None:
+                progress(n)
+            with lock:
+                events.append(("token", seed, n))
+        return 0.1, 0.01, [1] * a.max_new_tokens, "length", {"generated_tokens": a.max_new_tokens}
+
+    monkeypatch.setattr(bs, "_one_request", fake_request)
+    monkeypatch.setattr("orchestrator.client.Client", lambda *args, **kwargs: types.SimpleNamespace(close=lambda: None))
+    a = argparse.Namespace(requests_per_level=8, request_timeout=10.0, max_new_tokens=8, temperature=0.0,
+                           prompt_set="fresh", arrivals=arrivals)
+    records, _ = bs.run_level("unused", bs.Mode("on", None), 4, list(range(8)), a, log=print)
+    assert len(records) == 8 and not any(r.error for r in records)
+    assert {r.thread for r in records} == {0, 1, 2, 3}
+    if arrivals == "together":
+        return
+    first = {}  # thread -> its first request's seed (bench-serve seeds request i of prompt p with p + 1)
+    for r in sorted(records, key=lambda r: r.start_s):
+        first.setdefault(r.thread, r.prompt + 1)
+    for k in range(1, 4):
+        at = events.index(("start", first[k]))
+        lead_tokens = max([e[2] for e in events[:at] if e[0] == "token" and e[1] == first[0]], default=0)
+        assert lead_tokens >= 2 * k, (k, lead_tokens)  # 8 tokens / 4 clients: client k joins at 2k
