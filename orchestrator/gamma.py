@@ -465,18 +465,21 @@ class GammaPolicy:
             return caps
         with self._lock:
             costs = self._step_costs(target, requests)
-            model = best_step_gammas(requests, costs)
+            level = self.arms.level(target, max(load or 0, len(requests)))
+            # where measurement chose plain the model's arm is not asked (its search: ~2 ms at 32 requests)
+            model = None if level.measured and level.running == PLAIN else best_step_gammas(requests, costs)
             can_draft = any(c > 0 and r.draft is not None for c, r in zip(caps, requests))
             can_explore = any(c > 0 and r.draft is not None and r.explorable for c, r in zip(caps, requests))
-            level = self.arms.level(target, max(load or 0, len(requests)))
             running = level.running
-            arm, explored = self.arms.choose(level, DRAFT if any(model) else PLAIN, can_draft, can_explore)
+            arm, explored = self.arms.choose(level, DRAFT if model and any(model) else PLAIN, can_draft, can_explore)
             if level.running != running and running is not None:
                 log.info("steps on %s with %d requests: %s now (measured %.2f tok/s drafting, %.2f without)", target,
                          len(requests), level.running, level.rates[DRAFT].value, level.rates[PLAIN].value)
+            if arm == DRAFT and model is None and not explored:  # drafting measured better just now
+                model = best_step_gammas(requests, costs)
             if arm == PLAIN:
                 gammas = [0] * len(requests)
-            elif any(model) and not explored:
+            elif not explored and any(model):
                 gammas = model
             else:  # drafting the model would not choose: only where the draft is in step (no catch-up)
                 gammas = drafting_gammas([r if r.explorable else StepRequest(0, r.draft, r.lag) for r in requests],

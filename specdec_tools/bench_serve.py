@@ -14,9 +14,10 @@ after the whole level once untimed, so that the gamma policy's measurements of t
 begun): c client threads,
 one `orchestrator.client.Client` each, take requests from a shared list (the chat-templated
 prompts of specdec_tools.bench.PROMPTS in turn, sent as a user message) until the level's
---requests-per-level are done (default max(8, 2c)), each streamed so that the first token shows;
-the clients' first requests are staggered (--arrivals: client k starts once the first request has
-k/c of its tokens), so that requests end and join one at a time, as a server's users do.
+--requests-per-level are done (default max(8, 2c)), each streamed so that the first token shows.
+The c clients start together (their requests then end and join in waves), or, with --arrivals
+staggered, client k once the first request has k/c of its tokens (requests then end and join one
+at a time, as a server's users do).
 Measured per request: wall latency, time to first token (the first chunk carrying token ids),
 generated tokens and tok/s (generated / latency), the server's acceptance counts and gamma.
 Per mode and level: aggregate tok/s (all generated tokens / the level's wall time), mean
@@ -211,10 +212,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="modes to compare: on (the server's default gamma), off (gamma 0) or a number "
                         "(default on,off); a mode named twice runs twice, the second as NAME-again (off,off: "
                         "the spread of a ratio between two identical modes, the machine's noise)")
-    p.add_argument("--arrivals", choices=["staggered", "together"], default="staggered",
-                   help="staggered: at c clients, client k sends its first request once the first client's first "
-                        "request has k/c of --max-new-tokens, so requests end and join one at a time; together: all "
-                        "c at once (then every c requests end and join in a wave)")
+    p.add_argument("--arrivals", choices=["together", "staggered"], default="together",
+                   help="together: the c clients' first requests at once (then requests end and join in waves of "
+                        "about c); staggered: client k sends its first request once the first client's first request "
+                        "has k/c of --max-new-tokens, so requests end and join one at a time (default together)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
     p.add_argument("--prompt-set", default="fresh", choices=["fresh", "edit"],
                    help="fresh: code written from scratch (specdec_tools.bench.FRESH); edit: code edits whose answers "
