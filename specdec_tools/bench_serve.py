@@ -507,6 +507,10 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
         for k in range(1, min(level, int(tokens / spacing) + 1)):
             joined[k].set()
 
+    def release_all() -> None:  # the lead request ended, or nothing is left to send: nobody waits
+        for event in joined:
+            event.set()
+
     def worker(thread: int) -> None:
         start.wait()
         if staggered:
@@ -516,8 +520,7 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
             try:
                 i, p = work.get_nowait()
             except queue.Empty:
-                for event in joined:  # nothing left: the clients still waiting have nothing to send
-                    event.set()
+                release_all()
                 return
             t_start = time.perf_counter() - t_level[0]
             rec = RequestRecord(mode.name, level, i, p, thread, round(t_start, 4), 0.0, None, 0, 0.0)
@@ -545,8 +548,7 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
                 log(f"{mode.name} c={level} request {i}: {rec.error}")
             if first:
                 first = False
-                for event in joined:  # the lead request ended: whoever still waits joins now
-                    event.set()
+                release_all()
             with lock:
                 records.append(rec)
 
