@@ -19,21 +19,26 @@ import re
 
 STEP = re.compile(r"(\d+) requests \((\d+) prefilling\), gammas \[([^\]]*)\], suffix \[([^\]]*)\], (\d+) rows"
                   r".*?(\d+) tokens in ([\d.]+) ms \(target ([\d.]+) ms")
-LEVEL = re.compile(r"^\[bench-serve\] (?:\[[^\]]*\] )?\s*(\S+) c=(\d+)")
+LEVEL = re.compile(r"^\[bench-serve\] (?:\[[^\]]*\] )?\s*(\S+) c=(\d+)(?:\s+(round \d+))?")
 
 
 def summarize(lines: list[str], steps: bool = False) -> list[str]:
-    out, kinds, seen = [], {}, []
+    out, kinds, seen, passes = [], {}, [], 0.0
     for line in lines:
         level = LEVEL.match(line)
-        if level and " requests in " in line:  # a timed level ended: its steps are those since the last
+        if level and " requests in " in line:  # a timed level (or one round of it) ended: its steps are those since the last
+            if not kinds:  # a level's summary line after its rounds
+                continue
             total = sum(v[1] for v in kinds.values())
             rates = ", ".join(f"{k}: {n} steps {ms / 1e3:.2f} s {tok / ms * 1e3:.1f} tok/s"
                               for k, (n, ms, tok) in sorted(kinds.items()))
-            out.append(f"{level.group(1)} c={level.group(2)}: {total / 1e3:.1f} s of steps ({rates})")
+            steps_n = sum(v[0] for v in kinds.values())
+            out.append(f"{level.group(1)} c={level.group(2)}{' ' + level.group(3) if level.group(3) else ''}: {total / 1e3:.1f} s of steps "
+                       f"({rates}); the target's passes {passes / 1e3:.2f} s, the rest {(total - passes) / steps_n:.2f} "
+                       f"ms a step")
             if steps:
                 out.append("    " + " ".join(seen))
-            kinds, seen = {}, []
+            kinds, seen, passes = {}, [], 0.0
             continue
         m = STEP.search(line)
         if not m:
@@ -42,6 +47,7 @@ def summarize(lines: list[str], steps: bool = False) -> list[str]:
         kind = "D" if any(int(g) for g in gammas.split(",") if g.strip()) else "S" if suffix.strip() else "p"
         n, total, tok = kinds.get(kind, (0, 0.0, 0))
         kinds[kind] = (n + 1, total + float(ms), tok + int(tokens))
+        passes += float(target)
         seen.append(f"{kind}{requests}:{float(target):.0f}/{float(ms) - float(target):.0f}")
     return out
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import sys
 import time
@@ -66,7 +67,33 @@ EDIT = [  # code edits: answers that re-use most of the prompt's code
     "    int best = values[0];\n    for (int i = 1; i < n; i++) {\n        if (values[i] > best) {\n"
     "            best = values[i];\n        }\n    }\n    return best;\n}\n```",
 ]
-PROMPT_SETS = {"fresh": FRESH, "edit": EDIT}
+SIMILAR = [  # a batch job's requests: the same kinds of code for different names ({name}: see similar_names)
+    "Write a Python dataclass named {Name} with fields id (int), name (str) and created (datetime), and a "
+    "classmethod from_dict that builds one from a dictionary.",
+    "Write a Python function named validate_{name} that checks a dictionary has the keys id, name and created, "
+    "and raises ValueError naming the first missing key.",
+    "Write a Flask route GET /{name}s/<int:id> that loads the {name} with that id from a dictionary named {name}s_by_id "
+    "and returns it as JSON, or 404.",
+    "Write a pytest test named test_{name}_round_trip that builds a {Name}, converts it to a dictionary and back, "
+    "and checks the two are equal.",
+]
+SIMILAR_NOUNS = ["invoice", "customer", "order", "shipment", "product", "ticket", "account", "payment", "review",
+                 "booking", "supplier", "employee", "device", "session", "report", "voucher"]
+
+
+def similar_names():
+    """An endless run of distinct names (invoice, customer, ..., then invoice_2, ...): every request
+    of a `similar` benchmark asks for another name."""
+    for round_ in itertools.count(1):
+        for noun in SIMILAR_NOUNS:
+            yield noun if round_ == 1 else f"{noun}_{round_}"
+
+
+def fill_similar(template: str, name: str) -> str:
+    return template.format(name=name, Name="".join(part.capitalize() for part in name.split("_")))
+
+
+PROMPT_SETS = {"fresh": FRESH, "edit": EDIT, "similar": SIMILAR}
 PROMPTS = FRESH
 MODES = {  # sampled requests carry a seed: each names how it draws (coupled is the server's default with a seed)
     "greedy": dict(temperature=0.0, top_p=1.0),
@@ -430,7 +457,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many prompts of each set")
-    p.add_argument("--prompt-set", default="fresh", choices=list(PROMPT_SETS),
+    p.add_argument("--prompt-set", default="fresh", choices=["fresh", "edit"],
                    help="fresh: code written from scratch; edit: code edits that re-use the prompt's code")
     p.add_argument("--ablation", default="", help="prompt sets (e.g. fresh,edit) for the ablation ladder, in-process: "
                    "each technique added to the one before ('' to skip)")

@@ -195,6 +195,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests-per-level", type=int, default=None, metavar="N",
                    help="requests at each level (default max(8, 2 x level))")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="each level's modes run N times, in turn first and last (A B, B A, ...); a row sums its "
+                        "rounds, and 'vs off by round' gives the ratio of each round's pair: its spread and a 95%% "
+                        "interval (a few points between identical modes here: one round of a level is ~15 s) "
+                        "(default 1)")
     p.add_argument("--prefix-cache", choices=["on", "off"], default="off",
                    help="the workers' prefix cache (--prefix-cache-tokens): off by default, since every level and "
                         "mode sends the same prompts and would find them cached after the first")
@@ -217,9 +222,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "about c); staggered: client k sends its first request once the first client's first request "
                         "has k/c of --max-new-tokens, so requests end and join one at a time (default together)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
-    p.add_argument("--prompt-set", default="fresh", choices=["fresh", "edit"],
+    p.add_argument("--prompt-set", default="fresh", choices=["fresh", "edit", "similar"],
                    help="fresh: code written from scratch (specdec_tools.bench.FRESH); edit: code edits whose answers "
-                        "re-use the prompt's code (EDIT, 6 prompts)")
+                        "re-use the prompt's code (EDIT, 6 prompts); similar: a batch job, four kinds of code each "
+                        "request for another name (SIMILAR; no two requests of the run alike, so greedy outputs are "
+                        "not compared; pair with --suffix-cache on)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
                    help=f"the first N of specdec_tools.bench.PROMPTS, or comma-separated indices "
                         f"(default {DEFAULT_PROMPTS})")
@@ -263,6 +270,7 @@ class RequestRecord:
     server_total_s: float = 0.0
     # where the server's time went (its stats): the rounds' draft and verify calls, and of them the
     # workers' forward passes alone
+    server_prefill_s: float = 0.0  # the prompt's prefill (its wait for other prefills included)
     server_draft_s: float = 0.0
     server_verify_s: float = 0.0
     server_draft_compute_s: float = 0.0
@@ -273,6 +281,7 @@ class RequestRecord:
     link_rtt_ms: float | None = None  # --link-rtt-ms; None: no proxy
     api: str = "grpc"  # --api
     ms_per_token: float | None = None  # (latency - TTFT) / (tokens after the first): the gap between tokens
+    round: int = 0  # --rounds: which of the level's rounds
     token_ids: list[int] = field(default_factory=list, repr=False)
 
 
@@ -336,8 +345,34 @@ def add_ratios(rows: list[dict], off_mode: str = "off") -> list[dict]:
 
     for r in rows:
         r["vs_c1"] = ratio(r, by_key.get((group(r), r["mode"], 1)))
-        r["vs_off"] = None if r["mode"] == off_mode else ratio(r, by_key.get((group(r), off_mode, r["concurrency"])))
+        off = None if r["mode"] == off_mode else by_key.get((group(r), off_mode, r["concurrency"]))
+        r["vs_off"] = ratio(r, off)
+        r["vs_off_rounds"] = round_ratios(r.get("round_tok_s"), off.get("round_tok_s") if off else None)
     return rows
+
+
+def round_ratios(mine: list[float] | None, off: list[float] | None) -> dict | None:
+    """--rounds: each round's ratio to the off mode's same round, their range, and a 95% interval
+    of their geometric mean (Student's t on the log ratios: the rounds ran side by side, so the
+    pairs share the machine's drift). None with fewer than two rounds."""
+    if not mine or not off or len(mine) != len(off) or len(mine) < 2 or not all(mine) or not all(off):
+        return None
+    logs = [math.log(m / o) for m, o in zip(mine, off)]
+    n = len(logs)
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    half = T95[min(n - 1, len(T95)) - 1] * sd / math.sqrt(n)
+    return {"ratios": [round(math.exp(x), 3) for x in logs], "geomean": round(math.exp(mean), 3),
+            "ci95": [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)]}
+
+
+# Student's t, two-sided 95%, for 1..10 degrees of freedom (more: the 10's, a little wide)
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+
+
+def format_rounds(value: dict) -> str:
+    low, high = min(value["ratios"]), max(value["ratios"])
+    return f"{low:.2f}-{high:.2f}x (95%: {value['ci95'][0]:.2f}-{value['ci95'][1]:.2f}x)"
 
 
 def compare_outputs(records: list[RequestRecord]) -> dict:
@@ -376,6 +411,7 @@ def level_differences(records: list[RequestRecord], mode: str, level: int, setup
 TABLE_COLUMNS = [
     ("api", "API", "{}"), ("setup", "setup", "{}"), ("link_rtt_ms", "link RTT ms", "{:g}"), ("mode", "mode", "{}"), ("concurrency", "clients", "{}"), ("requests", "requests", "{}"),
     ("aggregate_tok_s", "aggregate tok/s", "{:.2f}"), ("vs_c1", "vs c=1", "{:.2f}x"), ("vs_off", "vs off", "{:.2f}x"),
+    ("vs_off_rounds", "vs off by round", format_rounds),
     ("mean_request_tok_s", "tok/s per request", "{:.2f}"), ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
     ("ttft_p95_s", "TTFT p95 s", "{:.3f}"), ("latency_p50_s", "latency p50 s", "{:.3f}"),
     ("latency_p95_s", "latency p95 s", "{:.3f}"), ("ms_per_token_p50", "ms/token after the first p50", "{:.1f}"),
@@ -390,13 +426,14 @@ TABLE_COLUMNS = [
 def format_table(rows: list[dict]) -> str:
     """The markdown table; columns no row fills (setup and link when not compared, link counts
     without --link-rtt-ms) are left out."""
-    optional = {"api", "setup", "link_rtt_ms", "rpcs_per_token", "rpcs_per_round", "bytes_per_token"}
+    optional = {"api", "setup", "link_rtt_ms", "rpcs_per_token", "rpcs_per_round", "bytes_per_token", "vs_off_rounds"}
     columns = [(key, title, fmt) for key, title, fmt in TABLE_COLUMNS
                if key not in optional or any(r.get(key) not in (None, "default", "grpc") for r in rows)]
     head = "| " + " | ".join(title for _, title, _ in columns) + " |"
     lines = [head, "|" + "---|" * len(columns)]
     for r in rows:
-        cells = [("" if r.get(key) is None else fmt.format(r[key])) for key, _, fmt in columns]
+        cells = [("" if r.get(key) is None else fmt(r[key]) if callable(fmt) else fmt.format(r[key]))
+                 for key, _, fmt in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -481,13 +518,19 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
     """`level` threads, one client each (gRPC, or HTTP at `address` = its base URL), drain the
     level's request list; returns (records, wall_s)."""
     from orchestrator.client import Client
-    from specdec_tools.bench import PROMPT_SETS
+    from specdec_tools.bench import PROMPT_SETS, fill_similar, similar_names
 
     prompts = PROMPT_SETS[getattr(a, "prompt_set", "fresh")]
     n = requests_for_level(level, a.requests_per_level)
     work: queue.Queue = queue.Queue()
     for i in range(n):
-        work.put((i, prompt_ids[i % len(prompt_ids)]))
+        p = prompt_ids[i % len(prompt_ids)]
+        text = prompts[p]
+        if getattr(a, "prompt_set", "fresh") == "similar":  # another name for every request of the run
+            if not hasattr(a, "names"):
+                a.names = similar_names()
+            text = fill_similar(text, next(a.names))
+        work.put((i, p, text))
     records: list[RequestRecord] = []
     lock = threading.Lock()
     clients = [HttpClient(address, a.request_timeout) if api == "http" else Client(address, timeout_s=a.request_timeout)
@@ -518,14 +561,14 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
         first = staggered and thread == 0
         while True:
             try:
-                i, p = work.get_nowait()
+                i, p, text = work.get_nowait()
             except queue.Empty:
                 release_all()
                 return
             t_start = time.perf_counter() - t_level[0]
             rec = RequestRecord(mode.name, level, i, p, thread, round(t_start, 4), 0.0, None, 0, 0.0)
             try:
-                latency, ttft, ids, finish, stats = one(clients[thread], mode, prompts[p], a, seed=p + 1,
+                latency, ttft, ids, finish, stats = one(clients[thread], mode, text, a, seed=p + 1,
                                                         progress=lead_progress if first else None)
                 rec.latency_s, rec.ttft_s, rec.token_ids, rec.finish_reason = latency, ttft, ids, finish
                 rec.generated_tokens = stats.get("generated_tokens", len(ids))
@@ -539,7 +582,7 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
                 rec.rounds = stats.get("rounds", 0)
                 rec.gamma = stats.get("mean_gamma", stats.get("gamma"))  # as the gamma policy chose it
                 rec.server_total_s = stats.get("total_s", 0.0)
-                for k in ("draft_s", "verify_s", "draft_compute_s", "verify_compute_s"):
+                for k in ("prefill_s", "draft_s", "verify_s", "draft_compute_s", "verify_compute_s"):
                     setattr(rec, f"server_{k}", stats.get(k, 0.0))
             except Exception as err:  # noqa: BLE001 - recorded, counted, and the run goes on
                 rec.latency_s = time.perf_counter() - t_level[0] - t_start
@@ -652,8 +695,8 @@ def write_outputs(out: Path, records: list[RequestRecord], rows: list[dict], met
         w.writeheader()
         for r in records:
             row = {k: v for k, v in asdict(r).items() if k != "token_ids"}
-            for k in ("latency_s", "ttft_s", "tokens_per_s", "server_total_s", "server_draft_s", "server_verify_s",
-                      "server_draft_compute_s", "server_verify_compute_s"):
+            for k in ("latency_s", "ttft_s", "tokens_per_s", "server_total_s", "server_prefill_s", "server_draft_s",
+                      "server_verify_s", "server_draft_compute_s", "server_verify_compute_s"):
                 row[k] = _round(row[k])
             w.writerow(row)
     with open(out / "summary.csv", "w", newline="") as f:
@@ -762,29 +805,46 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                 # the modes of a level side by side, in turn first and last (A B, B A, ...): the
                 # machine warming up (or drifting) over the run weighs on each mode alike
                 for i, level in enumerate(levels):
-                    for mode in (modes if i % 2 == 0 else modes[::-1]):
-                        warm_up = a.warm_up if a.warm_up != "auto" else "short" if a.device.startswith("cuda") else "off"
-                        if warm_up == "short":  # the level's shapes once, untimed (the caching allocator
-                            # growing, lazy initialisation): `level` requests at once, a few tokens each
-                            warm = argparse.Namespace(**{**vars(a), "max_new_tokens": 8, "requests_per_level": level})
-                            run_level(address, mode, level, prompt_ids, warm, lambda *args: None, api)
-                        elif warm_up == "full":  # the whole level once, untimed: the gamma policy's
-                            # measurements of this load start before the timed run (its steady state)
-                            run_level(address, mode, level, prompt_ids, a, lambda *args: None, api)
-                        before = _link_counts(links.get(rtt))
-                        recs, wall = run_level(address, mode, level, prompt_ids, a, log, api)
-                        for r in recs:
-                            r.setup, r.link_rtt_ms, r.api = setup, rtt, api
-                        records += recs
+                    runs: dict[str, tuple[list[RequestRecord], list[float], object]] = {}  # mode -> its rounds
+                    for turn in range(a.rounds):
+                        for mode in (modes if (i + turn) % 2 == 0 else modes[::-1]):
+                            warm_up = a.warm_up if a.warm_up != "auto" else "short" if a.device.startswith("cuda") else "off"
+                            if turn > 0:  # warmed in the level's first round
+                                warm_up = "off"
+                            if warm_up == "short":  # the level's shapes once, untimed (the caching
+                                # allocator growing, lazy initialisation): `level` requests at once, a few tokens each
+                                warm = argparse.Namespace(**{**vars(a), "max_new_tokens": 8, "requests_per_level": level})
+                                run_level(address, mode, level, prompt_ids, warm, lambda *args: None, api)
+                            elif warm_up == "full":  # the whole level once, untimed: the gamma policy's
+                                # measurements of this load start before the timed run (its steady state)
+                                run_level(address, mode, level, prompt_ids, a, lambda *args: None, api)
+                            before = _link_counts(links.get(rtt))
+                            recs, wall = run_level(address, mode, level, prompt_ids, a, log, api)
+                            for r in recs:
+                                r.setup, r.link_rtt_ms, r.api, r.round = setup, rtt, api, turn
+                            records += recs
+                            moved = _link_counts(links[rtt]) - before if rtt is not None else None
+                            done, walls, counts = runs.get(mode.name, ([], [], None))
+                            if moved is not None:
+                                counts = moved if counts is None else counts + moved
+                            runs[mode.name] = (done + recs, walls + [wall], counts)
+                            tok_s = summarize_level(recs, wall)["aggregate_tok_s"]
+                            where = "" if setup == "default" and rtt is None and api == "grpc" else \
+                                f"[{api} {setup}{'' if rtt is None else f', link {rtt:g} ms'}] "
+                            log(f"{where}{mode.name:>4} c={level:<3}{f' round {turn + 1}' if a.rounds > 1 else ''} "
+                                f"{len(recs)} requests in {wall:.1f} s: {tok_s:.2f} tok/s aggregate")
+                    for mode in modes:
+                        recs, walls, counts = runs[mode.name]
                         row = {"api": api, "setup": setup, "link_rtt_ms": rtt, "mode": mode.name,
                                "request_gamma": "server default" if mode.gamma is None else mode.gamma,
-                               "concurrency": level, **summarize_level(recs, wall)}
-                        if rtt is not None:
-                            row.update(link_rates(_link_counts(links[rtt]) - before, recs))
+                               "concurrency": level, **summarize_level(recs, sum(walls))}
+                        if a.rounds > 1:
+                            row["round_tok_s"] = [summarize_level([r for r in recs if r.round == k], w)["aggregate_tok_s"]
+                                                  for k, w in enumerate(walls)]
+                        if counts is not None:
+                            row.update(link_rates(counts, recs))
                         rows.append(row)
-                        where = "" if setup == "default" and rtt is None and api == "grpc" else \
-                            f"[{api} {setup}{'' if rtt is None else f', link {rtt:g} ms'}] "
-                        log(f"{where}{mode.name:>4} c={level:<3} {row['requests']} requests in {wall:.1f} s: "
+                        log(f"{where}{mode.name:>4} c={level:<3} {row['requests']} requests in {sum(walls):.1f} s: "
                             f"{row['aggregate_tok_s']:.2f} tok/s aggregate, latency p95 "
                             f"{row['latency_p95_s'] or 0:.3f} s, TTFT p95 {row['ttft_p95_s'] or 0:.3f} s"
                             + (f", {row['rpcs_per_token']:.2f} RPCs/token" if "rpcs_per_token" in row else "")
@@ -805,7 +865,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                 signal.signal(signal.SIGTERM, saved_term)
 
     add_ratios(rows)
-    greedy = a.temperature == 0
+    # greedy outputs are compared where the same prompt is sent again (similar sends each one once)
+    greedy = a.temperature == 0 and a.prompt_set != "similar"
     comparison = compare_outputs(records) if greedy else None
     for row in rows:
         row["outputs_differ"] = level_differences(records, row["mode"], row["concurrency"], row["setup"],
@@ -822,9 +883,10 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                      if a.link_rtt_ms else None,
                      "apis": a.api, "concurrency": levels, "requests_per_level": {str(c): requests_for_level(c, a.requests_per_level)
                                                                    for c in levels},
-                     "max_new_tokens": a.max_new_tokens, "modes": [asdict(m) for m in modes],
+                     "max_new_tokens": a.max_new_tokens, "rounds": a.rounds, "modes": [asdict(m) for m in modes],
                      "temperature": a.temperature, "prompts": prompt_ids},
-        "outputs": comparison if greedy else "not compared (temperature > 0)",
+        "outputs": comparison if greedy else "not compared (temperature > 0)" if a.temperature > 0
+        else "not compared (no prompt is sent twice)",
     }
     if greedy:
         meta["outputs"]["identical"] = not comparison["differ"]

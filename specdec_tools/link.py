@@ -27,6 +27,9 @@ class LinkCounts:
     def copy(self) -> "LinkCounts":
         return LinkCounts(self.rpcs, self.bytes_up, self.bytes_down)
 
+    def __add__(self, other: "LinkCounts") -> "LinkCounts":
+        return LinkCounts(self.rpcs + other.rpcs, self.bytes_up + other.bytes_up, self.bytes_down + other.bytes_down)
+
     def __sub__(self, other: "LinkCounts") -> "LinkCounts":
         return LinkCounts(self.rpcs - other.rpcs, self.bytes_up - other.bytes_up, self.bytes_down - other.bytes_down)
 

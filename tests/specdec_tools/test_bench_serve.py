@@ -167,6 +167,78 @@ def test_a_full_warm_up_runs_each_level_once_untimed(tmp_path, capsys, monkeypat
     capsys.readouterr()
 
 
+def test_rounds_alternate_the_modes_and_pair_their_ratios(tmp_path, capsys, monkeypatch):
+    """--rounds 3: each level runs its modes three times, first and last in turn (a drifting machine
+    weighs on both alike); a row sums its rounds, and each round's ratio pairs with the off mode's same round."""
+    from specdec_tools import bench_serve
+    from orchestrator.cli import main
+
+    runs = []
+    real = bench_serve.run_level
+
+    def counted(address, mode, level, prompt_ids, a, log, api="grpc"):
+        runs.append((level, mode.name))
+        return real(address, mode, level, prompt_ids, a, log, api)
+
+    monkeypatch.setattr(bench_serve, "run_level", counted)
+    out = tmp_path / "serve"
+    assert main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "3",
+                 "--rounds", "3", "--out", str(out), "--startup-timeout", "240"]) == 0
+    assert runs == [(1, "on"), (1, "off"), (1, "off"), (1, "on"), (1, "on"), (1, "off"),
+                    (2, "off"), (2, "on"), (2, "on"), (2, "off"), (2, "off"), (2, "on")]
+    summary = json.loads((out / "summary.json").read_text())
+    for row in summary["levels"]:
+        assert row["requests"] == 6 and len(row["round_tok_s"]) == 3
+        if row["mode"] == "on":
+            assert row["vs_off_rounds"]["ratios"] == [round(m / o, 3) for m, o in zip(
+                row["round_tok_s"], next(r for r in summary["levels"] if (r["mode"], r["concurrency"]) == (
+                    "off", row["concurrency"]))["round_tok_s"])]
+        else:
+            assert row["vs_off_rounds"] is None
+    with open(out / "runs.csv") as f:
+        assert sorted(int(r["round"]) for r in csv.DictReader(f)) == [0] * 8 + [1] * 8 + [2] * 8
+    assert "vs off by round" in capsys.readouterr().out
+
+
+def test_a_similar_batch_asks_for_another_name_every_request(tmp_path, capsys, monkeypatch):
+    """--prompt-set similar: the four kinds of code, each request of the run for another name (the
+    warm-up's included), so suffix drafts can only come from similar requests, never identical ones."""
+    from specdec_tools import bench_serve
+    from specdec_tools.bench import SIMILAR, fill_similar, similar_names
+    from orchestrator.cli import main
+
+    names = similar_names()
+    first = [next(names) for _ in range(40)]
+    assert len(set(first)) == 40 and first[0] == "invoice" and first[16] == "invoice_2"
+    assert fill_similar(SIMILAR[0], "voucher_2").startswith("Write a Python dataclass named Voucher2 ")
+    sent = []
+    real = bench_serve._one_request
+
+    def recorded(client, mode, prompt, a, seed, progress=None):
+        sent.append(prompt)
+        return real(client, mode, prompt, a, seed, progress)
+
+    monkeypatch.setattr(bench_serve, "_one_request", recorded)
+    out = tmp_path / "serve"
+    assert main(["bench-serve", "--tiny", "--prompt-set", "similar", "--concurrency", "1,2", "--requests-per-level",
+                 "4", "--max-new-tokens", "3", "--out", str(out), "--startup-timeout", "240"]) == 0
+    assert len(sent) == 16 and len(set(sent)) == 16 and all("{" not in p for p in sent)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["outputs"] == "not compared (no prompt is sent twice)"
+    capsys.readouterr()
+
+
+def test_round_ratios_interval():
+    value = bs.round_ratios([10.0, 12.0, 11.0], [10.0, 10.0, 10.0])
+    assert value["ratios"] == [1.0, 1.2, 1.1] and value["geomean"] == round((1.0 * 1.2 * 1.1) ** (1 / 3), 3)
+    low, high = value["ci95"]
+    assert low < 1.0 < value["geomean"] < high  # three rounds that spread 20% do not tell 1.1x from 1.0x
+    tight = bs.round_ratios([11.0, 11.1, 10.9, 11.0], [10.0] * 4)
+    assert 1.08 < tight["ci95"][0] < 1.1 < tight["ci95"][1] < 1.12
+    assert bs.round_ratios([10.0], [9.0]) is None and bs.round_ratios(None, [1.0, 2.0]) is None
+    assert bs.format_rounds(value) == f"1.00-1.20x (95%: {low:.2f}-{high:.2f}x)"
+
+
 def test_smoke_setups_and_links(tmp_path, capsys):
     """--setups runs more orchestrators on the same workers and --link-rtt-ms routes them through
     the delaying proxy, whose RPC and byte counts reach the table; every output stays exact."""
