@@ -42,7 +42,8 @@ EXPLORE_RUN = 6  # steps of one exploring run (the first, which pays a catch-up,
 EXPLORE_GAP = 24  # steps at a level before its first run, and between runs
 ARM_DECAY = 0.9  # per measured step of an arm: its rate follows its last ~10 steps
 FAR = 0.2  # an arm measured this much slower than the running one is explored at a quarter of the share
-EXPLORE_MAX_LAG = 64  # a request whose draft lags more (or lacks its prompt) drafts in no exploring step
+EXPLORE_MAX_LAG = 64  # a request whose draft lags more (or lacks its prompt) drafts in no exploring step, unless
+# it is alone on its target (gamma.py's choose_step)
 DRAFT, PLAIN = "draft", "plain"
 
 

@@ -171,6 +171,23 @@ def test_exploring_drafts_only_requests_whose_draft_is_in_step():
     assert lagging == [[0, 0]] * 200  # no request to explore with: no exploring
 
 
+def test_a_request_alone_explores_drafting_even_with_its_drafts_catch_up():
+    """At one request nobody else waits for a draft's catch-up: where plain steps measured better,
+    drafting is still explored with a request whose draft lags by its whole prompt (a level of one
+    that measured drafting worse on a noisy second otherwise never drafted again)."""
+    policy = _dear_draft_policy()
+    lagging = StepRequest(4, "d", lag=300, explorable=False)
+    seen = []
+    for _ in range(300):
+        gammas = policy.choose_step("t", [lagging], load=1)
+        policy.observe_outcome("t", 1, 0.1)
+        seen.append(gammas[0])
+    level = policy.arms.level("t", 1)
+    assert level.running == "plain" and any(seen[-200:])  # measured plain, and drafting explored since
+    # not where a prefill of another request is running (it counts toward the load)
+    assert all(policy.choose_step("t", [lagging], load=2) == [0] for _ in range(200))
+
+
 def test_a_request_whose_drafts_keep_failing_stops_drafting_while_the_others_go_on():
     """Acceptance per request over its draft's pooled one: where the others' drafts pay, the one
     whose drafts are mostly rejected drafts none."""
@@ -361,3 +378,15 @@ def test_where_plain_steps_measure_better_the_model_is_not_searched_until_drafti
     searched.clear()
     drafting = policy.choose_step("t", requests)
     assert searched and drafting == real(requests, policy._step_costs("t", requests))
+
+
+def test_a_draft_that_has_not_run_yet_is_not_taken_as_free():
+    """A fresh orchestrator knows its target's passes before its draft's: the draft is priced at
+    PRIOR_DRAFT_COST of a target pass, not at nothing (its first steps at sixteen requests drafted,
+    predicted 89 tok/s, measured 39). Alone a request still starts drafting, for the arms to measure."""
+    policy = GammaPolicy(adaptive=True)
+    policy._costs["t"] = measured(lambda r: 0.040 + 0.002 * r)  # rows cheap enough that a free draft would pay
+    assert policy.choose_step("t", [StepRequest(4, "d")] * 16) == [0] * 16
+    assert policy.choose_step("t", [StepRequest(4, "d")])[0] > 0
+    policy._costs["d"] = measured(lambda r: 0.0005 + 0.00001 * r)  # a draft measured nearly free: then it drafts
+    assert min(policy.choose_step("t", [StepRequest(4, "d")] * 16)) > 0
