@@ -518,7 +518,7 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
     """`level` threads, one client each (gRPC, or HTTP at `address` = its base URL), drain the
     level's request list; returns (records, wall_s)."""
     from orchestrator.client import Client
-    from specdec_tools.bench import PROMPT_SETS, fill_similar, similar_names
+    from specdec_tools.bench import PROMPT_SETS, fill_similar
 
     prompts = PROMPT_SETS[getattr(a, "prompt_set", "fresh")]
     n = requests_for_level(level, a.requests_per_level)
@@ -526,9 +526,7 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
     for i in range(n):
         p = prompt_ids[i % len(prompt_ids)]
         text = prompts[p]
-        if getattr(a, "prompt_set", "fresh") == "similar":  # another name for every request of the run
-            if not hasattr(a, "names"):
-                a.names = similar_names()
+        if getattr(a, "names", None) is not None:  # --prompt-set similar: another name for every request of the run
             text = fill_similar(text, next(a.names))
         work.put((i, p, text))
     records: list[RequestRecord] = []
@@ -760,11 +758,13 @@ def _accelerator(device: str) -> str | None:
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
-    from specdec_tools.bench import PROMPT_SETS
+    from specdec_tools.bench import PROMPT_SETS, similar_names
+    from specdec_tools.link import LinkCounts
     from specdec_tools.stack import ProcessStack
 
     log = lambda msg: print(f"[bench-serve] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     prompt_ids = parse_prompts(a.prompts, len(PROMPT_SETS[a.prompt_set]))
+    a.names = similar_names() if a.prompt_set == "similar" else None  # run_level: another name each request
     modes, levels, out = a.gamma, a.concurrency, Path(a.out)
     # SIGTERM, like Ctrl-C, stops the services (they run in their own sessions)
     main_thread = threading.current_thread() is threading.main_thread()
@@ -805,7 +805,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                 # the modes of a level side by side, in turn first and last (A B, B A, ...): the
                 # machine warming up (or drifting) over the run weighs on each mode alike
                 for i, level in enumerate(levels):
-                    runs: dict[str, tuple[list[RequestRecord], list[float], object]] = {}  # mode -> its rounds
+                    runs: dict[str, dict[str, list]] = {}  # mode -> its rounds' records, walls, tok/s, link counts
                     for turn in range(a.rounds):
                         for mode in (modes if (i + turn) % 2 == 0 else modes[::-1]):
                             warm_up = a.warm_up if a.warm_up != "auto" else "short" if a.device.startswith("cuda") else "off"
@@ -823,26 +823,27 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                             for r in recs:
                                 r.setup, r.link_rtt_ms, r.api, r.round = setup, rtt, api, turn
                             records += recs
-                            moved = _link_counts(links[rtt]) - before if rtt is not None else None
-                            done, walls, counts = runs.get(mode.name, ([], [], None))
-                            if moved is not None:
-                                counts = moved if counts is None else counts + moved
-                            runs[mode.name] = (done + recs, walls + [wall], counts)
                             tok_s = summarize_level(recs, wall)["aggregate_tok_s"]
+                            run = runs.setdefault(mode.name, {"recs": [], "walls": [], "tok_s": [], "moved": []})
+                            run["recs"] += recs
+                            run["walls"].append(wall)
+                            run["tok_s"].append(tok_s)
+                            if rtt is not None:
+                                run["moved"].append(_link_counts(links[rtt]) - before)
                             where = "" if setup == "default" and rtt is None and api == "grpc" else \
                                 f"[{api} {setup}{'' if rtt is None else f', link {rtt:g} ms'}] "
                             log(f"{where}{mode.name:>4} c={level:<3}{f' round {turn + 1}' if a.rounds > 1 else ''} "
                                 f"{len(recs)} requests in {wall:.1f} s: {tok_s:.2f} tok/s aggregate")
                     for mode in modes:
-                        recs, walls, counts = runs[mode.name]
+                        run = runs[mode.name]
+                        recs, walls = run["recs"], run["walls"]
                         row = {"api": api, "setup": setup, "link_rtt_ms": rtt, "mode": mode.name,
                                "request_gamma": "server default" if mode.gamma is None else mode.gamma,
                                "concurrency": level, **summarize_level(recs, sum(walls))}
                         if a.rounds > 1:
-                            row["round_tok_s"] = [summarize_level([r for r in recs if r.round == k], w)["aggregate_tok_s"]
-                                                  for k, w in enumerate(walls)]
-                        if counts is not None:
-                            row.update(link_rates(counts, recs))
+                            row["round_tok_s"] = run["tok_s"]
+                        if run["moved"]:
+                            row.update(link_rates(sum(run["moved"], LinkCounts()), recs))
                         rows.append(row)
                         log(f"{where}{mode.name:>4} c={level:<3} {row['requests']} requests in {sum(walls):.1f} s: "
                             f"{row['aggregate_tok_s']:.2f} tok/s aggregate, latency p95 "
