@@ -43,7 +43,7 @@ def measure(a: argparse.Namespace) -> int:
     from specdec.modeling import load_model
     from specdec.worker.batching import RaggedCache, use_ragged_attention
     from specdec.worker.forward import model_forward
-    from specdec.worker.paged import PAGE, CudaGraph, EagerGraph, KVPages, StaticForward
+    from specdec.worker.paged import PAGE, CudaGraph, EagerGraph, KVPages, StaticForward, pick_bucket
 
     cuda = a.device == "cuda"
 
@@ -168,10 +168,38 @@ def measure(a: argparse.Namespace) -> int:
     say(f"synchronising calls in one replayed 4-row pass (torch.cuda.set_sync_debug_mode): "
         f"{sum('synchroniz' in str(w.message) for w in caught)}")
     say(f"passes replayed {graphs.replays}, eager {graphs.eager_passes}")
+    for rows in (1, 4):  # what a captured pass holds: its function run once outside the graph
+        bucket = pick_bucket(graphs.buckets, 1, rows, a.cached + rows)
+        captured = graphs._captured[bucket]
+        n = launches(lambda: graphs._padded(bucket, captured.inputs), cuda)
+        say(f"{'CUDA kernels' if cuda else 'tensor operations (not views; the CPU stand-in for kernels)'} of one "
+            f"captured pass, 1 session x {rows} row{'s' * (rows > 1)}: {n} ({n / model.config.num_hidden_layers:.1f} "
+            "a layer)")
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 0
+
+
+# operations that launch no kernel (views and bookkeeping), left out of the CPU count
+_NO_KERNEL = {"empty", "empty_strided", "as_strided", "view", "_reshape_alias", "resolve_conj", "resolve_neg",
+              "detach", "lift_fresh", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
+              "squeeze", "split", "chunk", "unflatten", "flatten", "alias", "_unsafe_view", "narrow", "unbind"}
+
+
+def launches(fn, cuda: bool) -> int:
+    """The kernels one call of fn launches (CUDA: as the profiler traces them), or on CPU the
+    tensor operations it calls that are not views (each is a kernel or more on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    if cuda:
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name[6:] not in _NO_KERNEL
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
 
 if __name__ == "__main__":

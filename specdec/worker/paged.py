@@ -6,7 +6,8 @@ its weights takes 0.7 ms). A CUDA graph replays a captured pass in one launch, b
 touches must sit at a fixed address with a fixed shape. So on CUDA (Llama/Qwen2 family, the
 models lean_forward runs) a worker keeps its KV cache in pages allocated once, at start-up:
 
-- `KVPages`: per model, one key and one value tensor [layers, pages, PAGE, kv_heads, head_dim],
+- `KVPages`: per model, one tensor [layers, pages, PAGE, 2, kv_heads, head_dim] (a token's key
+  and value side by side: one gather a layer reads both),
   sized by --max-cached-tokens (plus a partial page per session and a scratch page), and a free
   list. Pages rather than a slot per session: a slot must hold the longest context any session
   may reach (Qwen2.5: 32k tokens x 64 sessions = 60 GB for the 1.5B target), pages only what the
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 
 from specdec.errors import ResourceExhausted
-from specdec.worker.forward import _rotate_half, lean_forward_fits
+from specdec.worker.forward import lean_forward_fits
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,9 @@ class KVPages:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, *, tokens: int, sessions: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.pages = -(-tokens // PAGE) + sessions + 1  # each session's partial last page, the scratch page
-        shape = (layers, self.pages, PAGE, kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.nbytes = 2 * self.keys.numel() * self.keys.element_size()
+        self.kv = torch.zeros((layers, self.pages, PAGE, 2, kv_heads, head_dim), dtype=dtype, device=device)
+        self.keys, self.values = self.kv.select(3, 0), self.kv.select(3, 1)  # [layers, pages, PAGE, kv_heads, head_dim]
+        self.nbytes = self.kv.numel() * self.kv.element_size()
         self._free = list(range(self.pages - 1, 0, -1))  # popped from the end: low pages first
         self._lock = threading.Lock()
         # pages freed while a pass runs are still in its page tables: they join the free list when it ends
@@ -155,16 +155,11 @@ class PagedCache:
         other.reserve(tokens)
         if other.pages:
             n = len(other.pages)
-            src = torch.tensor(self.pages[:n], device=self.pool.keys.device)
-            dst = torch.tensor(other.pages, device=self.pool.keys.device)
-            for pool in (self.pool.keys, self.pool.values):
-                pool.index_copy_(1, dst, pool.index_select(1, src))
+            src = torch.tensor(self.pages[:n], device=self.pool.kv.device)
+            dst = torch.tensor(other.pages, device=self.pool.kv.device)
+            self.pool.kv.index_copy_(1, dst, self.pool.kv.index_select(1, src))
         other.length = tokens
         return other
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return (x * cos) + (_rotate_half(x) * sin)
 
 
 def _pages_of(cache: PagedCache, tokens: int) -> np.ndarray:
@@ -274,6 +269,11 @@ class StaticForward:
         self._captured: dict[Bucket, _Captured] = {}
         self._key_index = torch.arange(max(KEY_BUCKETS[-1], max_context + PAGE), device=self.device)
         self._page_offsets = torch.arange(PAGE, device=self.device)
+        d, half = self.head_dim, self.head_dim // 2
+        # rotate_half(x)[j] = sign[j] * x[swap[j]]: the first half negated, the halves swapped
+        self._swap = torch.cat([torch.arange(half, d), torch.arange(half)]).to(self.device)
+        self._columns = torch.arange(d, device=self.device)
+        self._rotate_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, pages.keys.dtype)
         self.capture_s, self.capture_bytes = 0.0, 0
         self.replays = self.eager_passes = 0
         self._fused = [fuse_projections(layer) for layer in self.inner.layers]
@@ -393,18 +393,19 @@ class StaticForward:
         ids, pos, slot = inputs[:T], inputs[T:2 * T], inputs[2 * T:3 * T]
         table = inputs[4 * T:].view(B, blocks)
         visible = self._key_index[:L].view(1, 1, 1, L) <= pos.view(B, 1, R, 1)  # [B, 1, R, L]
-        mask = visible.view(B, 1, 1, R, L).expand(B, 1, self.group, R, L).reshape(B, 1, self.group * R, L)
+        mask = _additive(visible.view(B, 1, 1, R, L).expand(B, 1, self.group, R, L).reshape(B, 1, self.group * R, L),
+                         self.pages.keys.dtype)
         heads, kvh, d, g = self.heads, self.kv_heads, self.head_dim, self.group
 
-        def attend(keys, values, q):  # keys, values: [pages, PAGE, kvh, d] of one layer; q [T, heads, d]
-            k = keys[table].view(B, L, kvh, d).transpose(1, 2)
-            v = values[table].view(B, L, kvh, d).transpose(1, 2)
+        def attend(kv, q):  # kv: [pages, PAGE, 2, kvh, d] of one layer; q [T, heads, d]
+            kv = kv[table].view(B, L, 2, kvh, d)  # one gather: each session's keys and values
+            k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
             qg = q.view(B, R, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * R, d)
             o = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self._scaling)
             return o.view(B, kvh, g, R, d).permute(0, 3, 1, 2, 4).reshape(T, heads * d)
 
         h = self._layers(ids, pos, slot, attend)
-        return self._logits[:T].copy_(self.model.lm_head(h))
+        return _linear_into(self._logits[:T], h, self.model.lm_head)
 
     def _eager(self, ids: list[int], caches, new: list[int], keep: list[int]) -> torch.Tensor:
         """Any pass, unpadded: one attention call a session over exactly its keys -> logits [len(keep), vocab]."""
@@ -424,14 +425,15 @@ class StaticForward:
         for past, n in spans:
             L = -(-(past + n) // PAGE) * PAGE
             rows = torch.arange(past, past + n, device=self.device)
-            masks.append((self._key_index[:L].view(1, L) <= rows.view(n, 1)).repeat(g, 1).view(1, 1, g * n, L))
+            visible = (self._key_index[:L].view(1, L) <= rows.view(n, 1)).repeat(g, 1).view(1, 1, g * n, L)
+            masks.append(_additive(visible, self.pages.keys.dtype))
 
-        def attend(keys, values, q):
+        def attend(kv, q):
             out, row = [], 0
             for (past, n), pages, mask in zip(spans, pages_of, masks):
                 L = pages.numel() * PAGE
-                k = keys[pages].view(1, L, kvh, d).transpose(1, 2)
-                v = values[pages].view(1, L, kvh, d).transpose(1, 2)
+                kv_s = kv[pages].view(1, L, 2, kvh, d)
+                k, v = kv_s[:, :, 0].transpose(1, 2), kv_s[:, :, 1].transpose(1, 2)
                 qg = q[row:row + n].view(1, n, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(1, kvh, g * n, d)
                 o = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self._scaling)
                 out.append(o.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, heads * d))
@@ -447,38 +449,72 @@ class StaticForward:
         return self.inner.layers[0].self_attn.scaling
 
     def _layers(self, ids: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, attend, keep=None) -> torch.Tensor:
-        """The decoder layers over T rows (lean_forward's ops): each layer's new keys and values go to
-        their slots (page * PAGE + offset) before attend reads them -> the final norm's rows (`keep` only)."""
+        """The decoder layers over T rows (lean_forward's computation in fewer kernels: a pass of a
+        small model on a GPU is bound by how many it launches): each layer's new keys and values go
+        to their slots (page * PAGE + offset) before attend reads them -> the final norm's rows
+        (`keep` only)."""
         inner, pages = self.inner, self.pages
         T, d, heads, kvh = ids.shape[0], self.head_dim, self.heads, self.kv_heads
         h = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(h.unsqueeze(0), positions.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, d]: every head
+        rotation = self._rotation(cos[0], sin[0])  # [T, d, d]: each row's rotary positions as one matrix
         flat = (pages.pages * PAGE, kvh, d)
         for i, (layer, (qkv_w, qkv_b, gate_up)) in enumerate(zip(inner.layers, self._fused)):
             attn, mlp = layer.self_attn, layer.mlp
             x = self._norm(layer.input_layernorm, h)
             qkv = torch.nn.functional.linear(x, qkv_w, qkv_b)  # q, k and v in one GEMM
-            qk = _rotate(qkv[:, :(heads + kvh) * d].view(T, heads + kvh, d), cos, sin)  # q and k rotated at once
+            qk = torch.bmm(qkv[:, :(heads + kvh) * d].view(T, heads + kvh, d), rotation)  # q and k rotated at once
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, (heads + kvh) * d:].view(T, kvh, d)
-            keys, values = pages.keys[i], pages.values[i]
-            keys.view(flat).index_copy_(0, slot, k)
-            values.view(flat).index_copy_(0, slot, v)
-            h = h + attn.o_proj(attend(keys, values, q))
+            pages.keys[i].view(flat).index_copy_(0, slot, k)
+            pages.values[i].view(flat).index_copy_(0, slot, v)
+            h = _add_linear(h, attend(pages.kv[i], q), attn.o_proj)
             x = self._norm(layer.post_attention_layernorm, h)
             gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)  # gate and up in one GEMM
-            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+            h = _add_linear(h, mlp.act_fn(gate) * up, mlp.down_proj)
         if keep is not None:
             h = h[keep]
         return self._norm(inner.norm, h)
 
+    def _rotation(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """cos, sin [T, d] (rotary_emb's) -> R [T, d, d] with x @ R[t] = x * cos[t] + rotate_half(x) * sin[t]:
+        cos on the diagonal, sign * sin where column j takes x[swap[j]]. Made once a pass, it rotates
+        each layer's q and k in one batched GEMM (three kernels a layer otherwise)."""
+        d = cos.shape[-1]
+        rotation = torch.diag_embed(cos)
+        rotation[:, self._swap, self._columns[:d]] = sin * self._rotate_sign
+        return rotation
+
     @staticmethod
     def _norm(norm, h: torch.Tensor) -> torch.Tensor:
-        """Qwen2RMSNorm / LlamaRMSNorm (normalised in float32, cast back, then scaled), the
-        normalisation in one call (torch's fused kernel on CUDA) where transformers runs six ops."""
+        """Qwen2RMSNorm / LlamaRMSNorm: normalised in float32, then scaled. In one call (torch's
+        fused kernel on CUDA) for 16- and 32-bit h, which rounds once where transformers rounds
+        before it scales, in six kernels; float64 h (tests) is normalised in float32 as there."""
+        if h.dtype != torch.float64:
+            return torch.nn.functional.rms_norm(h, (h.shape[-1],), norm.weight, eps=norm.variance_epsilon)
         x = torch.nn.functional.rms_norm(h.to(torch.float32), (h.shape[-1],), eps=norm.variance_epsilon)
         return norm.weight * x.to(h.dtype)
+
+
+def _add_linear(h: torch.Tensor, x: torch.Tensor, linear) -> torch.Tensor:
+    """h + linear(x): one GEMM that adds into h in place where the linear is plain and unbiased
+    (h is the pass's own residual stream: nothing else reads it)."""
+    if type(linear) is torch.nn.Linear and linear.bias is None:
+        return h.addmm_(x, linear.weight.t())
+    return h + linear(x)
+
+
+def _linear_into(out: torch.Tensor, x: torch.Tensor, linear) -> torch.Tensor:
+    """linear(x) written into out (one GEMM where the linear is plain and unbiased, no copy)."""
+    if type(linear) is torch.nn.Linear and linear.bias is None:
+        return torch.mm(x, linear.weight.t(), out=out)
+    return out.copy_(linear(x))
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as the additive one SDPA turns it into on every call (made once a
+    pass rather than once a layer)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
