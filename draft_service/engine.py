@@ -194,17 +194,31 @@ class DraftEngine(WorkerEngine):
             return len(forced)
         guess = ngram.lookup(session.tokens, left - 1, drafted.options.lookup) if drafted.options.lookup else []
         session.tokens.extend(guess)
-        picks = self.run(session, len(guess) + 1, kind,
-                         lambda logits: self._picks(logits, guess, drafted.params, drafted.generator, drafted.options,
-                                                    made, base, session.tokens, grammar))
-        # the tokens are the prefix, the guesses the draft took, and its last proposal, which stays
-        # uncached until the next pass; the cache holds no guess it refused
+        params = drafted.params
+        # greedy steps after this pass's on the device, no host in between (captured passes only)
+        chain = left - 1 if self.chains and not guess and grammar is None and params.greedy and not params.controlled \
+            else 0
+
+        def post(logits, chained=None):
+            picks = self._picks(logits, guess, params, drafted.generator, drafted.options, made, base, session.tokens,
+                                grammar)
+            if chained is not None:  # each step's choice was cached by the next: all are the session's
+                picks += [(token, None, prob if drafted.options.p_min > 0 else 1.0, False)
+                          for token, prob in zip(*chained)]
+            return picks
+
+        picks = self.run(session, len(guess) + 1, kind, post, chain=chain)
+        # the tokens are the prefix, the guesses the draft took (or its chained choices), and its
+        # last proposal, which stays uncached until the next pass; the cache holds no guess it refused
         if not picks:  # the grammar allows nothing the draft's head scores here: no proposal
             session.truncate(base)
             return 0
         if guess:
             session.truncate(base + len(picks) - 1)
-        session.tokens.append(picks[-1][0])
+        if chain:  # no guesses: every pick is the session's, all but the last cached
+            session.tokens.extend(pick[0] for pick in picks)
+        else:
+            session.tokens.append(picks[-1][0])
         for _, probs, confidence, _ in picks:
             drafted.probs.append(probs)
             drafted.confidence.append(confidence)

@@ -136,6 +136,43 @@ def measure(a: argparse.Namespace) -> int:
         say(f"| | {s} | " + " | ".join(f"{results[base, s, r] / results['static pass, CUDA graphs', s, r]:.1f}x"
                                         for r in rows_list) + " |")
 
+    # a greedy draft of GAMMA tokens: a replay a step, the choice read on the host each time,
+    # against one replay and the steps after it chained on the device (StaticForward.chain)
+    gamma = 4
+    draft_ms: dict[tuple[str, int], float] = {}
+    for s in sessions_list:
+        caches = [pages.new_cache() for _ in range(s)]
+        for c in caches:
+            run("static", graphs, [c], [prefix], [0], keep_all=False)
+        start = [[prefix[-1]] for _ in caches]
+        for label in ("a replay a step", "chained"):
+            times = []
+            for i in range(a.repeats + 3):
+                sync()
+                t = time.perf_counter()
+                logits = run("static", graphs, caches, start, [a.cached] * s)
+                if label == "chained":
+                    graphs.chain(caches, logits.argmax(dim=-1), [gamma - 1] * s)
+                else:
+                    for step in range(gamma - 1):
+                        chosen = [[int(v)] for v in logits.argmax(dim=-1).tolist()]
+                        logits = run("static", graphs, caches, chosen, [a.cached + 1 + step] * s)
+                sync()
+                if i >= 3:
+                    times.append(time.perf_counter() - t)
+                for c in caches:
+                    c.crop(a.cached)
+            draft_ms[label, s] = statistics.median(times) * 1e3
+        for c in caches:
+            c.free()
+    say()
+    say(f"ms for a greedy draft of {gamma} tokens from each session (median of {a.repeats})")
+    say()
+    say("| draft steps | " + " | ".join(f"{s} session{'s' * (s > 1)}" for s in sessions_list) + " |")
+    say("|---|" + "---|" * len(sessions_list))
+    for label in ("a replay a step", "chained"):
+        say(f"| {label} | " + " | ".join(f"{draft_ms[label, s]:.2f}" for s in sessions_list) + " |")
+
     # exactness: one session, greedy, graphs against the eager pass; a k-row pass against k steps
     say()
     ours, theirs = pages.new_cache(), dyn_new()
@@ -167,6 +204,16 @@ def measure(a: argparse.Namespace) -> int:
             torch.cuda.set_sync_debug_mode("default")
     say(f"synchronising calls in one replayed 4-row pass (torch.cuda.set_sync_debug_mode): "
         f"{sum('synchroniz' in str(w.message) for w in caught)}")
+    first = run("static", graphs, [ours], [tok_ours[4:5]], [ours.length]).argmax(dim=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        graphs.chain([ours], first, [gamma - 1])
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    say(f"synchronising calls in one chain of {gamma - 1} draft steps: {sum('synchroniz' in str(w.message) for w in caught)}"
+        " (one expected: the choices read at the end)")
     say(f"passes replayed {graphs.replays}, eager {graphs.eager_passes}")
     for rows in (1, 4):  # what a captured pass holds: its function run once outside the graph
         bucket = pick_bucket(graphs.buckets, 1, rows, a.cached + rows)

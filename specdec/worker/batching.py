@@ -218,9 +218,12 @@ class Work:
     session: Any  # specdec.worker.engine.Session
     keep: int  # logits wanted for the last `keep` new tokens
     kind: str  # prefill, propose or verify
-    post: Callable[[torch.Tensor], Any]  # [keep, vocab] -> the caller's result, run on the model thread
+    post: Callable[..., Any]  # [keep, vocab] (and with chain, the chained steps' choices) -> the caller's result
     context: Any  # the caller's trace context: its forward spans nest under the caller's RPC
     future: Future = field(default_factory=Future)
+    # greedy draft steps to chain on the device after this pass (StaticForward.chain): post then
+    # gets (logits, (tokens, probabilities)) of them, or (logits, None) where they could not chain
+    chain: int = 0
 
 
 @dataclass

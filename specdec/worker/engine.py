@@ -581,15 +581,22 @@ class WorkerEngine:
                 f"{already + len(token_ids)} tokens would exceed this model's context of {self.max_context}"
             )
 
-    def run(self, session: Session, keep: int, kind: str, post: Callable[[torch.Tensor], Any] = lambda x: x):
+    def run(self, session: Session, keep: int, kind: str, post: Callable[..., Any] = lambda x: x, chain: int = 0):
         """Runs the session's uncached tokens through the model, in a ragged pass with whatever
         other sessions have pending, and returns post(logits [keep, vocab]) (run on the model
         thread: sampling math there keeps to one OpenMP team). kind: prefill, propose or verify.
-        Call it holding session.lock: one pass at a time per session."""
+        chain (keep 1, where self.chains): that many greedy draft steps follow on the device, and
+        post gets (logits, their (tokens, probabilities) or None). Call it holding session.lock:
+        one pass at a time per session."""
         assert len(session.tokens) - session.cached >= keep >= 1, (len(session.tokens), session.cached, keep)
         if self._prefixes is not None and len(session.tokens) - keep - session.cached >= MIN_PREFIX:
             self._adopt_prefix(session, keep)  # a draft's catch-up (its session opened on one token)
-        return self._batcher.submit(Work(session, keep, kind, post, t.current_context()))
+        return self._batcher.submit(Work(session, keep, kind, post, t.current_context(), chain=chain))
+
+    @property
+    def chains(self) -> bool:
+        """Whether passes can chain greedy draft steps on the device (captured passes over KV pages)."""
+        return bool(getattr(self._forward, "buckets", None))
 
     def _adopt_prefix(self, session: Session, keep: int) -> None:
         """Starts the session's uncached tokens from a cached prefix longer than what it holds
@@ -625,6 +632,7 @@ class WorkerEngine:
                                        torch.tensor([positions], device=self._forward_device),
                                        RaggedCache([s.cache for s in sessions], [n for _, n in batch.items]),
                                        torch.tensor(keep_rows, dtype=torch.long))
+                chained = self._chain(done, logits[0]) if any(work.chain for work in done) else {}
                 if logits.device.type == "cuda":
                     # kernels run after their launch: the pass's seconds (the gamma policy's costs)
                     # and the lock's turn end when the GPU is done, not when Python is
@@ -644,15 +652,36 @@ class WorkerEngine:
         self._batch_sessions.record(len(sessions), {t.ROLE: self._role})
         for work, _ in batch.items:
             self._forward_duration.record(elapsed, {t.FORWARD_KIND: work.kind})
+        chain_rows = chained.pop("rows", 0)
         for session in sessions:
-            session.last_pass_rows, session.last_pass_s = len(ids), elapsed
+            session.last_pass_rows, session.last_pass_s = len(ids) + chain_rows, elapsed
         logits, row = logits[0], 0
         for work in done:
             try:
-                work.future.set_result(work.post(logits[row : row + work.keep]))
+                rows = logits[row : row + work.keep]
+                work.future.set_result(work.post(rows, chained.get(id(work))) if work.chain else work.post(rows))
             except BaseException as exc:  # noqa: BLE001 - this caller's error, not the pass's
                 work.future.set_exception(exc)
             row += work.keep
+
+    def _chain(self, done: list[Work], logits: torch.Tensor) -> dict:
+        """The chained draft steps of this pass's works that asked for them (Work.chain), all in one
+        StaticForward.chain -> {id(work): (tokens, probabilities)} and "rows", the steps' rows;
+        {} where they could not chain."""
+        works, rows, row = [], [], 0
+        for work in done:
+            if work.chain and not work.session.closed:
+                works.append(work)
+                rows.append(row + work.keep - 1)
+            row += work.keep
+        if not works or not self.chains:
+            return {}
+        first = torch.stack([logits[r] for r in rows]).argmax(dim=-1)  # views: no index copied to the device
+        out = self._forward.chain([w.session.cache for w in works], first, [w.chain for w in works])
+        if out is None:
+            return {}
+        tokens, probs, steps_rows = out
+        return {"rows": steps_rows, **{id(w): (tk, pr) for w, tk, pr in zip(works, tokens, probs)}}
 
     # ---- structured output -------------------------------------------------------------
 

@@ -171,6 +171,30 @@ def _pages_of(cache: PagedCache, tokens: int) -> np.ndarray:
     return np.asarray(cache.pages[:blocks], dtype=np.int64)
 
 
+def _fill(bucket: "Bucket", host: np.ndarray, ids: list[int], caches, new: list[int], keep: list[int],
+          start: list[int] | None = None) -> None:
+    """A bucket's input buffer (host side): session b's new[b] tokens at positions start[b] ..
+    (default: its cached length), padded to bucket.rows rows; padding rows write the scratch page."""
+    T, R, blocks = bucket.tokens, bucket.rows, bucket.keys // PAGE
+    host[:] = 0
+    tok, pos, slot, kept = host[:T], host[T:2 * T], host[2 * T:3 * T], host[3 * T:4 * T]
+    table = host[4 * T:].reshape(bucket.sessions, blocks)
+    row = 0
+    flat_to_padded = []
+    for b, (c, n) in enumerate(zip(caches, new)):
+        base, first = b * R, c.length if start is None else start[b]
+        p = np.arange(first, first + n)
+        pages = _pages_of(c, first + n)
+        tok[base:base + n] = ids[row:row + n]
+        pos[base:base + n] = p
+        slot[base:base + n] = pages[p // PAGE] * PAGE + p % PAGE
+        table[b, :len(pages)] = pages
+        pos[base + n:base + R] = first + n - 1  # padding rows: the last row's keys, scratch slot 0
+        flat_to_padded += range(base, base + n)
+        row += n
+    kept[:len(keep)] = [flat_to_padded[k] for k in keep]
+
+
 @dataclass(frozen=True)
 class Bucket:
     sessions: int
@@ -275,7 +299,7 @@ class StaticForward:
         self._columns = torch.arange(d, device=self.device)
         self._rotate_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, pages.keys.dtype)
         self.capture_s, self.capture_bytes = 0.0, 0
-        self.replays = self.eager_passes = 0
+        self.replays = self.eager_passes = self.chained_steps = 0
         self._fused = [fuse_projections(layer) for layer in self.inner.layers]
 
     # ---- capture --------------------------------------------------------------------------
@@ -357,34 +381,92 @@ class StaticForward:
     def _replay(self, bucket: Bucket, ids: list[int], caches, new: list[int], keep: list[int]) -> torch.Tensor:
         """Fills the bucket's input buffer (one copy to the device) and replays its graph."""
         captured = self._captured[bucket]
-        T, R, blocks = bucket.tokens, bucket.rows, bucket.keys // PAGE
         if captured.copied is not None:
             captured.copied.synchronize()  # the last copy from this staging buffer is done
         host = captured.host.numpy()
-        host[:] = 0
-        tok, pos, slot, kept = host[:T], host[T:2 * T], host[2 * T:3 * T], host[3 * T:4 * T]
-        table = host[4 * T:].reshape(bucket.sessions, blocks)
-        row = 0
-        flat_to_padded = []
-        for b, (c, n) in enumerate(zip(caches, new)):
-            base, start = b * R, c.length
-            p = np.arange(start, start + n)
-            pages = _pages_of(c, start + n)
-            tok[base:base + n] = ids[row:row + n]
-            pos[base:base + n] = p
-            slot[base:base + n] = pages[p // PAGE] * PAGE + p % PAGE
-            table[b, :len(pages)] = pages
-            pos[base + n:base + R] = start + n - 1  # padding rows: the last row's keys, scratch slot 0
-            flat_to_padded += range(base, base + n)
-            row += n
-        kept[:len(keep)] = [flat_to_padded[k] for k in keep]
+        _fill(bucket, host, ids, caches, new, keep)
         captured.inputs.copy_(captured.host, non_blocking=True)
         if self.device.type == "cuda":
             captured.copied = torch.cuda.Event()
             captured.copied.record()
         captured.graph.replay()
         self.replays += 1
+        T = bucket.tokens
         return captured.logits.index_select(0, captured.inputs[3 * T:3 * T + len(keep)])
+
+    # ---- greedy draft steps without the host in between ----------------------------------
+
+    def chain(self, caches: list[PagedCache], first: torch.Tensor, steps: list[int]):
+        """Greedy draft steps on the device: first [n] are the sessions' proposals from the pass
+        just run (argmax, not cached yet); session i then takes steps[i] one-row passes, each
+        caching its last proposal and choosing the next by argmax on the device, replayed back to
+        back with no synchronisation until the end (one, not one a step).
+        -> (tokens, probabilities, rows): per session its steps[i] further proposals and the
+        draft's probability of each; rows, those of all the steps' passes. None (nothing run) where
+        a step fits no captured bucket: the caller drafts a pass at a time."""
+        order = sorted(range(len(caches)), key=lambda i: -steps[i])  # step s runs a prefix of them
+        cs, counts = [caches[i] for i in order], [steps[i] for i in order]
+        plan = []  # per step: (bucket, sessions in it)
+        for s in range(counts[0]):
+            m = sum(1 for c in counts if c > s)
+            bucket = pick_bucket(self.buckets, m, 1, max(c.length + s + 1 for c in cs[:m]))
+            if bucket is None:
+                return None
+            plan.append((bucket, m))
+        self.pages.begin_pass()
+        try:
+            for c, k in zip(cs, counts):
+                if not c.freed:
+                    c.reserve(c.length + k)
+            staged = self._chain_staging(sum(b.inputs for b, _ in plan))
+            host, offset, spans = staged.numpy(), 0, []
+            for s, (bucket, m) in enumerate(plan):  # every step's inputs but the tokens, made now
+                part = host[offset:offset + bucket.inputs]
+                _fill(bucket, part, [0] * m, cs[:m], [1] * m, list(range(m)), start=[c.length + s for c in cs[:m]])
+                spans.append((offset, bucket.inputs))
+                offset += bucket.inputs
+            device = self._chain_inputs[:offset]
+            device.copy_(staged[:offset], non_blocking=True)
+            if self.device.type == "cuda":
+                self._chain_copied = torch.cuda.Event()
+                self._chain_copied.record()
+            tokens = torch.zeros(len(plan), len(cs), dtype=torch.long, device=self.device)
+            probs = torch.zeros(len(plan), len(cs), dtype=torch.float32, device=self.device)
+            # views stacked (an index tensor made on the host would be a synchronising copy)
+            last = torch.stack([first[i] for i in order]) if order != sorted(order) else first
+            for s, ((bucket, m), (offset, size)) in enumerate(zip(plan, spans)):
+                captured = self._captured[bucket]
+                captured.inputs.copy_(device[offset:offset + size])
+                captured.inputs[:m].copy_(last[:m])  # the tokens: the last step's choices
+                captured.graph.replay()
+                self.replays += 1
+                self.chained_steps += 1
+                logits = captured.logits[:m * bucket.rows:bucket.rows]  # each session's one row
+                last = logits.argmax(dim=-1)  # the first of equal maxima, as the draft's own choice
+                tokens[s, :m] = last
+                probs[s, :m] = torch.softmax(logits.float(), dim=-1).gather(1, last[:, None])[:, 0]
+            for c, k in zip(cs, counts):
+                if not c.freed:
+                    c.length += k
+            tokens, probs = tokens.t().tolist(), probs.t().tolist()  # the one synchronisation
+        finally:
+            self.pages.end_pass()
+        out_tokens, out_probs = [None] * len(caches), [None] * len(caches)
+        for j, i in enumerate(order):
+            out_tokens[i], out_probs[i] = tokens[j][:counts[j]], probs[j][:counts[j]]
+        return out_tokens, out_probs, sum(m for _, m in plan)
+
+    def _chain_staging(self, size: int) -> torch.Tensor:
+        """The host buffer a chain's inputs are made in (pinned on CUDA), grown as needed, and its
+        device twin; the last chain's copy from it is done before it is refilled."""
+        if getattr(self, "_chain_host", None) is None or self._chain_host.numel() < size:
+            cuda = self.device.type == "cuda"
+            self._chain_host = torch.zeros(max(size, 4096), dtype=torch.long, pin_memory=cuda)
+            self._chain_inputs = torch.zeros(self._chain_host.numel(), dtype=torch.long, device=self.device)
+            self._chain_copied = None
+        if self._chain_copied is not None:
+            self._chain_copied.synchronize()
+        return self._chain_host
 
     def _padded(self, bucket: Bucket, inputs: torch.Tensor) -> torch.Tensor:
         """The captured pass: every session padded to bucket.rows rows and bucket.keys keys -> logits [T, vocab]."""

@@ -221,3 +221,43 @@ def test_sampled_choices_on_pages_match_dynamic_caches(paged_decoder, target_eng
         want = plain.generate(request(i))
         assert [c.token_ids for c in result.choices] == [c.token_ids for c in want.choices]
     assert (target._pages.free_pages, draft._pages.free_pages) == free
+
+
+@pytest.mark.parametrize("p_min", [0.0, 0.3])
+def test_greedy_drafts_chain_on_the_device(paged_decoder, draft_engine, p_min):
+    """A batch of greedy Proposes on pages runs one pass and then its steps back to back on the
+    device (StaticForward.chain), gammas of their own: the proposals, and where p_min stops a
+    call, where it stops, are those the DynamicCache draft makes a pass at a time; the steps past a
+    stop wait as drafts made ahead, taken by the next call that agrees."""
+    from specdec.protocol import SamplingParams
+    from specdec.wire import DraftOptions, ProposeCall
+    from tests.orchestrator.test_greedy_equivalence import PROMPTS
+
+    _, target, draft = paged_decoder
+    options = DraftOptions(p_min=p_min)
+    params = SamplingParams(temperature=0.0)
+    prompts = [draft.tokenizer(p).input_ids for p in PROMPTS[:3]]
+    for engine in (draft, draft_engine):
+        for i, ids in enumerate(prompts):
+            engine.open_session(f"chain-{p_min}-{i}", ids)
+    gammas = [5, 2, 7]
+
+    def calls():
+        return [ProposeCall(f"chain-{p_min}-{i}", len(ids), [], g, params, seed=0, options=options)
+                for i, (ids, g) in enumerate(zip(prompts, gammas))]
+
+    passes, chained = draft._batcher.passes, draft._forward.chained_steps
+    ours = draft.propose_batch(calls())
+    assert draft._batcher.passes - passes == 1  # the draft steps did not come back through the batcher
+    assert draft._forward.chained_steps - chained == max(gammas) - 1
+    theirs = draft_engine.propose_batch(calls())
+    for o, t in zip(ours, theirs):
+        assert [p.token_id for p in o] == [p.token_id for p in t]
+    if p_min:
+        assert any(len(o) < g for o, g in zip(ours, gammas))  # p_min stopped some call early
+    for i, ids in enumerate(prompts):  # the next round: a call that agrees takes what was drafted on
+        made = [p.token_id for p in ours[i]]
+        again = draft.propose(f"chain-{p_min}-{i}", len(ids), [], gammas[i], params, 0, options)
+        assert [p.token_id for p in again] == made
+        for engine in (draft, draft_engine):
+            engine.close_session(f"chain-{p_min}-{i}")
