@@ -326,7 +326,56 @@ def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
                                     max(sum(r.suffix_drafted_tokens for r in ok), 1)
                                     if any(r.suffix_drafted_tokens for r in ok) else None, 3),
         "ms_per_token_p50": _round(percentile([r.ms_per_token for r in ok if r.ms_per_token is not None], 50), 2),
+        **round_split(ok),
     }
+
+
+SPLIT_COLUMNS = [  # round_split's keys: where a round's time went, ms a round
+    ("split_tokens", "tokens a round", "{:.2f}"), ("split_draft_ms", "draft call", "{:.2f}"),
+    ("split_draft_pass_ms", "of it passes", "{:.2f}"), ("split_verify_ms", "verify call", "{:.2f}"),
+    ("split_verify_pass_ms", "of it passes", "{:.2f}"), ("split_orchestrator_ms", "orchestrator", "{:.2f}"),
+    ("split_client_ms", "client and its link", "{:.2f}"), ("split_round_ms", "round", "{:.2f}"),
+]
+
+
+def round_split(records: list[RequestRecord]) -> dict:
+    """Where a round's time went, ms a round over the requests' rounds (their server stats): the
+    draft and verify calls (each RPC, a step's batched one included, as the orchestrator timed
+    it) and of them the workers' forward passes, the orchestrator's own time (its total less
+    prefill and calls), and the client's (latency less the server's total). The prefill is not a
+    round's: left out."""
+    rounds = sum(r.rounds for r in records)
+    if not rounds:
+        return {}
+
+    def ms(values) -> float:
+        return round(1e3 * sum(values) / rounds, 3)
+
+    split = {
+        "split_tokens": round(sum(r.generated_tokens for r in records) / rounds, 3),
+        "split_draft_ms": ms(r.server_draft_s for r in records),
+        "split_draft_pass_ms": ms(r.server_draft_compute_s for r in records),
+        "split_verify_ms": ms(r.server_verify_s for r in records),
+        "split_verify_pass_ms": ms(r.server_verify_compute_s for r in records),
+        "split_orchestrator_ms": ms(r.server_total_s - r.server_prefill_s - r.server_draft_s - r.server_verify_s
+                                    for r in records),
+        "split_client_ms": ms(r.latency_s - r.server_total_s for r in records),
+    }
+    split["split_round_ms"] = round(sum(split[k] for k in ("split_draft_ms", "split_verify_ms", "split_orchestrator_ms",
+                                                           "split_client_ms")), 3)
+    return split
+
+
+def format_split(rows: list[dict]) -> str:
+    """The time split of a round (round_split), a row per mode and level."""
+    setups = any(r.get("setup", "default") != "default" for r in rows)
+    lines = ["| " + "setup | " * setups + "mode | clients | " + " | ".join(title for _, title, _ in SPLIT_COLUMNS) + " |",
+             "|" + "---|" * (2 + setups + len(SPLIT_COLUMNS))]
+    for r in rows:
+        if "split_tokens" in r:
+            lines.append("| " + f"{r.get('setup', 'default')} | " * setups + f"{r['mode']} | {r['concurrency']} | "
+                         + " | ".join(fmt.format(r[key]) for key, _, fmt in SPLIT_COLUMNS) + " |")
+    return "\n".join(lines)
 
 
 def add_ratios(rows: list[dict], off_mode: str = "off") -> list[dict]:
@@ -702,7 +751,8 @@ def write_outputs(out: Path, records: list[RequestRecord], rows: list[dict], met
         w.writeheader()
         w.writerows(rows)
     (out / "summary.json").write_text(json.dumps({**meta, "levels": rows}, indent=2) + "\n")
-    table = format_table(rows)
+    table = (format_table(rows) + "\n\nWhere a round's time went (ms a round; a round drafts, verifies and emits its "
+             "tokens; prefill left out):\n\n" + format_split(rows))
     if meta.get("synthetic_acceptance"):
         table = (f"Synthetic acceptance {meta['synthetic_acceptance']:g} (--synthetic-acceptance: greedy drafts kept "
                  f"by a coin, not by the target; random-weight models; {meta['machine'].get('accelerator') or 'CPU'})"

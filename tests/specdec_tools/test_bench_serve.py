@@ -60,6 +60,24 @@ def test_summarize_level_without_drafts_or_successes():
     assert row["mean_request_tok_s"] is None
 
 
+def test_a_rounds_time_splits_into_calls_passes_orchestrator_and_client():
+    records = [rec(latency=1.0, tokens=30), rec(request=1, latency=0.5, tokens=10)]
+    for r, (rounds, total, prefill, draft, dpass, verify, vpass) in zip(records, [
+            (10, 0.9, 0.1, 0.3, 0.2, 0.4, 0.3), (10, 0.45, 0.05, 0.15, 0.1, 0.2, 0.15)]):
+        r.rounds, r.server_total_s, r.server_prefill_s = rounds, total, prefill
+        r.server_draft_s, r.server_draft_compute_s, r.server_verify_s, r.server_verify_compute_s = draft, dpass, verify, vpass
+    split = bs.summarize_level(records, wall_s=1.0)
+    assert split["split_tokens"] == 2.0  # 40 tokens in 20 rounds
+    assert split["split_draft_ms"] == pytest.approx(22.5) and split["split_draft_pass_ms"] == pytest.approx(15.0)
+    assert split["split_verify_ms"] == pytest.approx(30.0) and split["split_verify_pass_ms"] == pytest.approx(22.5)
+    assert split["split_orchestrator_ms"] == pytest.approx(7.5)  # (0.1 + 0.05) s beside prefill and calls
+    assert split["split_client_ms"] == pytest.approx(7.5)  # latency past the server's total
+    assert split["split_round_ms"] == pytest.approx(67.5)  # the round; the prefill's 7.5 ms a round left out
+    table = bs.format_split([{"mode": "on", "concurrency": 1, **split}])
+    assert table.splitlines()[2].startswith("| on | 1 | 2.00 | 22.50 | 15.00 |")
+    assert "split_tokens" not in bs.summarize_level([rec(mode="off")], wall_s=1.0)  # no rounds: no split
+
+
 def test_add_ratios():
     rows = [{"mode": m, "concurrency": c, "aggregate_tok_s": v}
             for m, c, v in [("on", 1, 10.0), ("on", 4, 30.0), ("off", 1, 8.0), ("off", 4, 20.0), ("gamma2", 4, 25.0)]]
