@@ -99,11 +99,11 @@ def test_close_stops_the_engines_threads(target_engine):
     engine = TargetEngine(target_engine.loaded, session_ttl_s=600)
     engine.open_session("s", [1, 2, 3])
     before = {t.name for t in threading.enumerate()}
-    assert "session-reaper" in before and any(n.startswith("model") for n in before)
-    reaper = engine._reaper
+    assert "session-reaper" in before and "batcher" in before  # the batcher's thread runs the passes
+    reaper, batcher = engine._reaper, engine._batcher._thread
     engine.close()
     engine.close()  # idempotent
-    assert not reaper.is_alive()
+    assert not reaper.is_alive() and not batcher.is_alive()
     assert engine._model_thread._shutdown
     assert engine.describe().open_sessions == 0
 
