@@ -199,11 +199,12 @@ class WorkerEngine:
         self.input_device = self.model.get_input_embeddings().weight.device
         self._sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()
-        # Every forward runs on this one thread. torch's OpenMP keeps a team of threads per
-        # calling thread; forwards from gRPC's many handler threads would wake several teams that
-        # spin against each other (measured: 11% slower draft steps). One thread also serialises
-        # the forwards, which on a shared device would only contend anyway. Engines in one process
-        # (the in-process path) should share one: pass model_thread=new_model_thread() to both.
+        # Every forward runs on one thread: the batcher's where the engine has the process to
+        # itself, else this model thread (see _run_pass). torch's OpenMP keeps a team of threads
+        # per calling thread; forwards from gRPC's many handler threads would wake several teams
+        # that spin against each other (measured: 11% slower draft steps). One thread also
+        # serialises the forwards, which on a shared device would only contend anyway. Engines in
+        # one process (the in-process path) should share one: pass model_thread=new_model_thread().
         self._owns_model_thread = model_thread is None
         self._model_thread = model_thread or new_model_thread()
         use_ragged_attention(self.model)
