@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU figures in one call of the device tool (a machine with no network and no model weights):
 # random-weight models with the default pair's shapes (and a 7B target), built on the GPU.
-#   bash scripts/bench_gpu.sh OUT [STEP,...]     (default: every step, ~8 min)
+#   bash scripts/bench_gpu.sh OUT [STEP,...]     (default: passes-1.5b,passes-0.5b,serve-1.5b,serve-7b, ~8 min)
 # PASSES_ARGS: more arguments for every passes step (e.g. "--sessions 1,16 --repeats 10": shorter)
 # Steps:
 #   passes-0.5b, passes-1.5b, passes-7b: pass costs by sessions and rows (scripts/bench_gpu_passes.py),
@@ -17,7 +17,7 @@
 # up in OUT/results.tar.gz and OUT/log.txt (the device tool brings back few files).
 set -u
 out=${1:?OUT}
-steps=${2:-passes-0.5b,passes-1.5b,serve-1.5b,serve-1.5b-eager,passes-7b}
+steps=${2:-passes-1.5b,passes-0.5b,serve-1.5b,serve-7b}
 mkdir -p "$out/r"
 exec > >(tee -a "$out/log.txt") 2>&1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1

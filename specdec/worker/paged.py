@@ -437,7 +437,7 @@ class StaticForward:
             for s, ((bucket, m), (offset, size)) in enumerate(zip(plan, spans)):
                 captured = self._captured[bucket]
                 captured.inputs.copy_(device[offset:offset + size])
-                captured.inputs[:m].copy_(last[:m])  # the tokens: the last step's choices
+                captured.inputs[:m * bucket.rows:bucket.rows].copy_(last[:m])  # the tokens: the last step's choices
                 captured.graph.replay()
                 self.replays += 1
                 self.chained_steps += 1
