@@ -95,6 +95,19 @@ def measure(a: argparse.Namespace) -> int:
         return forward(torch.tensor([ids], device=device), torch.tensor([positions], device=device),
                        RaggedCache(caches, [len(r) for r in ids_rows]), torch.tensor(keep, device=device))[0]
 
+    def timed(fn, reset) -> float:
+        """Median ms of --repeats calls of fn (after 3 untimed), each synchronised, reset() after each."""
+        times = []
+        for i in range(a.repeats + 3):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+            reset()
+        return statistics.median(times) * 1e3
+
     kinds = {"eager (DynamicCache, row-wise attention)": ("eager", eager, dyn_new),
              "static pass, eager": ("static", static_eager, pages.new_cache),
              "static pass, CUDA graphs": ("static", graphs, pages.new_cache)}
@@ -106,17 +119,8 @@ def measure(a: argparse.Namespace) -> int:
                 run(kind, forward, [c], [prefix], [0], keep_all=False)
             for r in rows_list:
                 new = [torch.randint(0, vocab, (r,), generator=gen).tolist() for _ in range(s)]
-                times = []
-                for i in range(a.repeats + 3):
-                    sync()
-                    t = time.perf_counter()
-                    run(kind, forward, caches, new, [a.cached] * s)
-                    sync()
-                    if i >= 3:
-                        times.append(time.perf_counter() - t)
-                    for c in caches:
-                        c.crop(-r)
-                results[label, s, r] = statistics.median(times) * 1e3
+                results[label, s, r] = timed(lambda: run(kind, forward, caches, new, [a.cached] * s),
+                                             lambda: [c.crop(-r) for c in caches])  # DynamicCache: a count to drop
             if kind == "static":
                 for c in caches:
                     c.free()
@@ -145,24 +149,18 @@ def measure(a: argparse.Namespace) -> int:
         for c in caches:
             run("static", graphs, [c], [prefix], [0], keep_all=False)
         start = [[prefix[-1]] for _ in caches]
+
+        def draft(chained: bool) -> None:
+            logits = run("static", graphs, caches, start, [a.cached] * s)
+            if chained:
+                graphs.chain(caches, logits.argmax(dim=-1), [gamma - 1] * s)
+                return
+            for step in range(gamma - 1):
+                chosen = [[int(v)] for v in logits.argmax(dim=-1).tolist()]
+                logits = run("static", graphs, caches, chosen, [a.cached + 1 + step] * s)
+
         for label in ("a replay a step", "chained"):
-            times = []
-            for i in range(a.repeats + 3):
-                sync()
-                t = time.perf_counter()
-                logits = run("static", graphs, caches, start, [a.cached] * s)
-                if label == "chained":
-                    graphs.chain(caches, logits.argmax(dim=-1), [gamma - 1] * s)
-                else:
-                    for step in range(gamma - 1):
-                        chosen = [[int(v)] for v in logits.argmax(dim=-1).tolist()]
-                        logits = run("static", graphs, caches, chosen, [a.cached + 1 + step] * s)
-                sync()
-                if i >= 3:
-                    times.append(time.perf_counter() - t)
-                for c in caches:
-                    c.crop(a.cached)
-            draft_ms[label, s] = statistics.median(times) * 1e3
+            draft_ms[label, s] = timed(lambda: draft(label == "chained"), lambda: [c.crop(a.cached) for c in caches])
         for c in caches:
             c.free()
     say()
