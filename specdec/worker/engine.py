@@ -640,7 +640,7 @@ class WorkerEngine:
                                        torch.tensor([positions], device=self._forward_device),
                                        RaggedCache([s.cache for s in sessions], [n for _, n in batch.items]),
                                        torch.tensor(keep_rows, dtype=torch.long))
-                chained = self._chain(done, logits[0]) if any(work.chain for work in done) else {}
+                chain_rows, chained = self._chain(done, logits[0]) if any(work.chain for work in done) else (0, {})
                 if logits.device.type == "cuda":
                     # kernels run after their launch: the pass's seconds (the gamma policy's costs)
                     # and the lock's turn end when the GPU is done, not when Python is
@@ -660,7 +660,6 @@ class WorkerEngine:
         self._batch_sessions.record(len(sessions), {t.ROLE: self._role})
         for work, _ in batch.items:
             self._forward_duration.record(elapsed, {t.FORWARD_KIND: work.kind})
-        chain_rows = chained.pop("rows", 0)
         for session in sessions:
             session.last_pass_rows, session.last_pass_s = len(ids) + chain_rows, elapsed
         logits, row = logits[0], 0
@@ -672,10 +671,10 @@ class WorkerEngine:
                 work.future.set_exception(exc)
             row += work.keep
 
-    def _chain(self, done: list[Work], logits: torch.Tensor) -> dict:
+    def _chain(self, done: list[Work], logits: torch.Tensor) -> tuple[int, dict]:
         """The chained draft steps of this pass's works that asked for them (Work.chain), all in one
-        StaticForward.chain -> {id(work): (tokens, probabilities)} and "rows", the steps' rows;
-        {} where they could not chain."""
+        StaticForward.chain -> (the steps' rows, {id(work): (tokens, probabilities)}); (0, {})
+        where they could not chain."""
         works, rows, row = [], [], 0
         for work in done:
             if work.chain and not work.session.closed:
@@ -683,13 +682,13 @@ class WorkerEngine:
                 rows.append(row + work.keep - 1)
             row += work.keep
         if not works or not self.chains:
-            return {}
+            return 0, {}
         first = torch.stack([logits[r] for r in rows]).argmax(dim=-1)  # views: no index copied to the device
         out = self._forward.chain([w.session.cache for w in works], first, [w.chain for w in works])
         if out is None:
-            return {}
+            return 0, {}
         tokens, probs, steps_rows = out
-        return {"rows": steps_rows, **{id(w): (tk, pr) for w, tk, pr in zip(works, tokens, probs)}}
+        return steps_rows, {id(w): (tk, pr) for w, tk, pr in zip(works, tokens, probs)}
 
     # ---- structured output -------------------------------------------------------------
 

@@ -292,11 +292,11 @@ class StaticForward:
         self._graph_class = graph
         self._captured: dict[Bucket, _Captured] = {}
         self._key_index = torch.arange(max(KEY_BUCKETS[-1], max_context + PAGE), device=self.device)
-        self._page_offsets = torch.arange(PAGE, device=self.device)
         d, half = self.head_dim, self.head_dim // 2
         # rotate_half(x)[j] = sign[j] * x[swap[j]]: the first half negated, the halves swapped
         self._swap = torch.cat([torch.arange(half, d), torch.arange(half)]).to(self.device)
         self._columns = torch.arange(d, device=self.device)
+        self._chain_host = self._chain_inputs = self._chain_copied = None  # chain's staging (_chain_staging)
         self._rotate_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, pages.keys.dtype)
         self.capture_s, self.capture_bytes = 0.0, 0
         self.replays = self.eager_passes = self.chained_steps = 0
@@ -459,7 +459,7 @@ class StaticForward:
     def _chain_staging(self, size: int) -> torch.Tensor:
         """The host buffer a chain's inputs are made in (pinned on CUDA), grown as needed, and its
         device twin; the last chain's copy from it is done before it is refilled."""
-        if getattr(self, "_chain_host", None) is None or self._chain_host.numel() < size:
+        if self._chain_host is None or self._chain_host.numel() < size:
             cuda = self.device.type == "cuda"
             self._chain_host = torch.zeros(max(size, 4096), dtype=torch.long, pin_memory=cuda)
             self._chain_inputs = torch.zeros(self._chain_host.numel(), dtype=torch.long, device=self.device)
@@ -562,9 +562,8 @@ class StaticForward:
         """cos, sin [T, d] (rotary_emb's) -> R [T, d, d] with x @ R[t] = x * cos[t] + rotate_half(x) * sin[t]:
         cos on the diagonal, sign * sin where column j takes x[swap[j]]. Made once a pass, it rotates
         each layer's q and k in one batched GEMM (three kernels a layer otherwise)."""
-        d = cos.shape[-1]
         rotation = torch.diag_embed(cos)
-        rotation[:, self._swap, self._columns[:d]] = sin * self._rotate_sign
+        rotation[:, self._swap, self._columns] = sin * self._rotate_sign
         return rotation
 
     @staticmethod
