@@ -29,6 +29,7 @@ from specdec import telemetry as t
 from specdec.protocol import MAX_GAMMA, SamplingParams
 from specdec.sampling import apply_controls, coupled_choice, process_logits
 from specdec.wire import CompactProbs, DraftOptions, Proposal, ProposeCall
+from specdec.worker.batching import Chain
 from specdec.worker.engine import Session, WorkerEngine
 
 log = logging.getLogger(__name__)
@@ -195,17 +196,18 @@ class DraftEngine(WorkerEngine):
         guess = ngram.lookup(session.tokens, left - 1, drafted.options.lookup) if drafted.options.lookup else []
         session.tokens.extend(guess)
         params = drafted.params
-        # greedy steps after this pass's on the device, no host in between (captured passes only)
-        chain = left - 1 if self.chains and not guess and grammar is None and params.greedy and not params.controlled \
-            else 0
+        # the next steps on the device, no host in between (captured passes only): each choice a
+        # fixed function of the logits (greedy, or coupled), made there
+        chain = Chain(left - 1, params, drafted.options.p_min > 0) if (
+            left > 1 and self.chains and not guess and grammar is None and params.deterministic
+            and not params.controlled) else None
 
         def post(logits, chained=None):
-            picks = self._picks(logits, guess, params, drafted.generator, drafted.options, made, base, session.tokens,
-                                grammar)
-            if chained is not None:  # each step's choice was cached by the next: all are the session's
-                picks += [(token, None, prob if drafted.options.p_min > 0 else 1.0, False)
-                          for token, prob in zip(*chained)]
-            return picks
+            if chained is not None:  # the pass's choice and the steps': each cached by the next, the last not
+                return [(token, None, prob if drafted.options.p_min > 0 else 1.0, False)
+                        for token, prob in zip(*chained)]
+            return self._picks(logits, guess, params, drafted.generator, drafted.options, made, base, session.tokens,
+                               grammar)
 
         picks = self.run(session, len(guess) + 1, kind, post, chain=chain)
         # the tokens are the prefix, the guesses the draft took (or its chained choices), and its

@@ -41,7 +41,8 @@ def measure(a: argparse.Namespace) -> int:
     from transformers import DynamicCache
 
     from specdec.modeling import load_model
-    from specdec.worker.batching import RaggedCache, use_ragged_attention
+    from specdec.protocol import SamplingParams
+    from specdec.worker.batching import Chain, RaggedCache, use_ragged_attention
     from specdec.worker.forward import model_forward
     from specdec.worker.paged import PAGE, CudaGraph, EagerGraph, KVPages, StaticForward, pick_bucket
 
@@ -140,9 +141,12 @@ def measure(a: argparse.Namespace) -> int:
         say(f"| | {s} | " + " | ".join(f"{results[base, s, r] / results['static pass, CUDA graphs', s, r]:.1f}x"
                                         for r in rows_list) + " |")
 
-    # a greedy draft of GAMMA tokens: a replay a step, the choice read on the host each time,
-    # against one replay and the steps after it chained on the device (StaticForward.chain)
+    # a draft of GAMMA tokens: a replay a step, the greedy choice read on the host each time,
+    # against one replay and the steps after it chained on the device (StaticForward.chain),
+    # choosing greedily or coupled (seeded sampling at temperature 1)
     gamma = 4
+    modes = {"a replay a step": None, "chained": SamplingParams(temperature=0.0),
+             "chained, coupled": SamplingParams(temperature=1.0, coupling_seed=1)}
     draft_ms: dict[tuple[str, int], float] = {}
     for s in sessions_list:
         caches = [pages.new_cache() for _ in range(s)]
@@ -150,25 +154,25 @@ def measure(a: argparse.Namespace) -> int:
             run("static", graphs, [c], [prefix], [0], keep_all=False)
         start = [[prefix[-1]] for _ in caches]
 
-        def draft(chained: bool) -> None:
+        def draft(params: SamplingParams | None) -> None:
             logits = run("static", graphs, caches, start, [a.cached] * s)
-            if chained:
-                graphs.chain(caches, logits.argmax(dim=-1), [gamma - 1] * s)
+            if params is not None:
+                graphs.chain(caches, logits, [Chain(gamma - 1, params, False)] * s)
                 return
             for step in range(gamma - 1):
                 chosen = [[int(v)] for v in logits.argmax(dim=-1).tolist()]
                 logits = run("static", graphs, caches, chosen, [a.cached + 1 + step] * s)
 
-        for label in ("a replay a step", "chained"):
-            draft_ms[label, s] = timed(lambda: draft(label == "chained"), lambda: [c.crop(a.cached) for c in caches])
+        for label, params in modes.items():
+            draft_ms[label, s] = timed(lambda: draft(params), lambda: [c.crop(a.cached) for c in caches])
         for c in caches:
             c.free()
     say()
-    say(f"ms for a greedy draft of {gamma} tokens from each session (median of {a.repeats})")
+    say(f"ms for a draft of {gamma} tokens from each session (median of {a.repeats})")
     say()
     say("| draft steps | " + " | ".join(f"{s} session{'s' * (s > 1)}" for s in sessions_list) + " |")
     say("|---|" + "---|" * len(sessions_list))
-    for label in ("a replay a step", "chained"):
+    for label in modes:
         say(f"| {label} | " + " | ".join(f"{draft_ms[label, s]:.2f}" for s in sessions_list) + " |")
 
     # exactness: one session, greedy, graphs against the eager pass; a k-row pass against k steps
@@ -202,12 +206,12 @@ def measure(a: argparse.Namespace) -> int:
             torch.cuda.set_sync_debug_mode("default")
     say(f"synchronising calls in one replayed 4-row pass (torch.cuda.set_sync_debug_mode): "
         f"{sum('synchroniz' in str(w.message) for w in caught)}")
-    first = run("static", graphs, [ours], [tok_ours[4:5]], [ours.length]).argmax(dim=-1)
+    last = run("static", graphs, [ours], [tok_ours[4:5]], [ours.length])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
-        graphs.chain([ours], first, [gamma - 1])
+        graphs.chain([ours], last, [Chain(gamma - 1, modes["chained, coupled"], True)])
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
     say(f"synchronising calls in one chain of {gamma - 1} draft steps: {sum('synchroniz' in str(w.message) for w in caught)}"

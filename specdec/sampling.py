@@ -224,3 +224,122 @@ def coupled_choice(probs: CompactProbs, seed: int, position: int) -> int:
     e = coupling_exponentials(seed, position, ids)
     i = int(np.argmax(np.divide(p, e, out=e)))
     return i if probs.indices is None else int(ids[i])
+
+
+# ---- the same choices on the device: a chain of draft steps (specdec/worker/paged.py) ----------
+#
+# A chain replays a draft's one-row passes back to back with no host step in between, so each
+# step's token is chosen on the device: greedy rows by argmax, coupled rows by the exponential
+# race above over process_logits' distribution (temperature, min-p, top-k, top-p as masks over
+# the whole row). The noise's integer steps are exact in int64 (each uint32 product split in two
+# so none leaves int64's range); its one float64 log and the masked softmax may round otherwise
+# than the host's, which can change a draft's choice only where two tokens tie to the last bit. A
+# draft's choice is a proposal: the target's own choice decides the output either way.
+
+
+def _mul32_on(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x int64 holding uint32 values (c's 16-bit halves: no product overflows)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _mix32_on(x: torch.Tensor) -> torch.Tensor:
+    """_mix32 over int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32_on(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32_on(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def coupling_exponentials_on(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """coupling_exponentials for token ids 0..n-1 at m positions at once, on keys' device:
+    keys int64 [m, 2], each position's _position_key -> E float64 [m, n]."""
+    h = _mix32_on(torch.arange(n, device=keys.device) ^ keys[:, :1])
+    h = _mix32_on(h ^ keys[:, 1:])
+    return h.double().add_(0.5).mul_(2.0**-32).log_().neg_()
+
+
+class DeviceChoices:
+    """How each of a chain's rows chooses its token on the device, and the draft's probability of
+    it: `choose(logits [m, n], k)` for the first m rows at their k-th choice. The per-row settings
+    and the noise keys of every (row, choice) are made on the host once, as int64 words staged
+    with the chain's other inputs (`words`, then `bind` to their device copy): nothing else
+    crosses to the device while the chain runs. Rows are greedy, or coupled without decoding
+    controls (SamplingParams.controlled)."""
+
+    def __init__(self, params: list[SamplingParams], positions: list[int], choices: int):
+        """params: each row's; positions: the position each row's first choice takes (the k-th
+        takes positions[i] + k); choices: how many each row may make."""
+        assert all(p.greedy or (p.coupled and not p.controlled) for p in params)
+        self.rows, self.choices = len(params), choices
+        self.all_greedy = all(p.greedy for p in params)
+        self.any_greedy = any(p.greedy for p in params)
+        self._params, self._positions = params, positions
+        self.top_k_max = max((p.top_k for p in params if not p.greedy), default=0)
+        self.min_p = any(p.min_p > 0 for p in params if not p.greedy)
+        self.top_p = any(p.top_p < 1 for p in params if not p.greedy)
+
+    def words(self) -> np.ndarray:
+        """What bind reads, as int64: keys [choices, rows, 2], then per row greedy, top-k, and
+        the float64 bits of temperature, log min-p and top-p (none for greedy rows alone)."""
+        if self.all_greedy:
+            return np.zeros(0, dtype=np.int64)
+        m, k = self.rows, self.choices
+        keys = np.zeros((k, m, 2), dtype=np.int64)
+        for i, (p, position) in enumerate(zip(self._params, self._positions)):
+            if p.coupled:
+                keys[:, i] = [_position_key(p.coupling_seed, position + j) for j in range(k)]
+        rows = np.zeros((2, m), dtype=np.int64)
+        floats = np.zeros((3, m), dtype=np.float64)
+        for i, p in enumerate(self._params):
+            rows[:, i] = (p.greedy, 0 if p.greedy else p.top_k)
+            # greedy rows: the plain softmax (their probability of the argmax); top-p 2: every token kept
+            floats[:, i] = ((1.0, -math.inf, 2.0) if p.greedy else
+                            (p.temperature, math.log(p.min_p) if p.min_p > 0 else -math.inf,
+                             p.top_p if p.top_p < 1 else 2.0))
+        return np.concatenate([keys.ravel(), rows.ravel(), floats.view(np.int64).ravel()])
+
+    def bind(self, words: torch.Tensor) -> None:
+        """words: the device's copy of words()."""
+        if self.all_greedy:
+            return
+        m, k = self.rows, self.choices
+        self._keys = words[:2 * k * m].view(k, m, 2)
+        rows, floats = words[2 * k * m:2 * k * m + 2 * m].view(2, m), words[2 * k * m + 2 * m:].view(torch.float64)
+        self._greedy, self._top_k = rows[0].bool(), rows[1]
+        self._settings = floats.view(3, m).float()  # temperature, log min-p, top-p
+
+    def choose(self, logits: torch.Tensor, k: int, probabilities: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [m, n] of the first m rows, at their k-th choice -> (tokens [m], each one's
+        probability under the row's distribution (float32 [m]) if asked, else None)."""
+        if self.all_greedy:
+            tokens = logits.argmax(dim=-1)  # the first of equal maxima, as the draft's own choice
+            if not probabilities:
+                return tokens, None
+            return tokens, torch.softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+        m = logits.shape[0]
+        temperature, log_min_p, top_p = (s[:m, None] for s in self._settings)
+        scores = logits.float() / temperature
+        if self.min_p or self.top_k_max or self.top_p:
+            scores = self._truncated(scores, log_min_p, self._top_k[:m, None], top_p)
+        q = torch.softmax(scores, dim=-1)
+        tokens = (q.double() / coupling_exponentials_on(self._keys[k, :m], logits.shape[-1])).argmax(dim=-1)
+        if self.any_greedy:
+            tokens = torch.where(self._greedy[:m], logits.argmax(dim=-1), tokens)
+        return tokens, q.gather(1, tokens[:, None])[:, 0] if probabilities else None
+
+    def _truncated(self, scores: torch.Tensor, log_min_p: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+        """process_logits' min-p, top-k and top-p as a mask over each row (a token tied with the
+        last one kept is kept too)."""
+        keep = scores >= scores.amax(dim=-1, keepdim=True) + log_min_p
+        if self.top_k_max:  # a top-k of 0 keeps every token, one of n or more as well (the kth: the least)
+            most = min(self.top_k_max, scores.shape[-1])
+            kth = scores.topk(most, dim=-1).values.gather(1, (top_k - 1).clamp(0, most - 1))
+            keep &= (scores >= kth) | (top_k == 0)
+        if self.top_p:
+            probs = torch.softmax(scores.masked_fill(~keep, -math.inf), dim=-1)
+            ranked = probs.sort(dim=-1, descending=True).values
+            kept = ((ranked.cumsum(dim=-1) - ranked) < top_p).sum(dim=-1, keepdim=True).clamp(min=1)
+            keep &= probs >= ranked.gather(1, kept - 1)
+        return scores.masked_fill(~keep, -math.inf)

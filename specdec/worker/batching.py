@@ -221,9 +221,19 @@ class Work:
     post: Callable[..., Any]  # [keep, vocab] (and with chain, the chained steps' choices) -> the caller's result
     context: Any  # the caller's trace context: its forward spans nest under the caller's RPC
     future: Future = field(default_factory=Future)
-    # greedy draft steps to chain on the device after this pass (StaticForward.chain): post then
-    # gets (logits, (tokens, probabilities)) of them, or (logits, None) where they could not chain
-    chain: int = 0
+    # draft steps to chain on the device after this pass (StaticForward.chain): post then gets
+    # (logits, (tokens, probabilities)) of the pass's choice and theirs, or (logits, None) where
+    # they could not chain
+    chain: Chain | None = None
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A draft's steps after its pass, each token chosen on the device (sampling.DeviceChoices)."""
+
+    steps: int  # one-row passes after the pass's own
+    params: Any  # specdec.protocol.SamplingParams: greedy, or coupled without decoding controls
+    probabilities: bool  # whether the caller reads the draft's probability of each choice (p_min)
 
 
 @dataclass

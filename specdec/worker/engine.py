@@ -35,7 +35,7 @@ from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
 from specdec import telemetry as t
 from specdec.threads import PassLock
 from specdec.wire import ModelInfo
-from specdec.worker.batching import (DEFAULT_MAX_BATCH_TOKENS, Batcher, Pass, RaggedCache, Work, grow_append,
+from specdec.worker.batching import (DEFAULT_MAX_BATCH_TOKENS, Batcher, Chain, Pass, RaggedCache, Work, grow_append,
                                      use_ragged_attention)
 from specdec.worker.forward import NativeForward, model_forward
 from specdec.worker.paged import PAGE, CudaGraph, KVPages, StaticForward, static_forward_fits
@@ -582,13 +582,14 @@ class WorkerEngine:
                 f"{already + len(token_ids)} tokens would exceed this model's context of {self.max_context}"
             )
 
-    def run(self, session: Session, keep: int, kind: str, post: Callable[..., Any] = lambda x: x, chain: int = 0):
+    def run(self, session: Session, keep: int, kind: str, post: Callable[..., Any] = lambda x: x,
+            chain: Chain | None = None):
         """Runs the session's uncached tokens through the model, in a ragged pass with whatever
         other sessions have pending, and returns post(logits [keep, vocab]) (run on the model
         thread: sampling math there keeps to one OpenMP team). kind: prefill, propose or verify.
-        chain (keep 1, where self.chains): that many greedy draft steps follow on the device, and
-        post gets (logits, their (tokens, probabilities) or None). Call it holding session.lock:
-        one pass at a time per session."""
+        chain (keep 1, where self.chains): draft steps follow on the device, and post gets
+        (logits, the (tokens, probabilities) chosen on the device, the pass's own first, or None).
+        Call it holding session.lock: one pass at a time per session."""
         assert len(session.tokens) - session.cached >= keep >= 1, (len(session.tokens), session.cached, keep)
         if self._prefixes is not None and len(session.tokens) - keep - session.cached >= MIN_PREFIX:
             self._adopt_prefix(session, keep)  # a draft's catch-up (its session opened on one token)
@@ -596,7 +597,7 @@ class WorkerEngine:
 
     @property
     def chains(self) -> bool:
-        """Whether passes can chain greedy draft steps on the device (captured passes over KV pages)."""
+        """Whether passes can chain draft steps on the device (captured passes over KV pages)."""
         return bool(getattr(self._forward, "buckets", None))
 
     def _adopt_prefix(self, session: Session, keep: int) -> None:
@@ -673,8 +674,8 @@ class WorkerEngine:
 
     def _chain(self, done: list[Work], logits: torch.Tensor) -> tuple[int, dict]:
         """The chained draft steps of this pass's works that asked for them (Work.chain), all in one
-        StaticForward.chain -> (the steps' rows, {id(work): (tokens, probabilities)}); (0, {})
-        where they could not chain."""
+        StaticForward.chain -> (the steps' rows, {id(work): (tokens, probabilities)}, the pass's
+        choice first); (0, {}) where they could not chain."""
         works, rows, row = [], [], 0
         for work in done:
             if work.chain and not work.session.closed:
@@ -683,8 +684,8 @@ class WorkerEngine:
             row += work.keep
         if not works or not self.chains:
             return 0, {}
-        first = torch.stack([logits[r] for r in rows]).argmax(dim=-1)  # views: no index copied to the device
-        out = self._forward.chain([w.session.cache for w in works], first, [w.chain for w in works])
+        last = torch.stack([logits[r] for r in rows])  # views: no index copied to the device
+        out = self._forward.chain([w.session.cache for w in works], last, [w.chain for w in works])
         if out is None:
             return 0, {}
         tokens, probs, steps_rows = out

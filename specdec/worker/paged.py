@@ -41,6 +41,8 @@ import numpy as np
 import torch
 
 from specdec.errors import ResourceExhausted
+from specdec.sampling import DeviceChoices
+from specdec.worker.batching import Chain
 from specdec.worker.forward import lean_forward_fits
 
 log = logging.getLogger(__name__)
@@ -394,18 +396,20 @@ class StaticForward:
         T = bucket.tokens
         return captured.logits.index_select(0, captured.inputs[3 * T:3 * T + len(keep)])
 
-    # ---- greedy draft steps without the host in between ----------------------------------
+    # ---- draft steps without the host in between ------------------------------------------
 
-    def chain(self, caches: list[PagedCache], first: torch.Tensor, steps: list[int]):
-        """Greedy draft steps on the device: first [n] are the sessions' proposals from the pass
-        just run (argmax, not cached yet); session i then takes steps[i] one-row passes, each
-        caching its last proposal and choosing the next by argmax on the device, replayed back to
-        back with no synchronisation until the end (one, not one a step).
-        -> (tokens, probabilities, rows): per session its steps[i] further proposals and the
-        draft's probability of each; rows, those of all the steps' passes. None (nothing run) where
-        a step fits no captured bucket: the caller drafts a pass at a time."""
-        order = sorted(range(len(caches)), key=lambda i: -steps[i])  # step s runs a prefix of them
-        cs, counts = [caches[i] for i in order], [steps[i] for i in order]
+    def chain(self, caches: list[PagedCache], logits: torch.Tensor, chains: list[Chain]):
+        """Draft steps on the device. logits [n, vocab]: each session's last row of the pass just
+        run, whose choice (its proposal, not cached yet) comes first; session i then takes
+        chains[i].steps one-row passes, each caching the last choice and choosing the next on the
+        device (sampling.DeviceChoices: greedy, or coupled), replayed back to back with no
+        synchronisation until the end (one, not one a step).
+        -> (tokens, probabilities, rows): per session its steps + 1 choices and the draft's
+        probability of each (zeros unless some chain asks for them); rows, those of the steps'
+        passes. None (nothing run) where a step fits no captured bucket: the caller drafts a pass
+        at a time."""
+        order = sorted(range(len(caches)), key=lambda i: -chains[i].steps)  # step s runs a prefix of them
+        cs, counts = [caches[i] for i in order], [chains[i].steps for i in order]
         plan = []  # per step: (bucket, sessions in it)
         for s in range(counts[0]):
             m = sum(1 for c in counts if c > s)
@@ -413,38 +417,49 @@ class StaticForward:
             if bucket is None:
                 return None
             plan.append((bucket, m))
+        # a session's first choice takes the position its cache reaches (the pass cached its input)
+        rules = DeviceChoices([chains[i].params for i in order], [c.length for c in cs], counts[0] + 1)
+        probabilities = any(c.probabilities for c in chains)
         self.pages.begin_pass()
         try:
             for c, k in zip(cs, counts):
                 if not c.freed:
                     c.reserve(c.length + k)
-            staged = self._chain_staging(sum(b.inputs for b, _ in plan))
+            words = rules.words()
+            staged = self._chain_staging(sum(b.inputs for b, _ in plan) + words.size)
             host, offset, spans = staged.numpy(), 0, []
             for s, (bucket, m) in enumerate(plan):  # every step's inputs but the tokens, made now
                 part = host[offset:offset + bucket.inputs]
                 _fill(bucket, part, [0] * m, cs[:m], [1] * m, list(range(m)), start=[c.length + s for c in cs[:m]])
                 spans.append((offset, bucket.inputs))
                 offset += bucket.inputs
-            device = self._chain_inputs[:offset]
-            device.copy_(staged[:offset], non_blocking=True)
+            host[offset:offset + words.size] = words
+            device = self._chain_inputs[:offset + words.size]
+            device.copy_(staged[:offset + words.size], non_blocking=True)
             if self.device.type == "cuda":
                 self._chain_copied = torch.cuda.Event()
                 self._chain_copied.record()
-            tokens = torch.zeros(len(plan), len(cs), dtype=torch.long, device=self.device)
-            probs = torch.zeros(len(plan), len(cs), dtype=torch.float32, device=self.device)
+            rules.bind(device[offset:])
+            tokens = torch.zeros(len(plan) + 1, len(cs), dtype=torch.long, device=self.device)
+            probs = torch.zeros(len(plan) + 1, len(cs), dtype=torch.float32, device=self.device)
             # views stacked (an index tensor made on the host would be a synchronising copy)
-            last = torch.stack([first[i] for i in order]) if order != sorted(order) else first
-            for s, ((bucket, m), (offset, size)) in enumerate(zip(plan, spans)):
+            last = torch.stack([logits[i] for i in order]) if order != sorted(order) else logits
+            for s in range(len(plan) + 1):
+                m = plan[s - 1][1] if s else len(cs)
+                chosen, p = rules.choose(last, s, probabilities)
+                tokens[s, :m] = chosen
+                if p is not None:
+                    probs[s, :m] = p
+                if s == len(plan):
+                    break
+                (bucket, m), (offset, size) = plan[s], spans[s]
                 captured = self._captured[bucket]
                 captured.inputs.copy_(device[offset:offset + size])
-                captured.inputs[:m * bucket.rows:bucket.rows].copy_(last[:m])  # the tokens: the last step's choices
+                captured.inputs[:m * bucket.rows:bucket.rows].copy_(chosen[:m])  # the tokens: the last choices
                 captured.graph.replay()
                 self.replays += 1
                 self.chained_steps += 1
-                logits = captured.logits[:m * bucket.rows:bucket.rows]  # each session's one row
-                last = logits.argmax(dim=-1)  # the first of equal maxima, as the draft's own choice
-                tokens[s, :m] = last
-                probs[s, :m] = torch.softmax(logits.float(), dim=-1).gather(1, last[:, None])[:, 0]
+                last = captured.logits[:m * bucket.rows:bucket.rows]  # each session's one row
             for c, k in zip(cs, counts):
                 if not c.freed:
                     c.length += k
@@ -453,7 +468,7 @@ class StaticForward:
             self.pages.end_pass()
         out_tokens, out_probs = [None] * len(caches), [None] * len(caches)
         for j, i in enumerate(order):
-            out_tokens[i], out_probs[i] = tokens[j][:counts[j]], probs[j][:counts[j]]
+            out_tokens[i], out_probs[i] = tokens[j][:counts[j] + 1], probs[j][:counts[j] + 1]
         return out_tokens, out_probs, sum(m for _, m in plan)
 
     def _chain_staging(self, size: int) -> torch.Tensor:

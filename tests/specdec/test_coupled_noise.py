@@ -95,3 +95,86 @@ def test_the_draft_and_the_target_agree_more_often_the_closer_q_is_to_p():
         assert agree >= (1 - tv) / (1 + tv) - 0.03, (tv, agree)
         if tv == 0:
             assert agree == 1.0
+
+
+# ---- the same choices made on the device (DeviceChoices: a chain of draft steps) ----------------
+
+
+def test_the_device_noise_is_the_hosts_bit_for_bit():
+    """The integer hash in int64 tensors gives the host's uint32 values exactly, over a whole
+    vocabulary and seeds up to 2**64 - 1: the exponentials differ only where torch's float64 log
+    rounds otherwise than numpy's (its last bit, a few in a thousand here)."""
+    from specdec.sampling import _position_key, coupling_exponentials_on
+
+    ids = np.arange(VOCAB, dtype=np.uint32)
+    cases = [(0, 0), (1, 2), (2**64 - 1, 12345), (987654321987654321, 7)]
+    keys = torch.tensor([_position_key(seed, position) for seed, position in cases], dtype=torch.long)
+    ours = coupling_exponentials_on(keys, VOCAB).numpy()
+    for row, (seed, position) in zip(ours, cases):
+        theirs = coupling_exponentials(seed, position, ids)
+        np.testing.assert_allclose(row, theirs, rtol=2.3e-16, atol=0)  # an ulp: 2**-52 relative at most
+        assert np.count_nonzero(row != theirs) < VOCAB // 100  # a wrong hash would differ nearly everywhere
+
+
+ROWS = [  # each row's params in one batch: greedy and coupled rows mixed, every truncation
+    dict(temperature=0.0),
+    dict(temperature=0.7, coupling_seed=5),
+    dict(temperature=1.3, top_k=20, coupling_seed=2**64 - 1),
+    dict(temperature=1.0, top_p=0.8, coupling_seed=11),
+    dict(temperature=0.9, min_p=0.05, top_k=40, top_p=0.9, coupling_seed=3),
+    dict(temperature=1.1, top_k=10_000, coupling_seed=8),  # top-k beyond the vocabulary: off
+]
+
+
+@pytest.mark.parametrize("rows", [[0], [1], list(range(len(ROWS)))], ids=["greedy", "coupled", "mixed"])
+def test_device_choices_are_the_hosts(rows):
+    """A chain's choices on the device (DeviceChoices) are the host's: the argmax for greedy rows,
+    coupled_choice over process_logits' distribution for coupled ones, each row at its own
+    position, with the draft's probability of each choice."""
+    from specdec.protocol import SamplingParams
+    from specdec.sampling import DeviceChoices, process_logits
+
+    params = [SamplingParams(**ROWS[i]) for i in rows]
+    n, choices = 3000, 4
+    positions = [17 + 5 * i for i in range(len(params))]
+    rules = DeviceChoices(params, positions, choices)
+    rules.bind(torch.from_numpy(rules.words()))
+    g = torch.Generator().manual_seed(0)
+    agreed = 0
+    for k in range(choices):
+        for m in (len(params), 1):  # every row, then a chain's shorter prefix
+            logits = torch.randn(m, n, generator=g, dtype=torch.float64) * 3
+            tokens, probs = rules.choose(logits, k, True)
+            for i in range(m):
+                p = params[i]
+                if p.greedy:
+                    want = int(logits[i].argmax())
+                    want_prob = float(torch.softmax(logits[i].float(), -1)[want])
+                else:
+                    q = process_logits(logits[i], p, n)
+                    want = coupled_choice(q, p.coupling_seed, positions[i] + k)
+                    want_prob = q.prob_of(want)
+                assert int(tokens[i]) == want
+                assert float(probs[i]) == pytest.approx(want_prob, rel=1e-5)
+                agreed += 1
+            assert rules.choose(logits, k, False)[1] is None
+    assert agreed == choices * (len(params) + 1)
+
+
+def test_device_choices_of_a_coupled_row_follow_its_distribution():
+    """Over many seeds a coupled row's device choice is an exact draw from its top-p distribution
+    (chi-square, which fails for the untruncated one): the truncation and the noise both hold."""
+    from specdec.protocol import SamplingParams
+    from specdec.sampling import DeviceChoices
+
+    logits = torch.log(torch.tensor([0.4, 0.25, 0.2, 0.1, 0.04, 0.01]))
+    seeds = range(6000)
+    params = [SamplingParams(temperature=1.0, top_p=0.8, coupling_seed=s) for s in seeds]
+    rules = DeviceChoices(params, [9] * len(params), 1)
+    rules.bind(torch.from_numpy(rules.words()))
+    tokens, _ = rules.choose(logits.expand(len(params), -1), 0, False)
+    counts = np.bincount(tokens.numpy(), minlength=6)
+    assert counts[3:].sum() == 0  # top-p 0.8 keeps the first three
+    nucleus = np.array([0.4, 0.25, 0.2]) / 0.85
+    assert stats.chisquare(counts[:3], nucleus * len(seeds)).pvalue > 1e-3
+    assert stats.chisquare(counts[:4] + 1e-9, np.array([0.4, 0.25, 0.2, 0.1]) / 0.95 * len(seeds)).pvalue < 1e-3

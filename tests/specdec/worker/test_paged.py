@@ -223,28 +223,39 @@ def test_sampled_choices_on_pages_match_dynamic_caches(paged_decoder, target_eng
     assert (target._pages.free_pages, draft._pages.free_pages) == free
 
 
+CHAINED = {  # each session's sampling in a chain: greedy, coupled, or both kinds in one chain
+    "greedy": [dict(temperature=0.0)] * 3,
+    "coupled": [dict(temperature=0.8, coupling_seed=7), dict(temperature=1.2, top_k=30, coupling_seed=2**64 - 1),
+                dict(temperature=1.0, top_p=0.9, min_p=0.02, coupling_seed=1)],
+    "mixed": [dict(temperature=1.0, coupling_seed=3), dict(temperature=0.0), dict(temperature=0.6, coupling_seed=4)],
+}
+
+
+@pytest.mark.parametrize("kind", list(CHAINED))
 @pytest.mark.parametrize("p_min", [0.0, 0.3])
-def test_greedy_drafts_chain_on_the_device(paged_decoder, draft_engine, p_min):
-    """A batch of greedy Proposes on pages runs one pass and then its steps back to back on the
-    device (StaticForward.chain), gammas of their own: the proposals, and where p_min stops a
-    call, where it stops, are those the DynamicCache draft makes a pass at a time; the steps past a
-    stop wait as drafts made ahead, taken by the next call that agrees."""
+def test_drafts_chain_on_the_device(paged_decoder, draft_engine, p_min, kind):
+    """A batch of greedy or coupled Proposes on pages runs one pass and then its steps back to
+    back on the device (StaticForward.chain), gammas of their own, each choice made there: the
+    proposals, and where p_min stops a call, where it stops, are those the DynamicCache draft makes
+    a pass at a time on the host; the steps past a stop wait as drafts made ahead, taken by the
+    next call that agrees."""
     from specdec.protocol import SamplingParams
     from specdec.wire import DraftOptions, ProposeCall
     from tests.orchestrator.test_greedy_equivalence import PROMPTS
 
     _, target, draft = paged_decoder
     options = DraftOptions(p_min=p_min)
-    params = SamplingParams(temperature=0.0)
+    sampling = [SamplingParams(**p) for p in CHAINED[kind]]
     prompts = [draft.tokenizer(p).input_ids for p in PROMPTS[:3]]
+    name = f"chain-{kind}-{p_min}"
     for engine in (draft, draft_engine):
         for i, ids in enumerate(prompts):
-            engine.open_session(f"chain-{p_min}-{i}", ids)
+            engine.open_session(f"{name}-{i}", ids)
     gammas = [5, 2, 7]
 
     def calls():
-        return [ProposeCall(f"chain-{p_min}-{i}", len(ids), [], g, params, seed=0, options=options)
-                for i, (ids, g) in enumerate(zip(prompts, gammas))]
+        return [ProposeCall(f"{name}-{i}", len(ids), [], g, params, seed=0, options=options)
+                for i, (ids, g, params) in enumerate(zip(prompts, gammas, sampling))]
 
     passes, chained = draft._batcher.passes, draft._forward.chained_steps
     ours = draft.propose_batch(calls())
@@ -257,7 +268,7 @@ def test_greedy_drafts_chain_on_the_device(paged_decoder, draft_engine, p_min):
         assert any(len(o) < g for o, g in zip(ours, gammas))  # p_min stopped some call early
     for i, ids in enumerate(prompts):  # the next round: a call that agrees takes what was drafted on
         made = [p.token_id for p in ours[i]]
-        again = draft.propose(f"chain-{p_min}-{i}", len(ids), [], gammas[i], params, 0, options)
+        again = draft.propose(f"{name}-{i}", len(ids), [], gammas[i], sampling[i], 0, options)
         assert [p.token_id for p in again] == made
         for engine in (draft, draft_engine):
-            engine.close_session(f"chain-{p_min}-{i}")
+            engine.close_session(f"{name}-{i}")
