@@ -12,7 +12,10 @@
 #     of 4 drafts on code: 0.8 to 0.85 a position), speculation on/off, goodput policy and fixed
 #     gamma, the workers on CUDA graphs (their default);
 #   serve-1.5b-eager: the same at one client with --cuda-graphs off (the ablation);
-#   serve-7b: a 7B target with the 0.5B draft, one and four clients.
+#   serve-7b: a 7B target with the 0.5B draft, one and four clients;
+#   tests-cuda: the tests that need a GPU (pytest -k cuda, ~1-2 min; not in the default: run it in a
+#     second call while the machine is warm): the captured pass against the lean pass, chained
+#     drafts against eager ones, choices on the device against the host's, the step loop.
 # Each step writes into OUT as it goes and a failed step does not stop the next; everything ends
 # up in OUT/results.tar.gz and OUT/log.txt (the device tool brings back few files).
 set -u
@@ -52,6 +55,12 @@ serve() {  # serve NAME TARGET LEVELS SETUPS: bench-serve with the 0.5B draft
   pack
 }
 
+if want tests-cuda; then
+  step tests-cuda
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests/specdec/worker/test_paged.py \
+    tests/specdec/test_coupled_noise.py tests/orchestrator/test_steps.py >"$out/r/tests-cuda.log" 2>&1
+  tail -30 "$out/r/tests-cuda.log"
+fi
 want passes-1.5b && passes 1.5b --sessions 1,4,16 --rows 1,2,5,8
 want serve-7b && wait && serve 7b 7b 1,4 default,gamma-policy=fixed
 want passes-0.5b && passes 0.5b --role draft --draft-vocab 32768 --rows 1,2,5

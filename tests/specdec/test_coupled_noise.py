@@ -100,16 +100,21 @@ def test_the_draft_and_the_target_agree_more_often_the_closer_q_is_to_p():
 # ---- the same choices made on the device (DeviceChoices: a chain of draft steps) ----------------
 
 
-def test_the_device_noise_is_the_hosts_bit_for_bit():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                  reason="no CUDA device here"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_device_noise_is_the_hosts(device):
     """The integer hash in int64 tensors gives the host's uint32 values exactly, over a whole
     vocabulary and seeds up to 2**64 - 1: the exponentials differ only where torch's float64 log
-    rounds otherwise than numpy's (its last bit, a few in a thousand here)."""
+    rounds otherwise than numpy's (its last bit, a few in a thousand on this CPU)."""
     from specdec.sampling import _position_key, coupling_exponentials_on
 
     ids = np.arange(VOCAB, dtype=np.uint32)
     cases = [(0, 0), (1, 2), (2**64 - 1, 12345), (987654321987654321, 7)]
-    keys = torch.tensor([_position_key(seed, position) for seed, position in cases], dtype=torch.long)
-    ours = coupling_exponentials_on(keys, VOCAB).numpy()
+    keys = torch.tensor([_position_key(seed, position) for seed, position in cases], dtype=torch.long, device=device)
+    ours = coupling_exponentials_on(keys, VOCAB).cpu().numpy()
     for row, (seed, position) in zip(ours, cases):
         theirs = coupling_exponentials(seed, position, ids)
         np.testing.assert_allclose(row, theirs, rtol=2.3e-16, atol=0)  # an ulp: 2**-52 relative at most
@@ -126,8 +131,9 @@ ROWS = [  # each row's params in one batch: greedy and coupled rows mixed, every
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [[0], [1], list(range(len(ROWS)))], ids=["greedy", "coupled", "mixed"])
-def test_device_choices_are_the_hosts(rows):
+def test_device_choices_are_the_hosts(rows, device):
     """A chain's choices on the device (DeviceChoices) are the host's: the argmax for greedy rows,
     coupled_choice over process_logits' distribution for coupled ones, each row at its own
     position, with the draft's probability of each choice."""
@@ -138,13 +144,13 @@ def test_device_choices_are_the_hosts(rows):
     n, choices = 3000, 4
     positions = [17 + 5 * i for i in range(len(params))]
     rules = DeviceChoices(params, positions, choices)
-    rules.bind(torch.from_numpy(rules.words()))
+    rules.bind(torch.from_numpy(rules.words()).to(device))
     g = torch.Generator().manual_seed(0)
     agreed = 0
     for k in range(choices):
         for m in (len(params), 1):  # every row, then a chain's shorter prefix
             logits = torch.randn(m, n, generator=g, dtype=torch.float64) * 3
-            tokens, probs = rules.choose(logits, k, True)
+            tokens, probs = (t.cpu() for t in rules.choose(logits.to(device), k, True))
             for i in range(m):
                 p = params[i]
                 if p.greedy:
@@ -157,7 +163,7 @@ def test_device_choices_are_the_hosts(rows):
                 assert int(tokens[i]) == want
                 assert float(probs[i]) == pytest.approx(want_prob, rel=1e-5)
                 agreed += 1
-            assert rules.choose(logits, k, False)[1] is None
+            assert rules.choose(logits.to(device), k, False)[1] is None
     assert agreed == choices * (len(params) + 1)
 
 

@@ -13,7 +13,8 @@ from transformers import DynamicCache
 from specdec.errors import ResourceExhausted
 from specdec.worker.batching import RaggedCache
 from specdec.worker.forward import lean_forward
-from specdec.worker.paged import PAGE, EagerGraph, KVPages, StaticForward, buckets_for, pick_bucket, static_forward_fits
+from specdec.worker.paged import (PAGE, CudaGraph, EagerGraph, KVPages, StaticForward, buckets_for, pick_bucket,
+                                  static_forward_fits)
 from tests.specdec.worker.test_forward import SHAPE, _model
 
 
@@ -58,14 +59,23 @@ SCRIPT = [
 ]
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
-@pytest.mark.parametrize("graph", [None, EagerGraph], ids=["eager", "buckets"])
+@pytest.mark.parametrize("graph", [None, EagerGraph, pytest.param(CudaGraph, marks=CUDA)],
+                         ids=["eager", "buckets", "cuda"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @torch.inference_mode()
-def test_the_static_pass_computes_the_lean_pass(kind, graph, dtype):
+def test_the_static_pass_computes_the_lean_pass(kind, graph, dtype, monkeypatch):
     """float64: the same computation to rounding; float32 also runs the fused norm (one rounding
-    where transformers has two) and every other kernel a GPU pass runs."""
+    where transformers has two) and every other kernel a GPU pass runs. cuda: captured CUDA
+    graphs on the GPU (TF32 off), against the lean pass there."""
     model = _model(kind, dtype)
+    device = "cuda" if graph is CudaGraph else "cpu"
+    if device == "cuda":
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        model = model.to(device)
     assert static_forward_fits(model)
     pages, forward = _static(model, graph)
     free_at_start = pages.free_pages
@@ -98,8 +108,9 @@ def test_the_static_pass_computes_the_lean_pass(kind, graph, dtype):
                                                                    theirs[s].get_seq_length() + new[s])]])
         keep = torch.tensor([i for i in range(ids.shape[1]) if i % 2 == 0 or i == ids.shape[1] - 1])
         rows = [new[s] for s in order]
-        got = forward(ids, positions, RaggedCache([ours[s] for s in order], rows), keep)
-        want = lean_forward(model, ids, positions, RaggedCache([theirs[s] for s in order], rows), keep)
+        got = forward(ids, positions, RaggedCache([ours[s] for s in order], rows), keep).cpu()
+        want = lean_forward(model, ids.to(device), positions.to(device), RaggedCache([theirs[s] for s in order], rows),
+                            keep.to(device)).cpu()
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10 if dtype == torch.float64 else 1e-5)
         for s in order:
@@ -239,16 +250,42 @@ def test_drafts_chain_on_the_device(paged_decoder, draft_engine, p_min, kind):
     proposals, and where p_min stops a call, where it stops, are those the DynamicCache draft makes
     a pass at a time on the host; the steps past a stop wait as drafts made ahead, taken by the
     next call that agrees."""
+    _check_chain(paged_decoder[2], draft_engine, kind, p_min)
+
+
+@CUDA
+@pytest.mark.parametrize("kind", list(CHAINED))
+def test_on_cuda_chained_drafts_are_the_drafts_of_eager_passes(model_dirs, kind, monkeypatch):
+    """The same on a GPU (float32, TF32 off): Proposes chained over captured CUDA graphs propose
+    what the same draft proposes with every pass eager (--cuda-graphs off)."""
+    from draft_service.engine import DraftEngine
+    from specdec.modeling import load_model
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    options = dict(max_sessions=16, max_cached_tokens=4096)
+    graphs = DraftEngine(load_model(str(model_dirs["draft"]), device="cuda", dtype="float32"), **options)
+    eager = DraftEngine(load_model(str(model_dirs["draft"]), device="cuda", dtype="float32"), kv_pages=True,
+                        cuda_graphs=False, **options)
+    try:
+        assert graphs.chains and not eager.chains
+        _check_chain(graphs, eager, kind, 0.3)
+    finally:
+        graphs.close()
+        eager.close()
+
+
+def _check_chain(draft, reference, kind: str, p_min: float) -> None:
+    """Three sessions' Proposes of gammas 5, 2 and 7 in one batch on `draft` (whose passes chain)
+    propose what `reference` proposes; the next call takes what the chain drafted past a stop."""
     from specdec.protocol import SamplingParams
     from specdec.wire import DraftOptions, ProposeCall
     from tests.orchestrator.test_greedy_equivalence import PROMPTS
 
-    _, target, draft = paged_decoder
     options = DraftOptions(p_min=p_min)
     sampling = [SamplingParams(**p) for p in CHAINED[kind]]
     prompts = [draft.tokenizer(p).input_ids for p in PROMPTS[:3]]
     name = f"chain-{kind}-{p_min}"
-    for engine in (draft, draft_engine):
+    for engine in (draft, reference):
         for i, ids in enumerate(prompts):
             engine.open_session(f"{name}-{i}", ids)
     gammas = [5, 2, 7]
@@ -261,7 +298,7 @@ def test_drafts_chain_on_the_device(paged_decoder, draft_engine, p_min, kind):
     ours = draft.propose_batch(calls())
     assert draft._batcher.passes - passes == 1  # the draft steps did not come back through the batcher
     assert draft._forward.chained_steps - chained == max(gammas) - 1
-    theirs = draft_engine.propose_batch(calls())
+    theirs = reference.propose_batch(calls())
     for o, t in zip(ours, theirs):
         assert [p.token_id for p in o] == [p.token_id for p in t]
     if p_min:
@@ -270,5 +307,5 @@ def test_drafts_chain_on_the_device(paged_decoder, draft_engine, p_min, kind):
         made = [p.token_id for p in ours[i]]
         again = draft.propose(f"{name}-{i}", len(ids), [], gammas[i], sampling[i], 0, options)
         assert [p.token_id for p in again] == made
-        for engine in (draft, draft_engine):
+        for engine in (draft, reference):
             engine.close_session(f"{name}-{i}")
