@@ -281,6 +281,7 @@ class RequestRecord:
     link_rtt_ms: float | None = None  # --link-rtt-ms; None: no proxy
     api: str = "grpc"  # --api
     ms_per_token: float | None = None  # (latency - TTFT) / (tokens after the first): the gap between tokens
+    longest_gap_s: float | None = None  # the longest wait between two streamed tokens (a stall)
     round: int = 0  # --rounds: which of the level's rounds
     token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -326,6 +327,8 @@ def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
                                     max(sum(r.suffix_drafted_tokens for r in ok), 1)
                                     if any(r.suffix_drafted_tokens for r in ok) else None, 3),
         "ms_per_token_p50": _round(percentile([r.ms_per_token for r in ok if r.ms_per_token is not None], 50), 2),
+        # each request's longest wait between two tokens, p95 over the requests: the stalls a user sees
+        "longest_gap_p95_s": _round(percentile([r.longest_gap_s for r in ok if r.longest_gap_s is not None], 95)),
         **round_split(ok),
     }
 
@@ -464,6 +467,7 @@ TABLE_COLUMNS = [
     ("mean_request_tok_s", "tok/s per request", "{:.2f}"), ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
     ("ttft_p95_s", "TTFT p95 s", "{:.3f}"), ("latency_p50_s", "latency p50 s", "{:.3f}"),
     ("latency_p95_s", "latency p95 s", "{:.3f}"), ("ms_per_token_p50", "ms/token after the first p50", "{:.1f}"),
+    ("longest_gap_p95_s", "longest gap p95 s", "{:.3f}"),
     ("acceptance_rate", "acceptance", "{:.3f}"),
     ("mean_gamma", "gamma", "{:g}"), ("suffix_share", "suffix share of drafts", "{:.2f}"),
     ("suffix_acceptance", "suffix acceptance", "{:.3f}"), ("rpcs_per_token", "RPCs/token", "{:.2f}"),
@@ -492,16 +496,18 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _one_request(client, mode: Mode, prompt: str, a: argparse.Namespace, seed: int, progress=None):
-    """Streams one request; returns (latency_s, ttft_s, token_ids, finish_reason, stats).
+    """Streams one request; returns (latency_s, ttft_s, token_ids, finish_reason, stats,
+    longest_gap_s: the longest wait between two chunks with tokens, None for fewer than two).
     progress: called with the tokens received so far, after each chunk that brings some."""
     kwargs = dict(messages=[{"role": "user", "content": prompt}], max_new_tokens=a.max_new_tokens,
                   temperature=a.temperature, gamma=mode.gamma)
     if a.temperature > 0:
         kwargs["seed"] = seed
-    token_ids, ttft, finish, stats = [], None, "", {}
+    token_ids, ttft, finish, stats, gaps = [], None, "", {}, _Gaps()
     t0 = time.perf_counter()
     for chunk in client.stream(**kwargs):
         if chunk.token_ids:
+            gaps.tick()
             if ttft is None:
                 ttft = time.perf_counter() - t0
             token_ids.extend(chunk.token_ids)
@@ -509,7 +515,20 @@ def _one_request(client, mode: Mode, prompt: str, a: argparse.Namespace, seed: i
                 progress(len(token_ids))
         if chunk.stats is not None:
             finish, stats = chunk.finish_reason or "", chunk.stats
-    return time.perf_counter() - t0, ttft, token_ids, finish, stats
+    return time.perf_counter() - t0, ttft, token_ids, finish, stats, gaps.longest
+
+
+class _Gaps:
+    """The longest wait between two ticks (None before the second)."""
+
+    def __init__(self):
+        self.last, self.longest = None, None
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.last is not None:
+            self.longest = max(self.longest or 0.0, now - self.last)
+        self.last = now
 
 
 class HttpClient:
@@ -544,12 +563,14 @@ class HttpClient:
 
 def _one_http_request(client: HttpClient, mode: Mode, prompt: str, a: argparse.Namespace, seed: int,
                       progress=None):
-    """As _one_request, over HTTP: (latency_s, ttft_s, [], finish_reason, stats with the token count);
-    progress counts events with text (a step's tokens each)."""
-    ttft, finish, stats, events = None, "", {}, 0
+    """As _one_request, over HTTP: (latency_s, ttft_s, [], finish_reason, stats with the token count,
+    longest_gap_s); progress counts events with text (a step's tokens each)."""
+    ttft, finish, stats, events, gaps = None, "", {}, 0, _Gaps()
     t0 = time.perf_counter()
     for text, finish_reason, usage in client.stream([{"role": "user", "content": prompt}], a.max_new_tokens,
                                                     a.temperature, mode.gamma, seed if a.temperature > 0 else None):
+        if text:
+            gaps.tick()
         if text and ttft is None:
             ttft = time.perf_counter() - t0
         if text and progress is not None:
@@ -559,7 +580,7 @@ def _one_http_request(client: HttpClient, mode: Mode, prompt: str, a: argparse.N
             finish = finish_reason
         if usage:
             stats = {"generated_tokens": usage["completion_tokens"]}
-    return time.perf_counter() - t0, ttft, [], finish, stats
+    return time.perf_counter() - t0, ttft, [], finish, stats, gaps.longest
 
 
 def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: argparse.Namespace,
@@ -615,8 +636,8 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
             t_start = time.perf_counter() - t_level[0]
             rec = RequestRecord(mode.name, level, i, p, thread, round(t_start, 4), 0.0, None, 0, 0.0)
             try:
-                latency, ttft, ids, finish, stats = one(clients[thread], mode, text, a, seed=p + 1,
-                                                        progress=lead_progress if first else None)
+                latency, ttft, ids, finish, stats, rec.longest_gap_s = one(
+                    clients[thread], mode, text, a, seed=p + 1, progress=lead_progress if first else None)
                 rec.latency_s, rec.ttft_s, rec.token_ids, rec.finish_reason = latency, ttft, ids, finish
                 rec.generated_tokens = stats.get("generated_tokens", len(ids))
                 rec.tokens_per_s = rec.generated_tokens / latency if latency > 0 else 0.0
@@ -743,7 +764,7 @@ def write_outputs(out: Path, records: list[RequestRecord], rows: list[dict], met
         for r in records:
             row = {k: v for k, v in asdict(r).items() if k != "token_ids"}
             for k in ("latency_s", "ttft_s", "tokens_per_s", "server_total_s", "server_prefill_s", "server_draft_s",
-                      "server_verify_s", "server_draft_compute_s", "server_verify_compute_s"):
+                      "server_verify_s", "server_draft_compute_s", "server_verify_compute_s", "longest_gap_s"):
                 row[k] = _round(row[k])
             w.writerow(row)
     with open(out / "summary.csv", "w", newline="") as f:

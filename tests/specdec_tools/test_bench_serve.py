@@ -302,6 +302,7 @@ def test_smoke_grpc_and_http_side_by_side(tmp_path, capsys):
                                                                           ("http", 2)}
     for row in summary["levels"]:
         assert row["errors"] == 0 and row["generated_tokens"] > 0 and row["ms_per_token_p50"] > 0, row
+        assert row["longest_gap_p95_s"] > 0, row  # each request streamed its tokens in more than one chunk
     assert "| http | off | 2 |" in printed
     assert summary["outputs"]["identical"] and rc == 0
 
@@ -325,7 +326,7 @@ def test_staggered_arrivals_join_one_client_at_a_time(monkeypatch, arrivals):
                 progress(n)
             with lock:
                 events.append(("token", seed, n))
-        return 0.1, 0.01, [1] * a.max_new_tokens, "length", {"generated_tokens": a.max_new_tokens}
+        return 0.1, 0.01, [1] * a.max_new_tokens, "length", {"generated_tokens": a.max_new_tokens}, 0.002
 
     monkeypatch.setattr(bs, "_one_request", fake_request)
     monkeypatch.setattr("orchestrator.client.Client", lambda *args, **kwargs: types.SimpleNamespace(close=lambda: None))
