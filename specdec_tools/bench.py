@@ -93,7 +93,12 @@ def fill_similar(template: str, name: str) -> str:
     return template.format(name=name, Name="".join(part.capitalize() for part in name.split("_")))
 
 
-PROMPT_SETS = {"fresh": FRESH, "edit": EDIT, "similar": SIMILAR}
+# long prompts (~600 tokens, as a chat with history or a retrieved context): each code edit asked
+# below the code of all six, so that a prompt's prefill takes seconds on a CPU while other
+# requests decode
+_CONTEXT = "Here is some of our code, for context:\n\n" + "\n\n".join(p[p.index("```"):] for p in EDIT)
+LONG = [f"{_CONTEXT}\n\nNow the task. {p}" for p in EDIT]
+PROMPT_SETS = {"fresh": FRESH, "edit": EDIT, "similar": SIMILAR, "long": LONG}
 PROMPTS = FRESH
 MODES = {  # sampled requests carry a seed: each names how it draws (coupled is the server's default with a seed)
     "greedy": dict(temperature=0.0, top_p=1.0),

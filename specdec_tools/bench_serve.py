@@ -222,11 +222,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "about c); staggered: client k sends its first request once the first client's first request "
                         "has k/c of --max-new-tokens, so requests end and join one at a time (default together)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
-    p.add_argument("--prompt-set", default="fresh", choices=["fresh", "edit", "similar"],
+    p.add_argument("--prompt-set", default="fresh", choices=["fresh", "edit", "similar", "long"],
                    help="fresh: code written from scratch (specdec_tools.bench.FRESH); edit: code edits whose answers "
                         "re-use the prompt's code (EDIT, 6 prompts); similar: a batch job, four kinds of code each "
                         "request for another name (SIMILAR; no two requests of the run alike, so greedy outputs are "
-                        "not compared; pair with --suffix-cache on)")
+                        "not compared; pair with --suffix-cache on); long: each edit below the code of all six "
+                        "(LONG, ~600 tokens: prefills that take seconds on a CPU while other requests decode)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
                    help=f"the first N of specdec_tools.bench.PROMPTS, or comma-separated indices "
                         f"(default {DEFAULT_PROMPTS})")

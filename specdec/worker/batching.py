@@ -45,6 +45,17 @@ log = logging.getLogger(__name__)
 
 ATTENTION = "specdec_ragged"
 DEFAULT_MAX_BATCH_TOKENS = FLAGS.default("max_batch_tokens")
+# Decoding work reaches a worker in bursts (the target verifies while the draft drafts, and the
+# other way round): between them only prefills are queued, and a pass started then would run a
+# whole --max-batch-tokens chunk while the decoding sessions' next work waits behind it (seconds
+# on a CPU at 512 rows). So while sessions decode, meaning decoding work is queued or a session
+# still open had some in a pass within the last DECODING_WINDOW_S, a pass takes at most
+# --max-prefill-tokens-while-decoding prompt rows (a lone request's prompt, its predecessor's
+# sessions closed, still runs in one pass). On CPU 128 by default: with four clients sending
+# ~600-token prompts, the longest waits between streamed tokens went from 5.5-7.7 s to 1.3-2.2 s,
+# throughput and time to first token unchanged (docs/benchmarks/prefill-while-decoding).
+CPU_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
+DECODING_WINDOW_S = 5.0  # longer than a pass of --max-batch-tokens rows on a CPU (a session waits behind one)
 # Lockstep: a session whose result a pass just delivered comes back one round trip later (a few ms
 # over gRPC: the orchestrator samples, then sends the next call). A pass that started the moment
 # the first of them arrived would leave the others to the next pass, and passes of one and of
@@ -247,8 +258,9 @@ class Pass:
         return sum(n for _, n in self.items)
 
 
-def plan_pass(pending: deque, max_tokens: int) -> Pass:
-    """Takes work from the front of `pending` for one pass of at most max_tokens rows.
+def plan_pass(pending: deque, max_tokens: int, max_prefill: int | None = None) -> Pass:
+    """Takes work from the front of `pending` for one pass of at most max_tokens rows, of them at
+    most max_prefill (default: max_tokens) prefill rows.
 
     A work item whose tokens do not fit is cut (a prefill chunk), as long as the logits it needs
     come from its last part; the rest stays at the front of the queue for the next pass. The
@@ -256,24 +268,32 @@ def plan_pass(pending: deque, max_tokens: int) -> Pass:
 
     Decoding work (draft steps, verify passes) goes first and prefills take the rows left over, as
     vLLM's scheduler does: a long prompt arriving is cut into chunks that ride along with the
-    decoding sessions' passes instead of stalling them for a whole prefill."""
+    decoding sessions' passes instead of stalling them for a whole prefill. The Batcher passes a
+    smaller max_prefill while sessions decode (DECODING_WINDOW_S), since their work may arrive
+    just after a pass of only prefills has begun."""
     if any(w.kind == "prefill" for w in pending):
         ordered = sorted(pending, key=lambda w: w.kind == "prefill")  # stable: arrival order within each
         pending.clear()
         pending.extend(ordered)
     items, budget, deferred = [], max_tokens, []
+    prefill = max_tokens if max_prefill is None else min(max_prefill, max_tokens)
     while pending:
         work = pending.popleft()
         new = len(work.session.tokens) - work.session.cached
-        if new <= budget or not items and new - work.keep < 1:
+        room = min(budget, prefill) if work.kind == "prefill" else budget
+        if new <= room or not items and new - work.keep < 1:
+            taken = new
             items.append((work, new))
-            budget -= new
-        elif budget >= 1 and new - work.keep >= 1:
-            items.append((work, min(budget, new - work.keep)))  # a chunk; the item stays queued
+        elif room >= 1 and new - work.keep >= 1:
+            taken = min(room, new - work.keep)
+            items.append((work, taken))  # a chunk; the item stays queued
             deferred.append(work)
-            budget = 0
         else:
+            taken = 0
             deferred.append(work)
+        budget -= taken
+        if work.kind == "prefill":
+            prefill -= taken
         if budget <= 0:
             break
     pending.extendleft(reversed(deferred))
@@ -286,8 +306,14 @@ class Batcher:
     A pass starts as soon as the model thread is free (no waiting window): the work that arrived
     while the previous pass ran goes into the next one together."""
 
-    def __init__(self, run_pass: Callable[[Pass], None], max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS):
+    def __init__(self, run_pass: Callable[[Pass], None], max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 max_prefill_tokens_while_decoding: int | None = None):
+        """max_prefill_tokens_while_decoding: None or 0, max_batch_tokens."""
         self.max_batch_tokens = max_batch_tokens
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding or max_batch_tokens
+        # id(session) -> (session, when a pass last held its decoding work): _sessions_decode
+        self._decoding: dict[int, tuple[Any, float]] = {}
+        self._last_pass_decoded = False  # the last pass held decoding work (_wait_for_lockstep)
         self._run_pass = run_pass
         self._pending: deque[Work] = deque()
         self._wake = threading.Condition()
@@ -341,7 +367,8 @@ class Batcher:
                 if self._closed:
                     return
                 self._wait_for_lockstep()
-                batch = plan_pass(self._pending, self.max_batch_tokens)
+                batch = plan_pass(self._pending, self.max_batch_tokens,
+                                  self.max_prefill_tokens_while_decoding if self._sessions_decode() else None)
                 self._released.clear()
             self.passes += 1
             self.shared_passes += len(batch.items) > 1
@@ -357,9 +384,22 @@ class Batcher:
                     if not work.future.done():
                         work.future.set_exception(exc)
             self._last_pass_s = time.perf_counter() - t0
+            now = time.monotonic()
+            decoded = [work.session for work, _ in batch.items if work.kind != "prefill"]
+            self._decoding.update((id(session), (session, now)) for session in decoded)
+            self._last_pass_decoded = bool(decoded)
             with self._wake:
                 self._expected = {id(work.session) for work, _ in batch.items if work.future.done()} - self._released
             log.debug("pass: %d sessions, %d rows, %.1f ms", len(batch.items), batch.rows, self._last_pass_s * 1e3)
+
+    def _sessions_decode(self) -> bool:
+        """With the lock held: whether decoding work is queued, or a session still open had some
+        in a pass within DECODING_WINDOW_S (forgets the others)."""
+        now = time.monotonic()
+        for key, (session, at) in list(self._decoding.items()):
+            if getattr(session, "closed", False) or now - at >= DECODING_WINDOW_S:
+                del self._decoding[key]
+        return bool(self._decoding) or any(work.kind != "prefill" for work in self._pending)
 
     def _wait_for_lockstep(self) -> None:
         """With the lock held: waits (briefly, see LOCKSTEP_* and GATHER_MAX_S) for the last
@@ -367,10 +407,15 @@ class Batcher:
         now = time.monotonic()
         lockstep = now + min(LOCKSTEP_MAX_S, LOCKSTEP_FRACTION * self._last_pass_s)
         gather = now + GATHER_MAX_S
+        # a pass of prompt chunks alone right after one that held decoding work would leave those
+        # sessions' next calls (a round trip away; on a CPU, across cores the last pass kept busy)
+        # to wait a whole chunk: it waits for decoding work, at most 10% of the last pass
+        hold = now + LOCKSTEP_FRACTION * self._last_pass_s if self._last_pass_decoded else now
         while not self._closed:
             queued = {id(w.session) for w in self._pending}
             now = time.monotonic()
-            deadline = max(gather if self._awaited - queued else now, lockstep if self._expected - queued else now)
+            deadline = max(gather if self._awaited - queued else now, lockstep if self._expected - queued else now,
+                           now if any(w.kind != "prefill" for w in self._pending) else hold)
             left = deadline - now
             if left <= 0:
                 return

@@ -44,6 +44,10 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--max-workers", int, 64, "gRPC handler threads: calls mostly wait for the model thread"),
     Flag("--max-batch-tokens", int, 512,
          "most tokens (all sessions together) in one forward pass; a longer prefill is cut into chunks"),
+    Flag("--max-prefill-tokens-while-decoding", int, None,
+         "most prompt tokens in one pass while other sessions are decoding, so that their next step waits for "
+         "at most a chunk this long (default: 128 on CPU, where a pass's time grows with its rows; on a GPU "
+         "--max-batch-tokens, where a prefill pass costs about the same at any size up to it)"),
     Flag("--cuda-graphs", default="on", choices=["on", "off"],
          help="on CUDA: decoding passes replay CUDA graphs captured at start-up over a KV cache of pages "
               "(off: the same passes eager, as vLLM's --enforce-eager)"),
@@ -75,6 +79,7 @@ class WorkerConfig(ServedConfig, GrammarConfig):
     drain_timeout_s: float = FLAGS.default("drain_timeout_s")
     max_workers: int = FLAGS.default("max_workers")
     max_batch_tokens: int = FLAGS.default("max_batch_tokens")
+    max_prefill_tokens_while_decoding: int = FLAGS.default("max_prefill_tokens_while_decoding")
     cuda_graphs: str = FLAGS.default("cuda_graphs")  # on CUDA: replay captured decoding passes
     pass_lock: str | None = None  # workers sharing cores lock this file around each pass
     log_level: str = FLAGS.default("log_level")

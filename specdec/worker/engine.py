@@ -35,7 +35,8 @@ from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
 from specdec import telemetry as t
 from specdec.threads import PassLock
 from specdec.wire import ModelInfo
-from specdec.worker.batching import (DEFAULT_MAX_BATCH_TOKENS, Batcher, Chain, Pass, RaggedCache, Work, grow_append,
+from specdec.worker.batching import (CPU_MAX_PREFILL_TOKENS_WHILE_DECODING, DEFAULT_MAX_BATCH_TOKENS, Batcher,
+                                     Chain, Pass, RaggedCache, Work, grow_append,
                                      use_ragged_attention)
 from specdec.worker.forward import NativeForward, model_forward
 from specdec.worker.paged import PAGE, CudaGraph, KVPages, StaticForward, static_forward_fits
@@ -172,6 +173,7 @@ class WorkerEngine:
         model_thread: ThreadPoolExecutor | None = None,
         session_ttl_s: float = 600.0,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        max_prefill_tokens_while_decoding: int | None = None,
         pass_lock: str | None = None,
         grammar_limits=None,
         kv_pages: bool | None = None,
@@ -231,7 +233,9 @@ class WorkerEngine:
             graph = None
             self._forward = model_forward(self.model)  # specdec/worker/forward.py: native or lean for Llama/Qwen2
             self._forward_device = self.input_device
-        self._batcher = Batcher(self._run_pass, max_batch_tokens)
+        if max_prefill_tokens_while_decoding is None:  # on a GPU an eager prefill pass costs about the same at any size
+            max_prefill_tokens_while_decoding = CPU_MAX_PREFILL_TOKENS_WHILE_DECODING if not cuda else 0
+        self._batcher = Batcher(self._run_pass, max_batch_tokens, max_prefill_tokens_while_decoding)
         # the calls of a batched RPC run on threads of their own, their passes shared (run_calls)
         self._call_pool = ThreadPoolExecutor(max_workers=max(1, max_sessions), thread_name_prefix="call")
         self._pass_lock = PassLock(pass_lock)  # specdec/threads.py: passes of co-located workers take turns

@@ -49,6 +49,7 @@ class WorkerRole:
                             quantization=config.quantization, head_rows=config.draft_vocab, role=config.role)
         return self.engine_class(loaded, max_sessions=config.max_sessions, max_cached_tokens=config.max_cached_tokens,
                                  session_ttl_s=config.session_ttl_s, max_batch_tokens=config.max_batch_tokens,
+                                 max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
                                  pass_lock=config.pass_lock, grammar_limits=GrammarLimits.from_config(config),
                                  cuda_graphs=config.cuda_graphs == "on", prefix_cache_tokens=config.prefix_cache_tokens)
 

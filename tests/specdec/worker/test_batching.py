@@ -3,6 +3,7 @@ of its own gives; passes are planned within --max-batch-tokens, long prefills in
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,6 +51,93 @@ def test_work_that_does_not_fit_waits_without_losing_its_place():
     pending = deque([a, big, c])
     assert [(w, n) for w, n in plan_pass(pending, max_tokens=8).items] == [(a, 1), (c, 1)]
     assert list(pending) == [big]
+
+
+def prefill(tokens):
+    return Work(FakeSession(tokens, 0), 1, "prefill", lambda x: x, None)
+
+
+def test_a_prefill_takes_at_most_max_prefill_rows_of_a_pass():
+    decode, long, short = work(11, 10), prefill(300), prefill(50)
+    pending = deque([long, decode, short])
+    planned = plan_pass(pending, max_tokens=512, max_prefill=128)
+    assert [(w, n) for w, n in planned.items] == [(decode, 1), (long, 128)]  # decoding first, then one chunk
+    assert list(pending) == [long, short]
+    assert [(w, n) for w, n in plan_pass(pending, max_tokens=512).items] == [(long, 300), (short, 50)]
+
+
+def test_the_batcher_cuts_prefills_short_only_while_sessions_decode(monkeypatch):
+    """A prefill with nothing decoding runs in one pass; while sessions decode (open, a pass held
+    their work within DECODING_WINDOW_S), in chunks of --max-prefill-tokens-while-decoding, so that
+    the decoding sessions' next step never waits behind a long pass."""
+    from specdec.worker import batching
+
+    passes = []
+
+    def run(batch):
+        passes.append([(w.kind, n) for w, n in batch.items])
+        for w, n in batch.items:
+            w.session.cached += n
+            if w.session.cached == len(w.session.tokens):
+                w.future.set_result(None)
+
+    batcher = batching.Batcher(run, max_batch_tokens=512, max_prefill_tokens_while_decoding=128)
+    try:
+        batcher.submit(prefill(300))
+        assert passes == [[("prefill", 300)]]
+        decoding = work(11, 10)
+        batcher.submit(decoding)  # a session decodes
+        batcher.submit(prefill(300))
+        assert passes[2:] == [[("prefill", 128)], [("prefill", 128)], [("prefill", 44)]]
+        decoding.session.closed = True  # its request ended: the next prompt runs in one pass
+        batcher.submit(prefill(300))
+        assert passes[5:] == [[("prefill", 300)]]
+        batcher.submit(work(11, 10))
+        monkeypatch.setattr(batching, "DECODING_WINDOW_S", 0.0)  # a session open but quiet
+        batcher.submit(prefill(300))
+        assert passes[7:] == [[("prefill", 300)]]
+    finally:
+        batcher.close()
+
+
+def test_a_prompt_chunk_waits_for_the_decoding_sessions_next_step(monkeypatch):
+    """After a pass that held decoding work, a pass of prompt chunks alone waits (a while) for the
+    decoding session's next call, which comes a round trip later: each chunk then rides with a
+    decoding step instead of every other one."""
+    import threading
+
+    from specdec.worker import batching
+
+    monkeypatch.setattr(batching, "LOCKSTEP_FRACTION", 50.0)  # a hold of 1 s: time enough for the round trip
+    passes = []
+
+    def run(batch):
+        time.sleep(0.02)
+        passes.append(sorted(w.kind for w, _ in batch.items))
+        for w, n in batch.items:
+            w.session.cached += n
+            if w.session.cached == len(w.session.tokens):
+                w.future.set_result(None)
+
+    batcher = batching.Batcher(run, max_batch_tokens=512, max_prefill_tokens_while_decoding=128)
+    session, started = FakeSession(11, 10), threading.Event()
+
+    def decode():
+        for step in range(8):
+            batcher.submit(Work(session, 1, "verify", lambda x: x, None))
+            started.set()
+            session.tokens.append(0)  # the next step's token
+            time.sleep(2 * batching.LOCKSTEP_MAX_S)  # the round trip: longer than a lockstep's wait
+
+    thread = threading.Thread(target=decode)
+    try:
+        thread.start()
+        started.wait()
+        batcher.submit(prefill(300))  # three chunks of 128, 128 and 44 rows
+        thread.join()
+    finally:
+        batcher.close()
+    assert [p for p in passes if "prefill" in p] == [["prefill", "verify"]] * 3, passes
 
 
 def _alone(engine, tokens, cached_upto, keep):
