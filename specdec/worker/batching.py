@@ -308,7 +308,8 @@ class Batcher:
 
     def __init__(self, run_pass: Callable[[Pass], None], max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  max_prefill_tokens_while_decoding: int | None = None):
-        """max_prefill_tokens_while_decoding: None or 0, max_batch_tokens."""
+        """max_prefill_tokens_while_decoding: prompt rows a pass takes while sessions decode
+        (None or 0: max_batch_tokens, no cap)."""
         self.max_batch_tokens = max_batch_tokens
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding or max_batch_tokens
         # id(session) -> (session, when a pass last held its decoding work): _sessions_decode
@@ -399,7 +400,10 @@ class Batcher:
         for key, (session, at) in list(self._decoding.items()):
             if getattr(session, "closed", False) or now - at >= DECODING_WINDOW_S:
                 del self._decoding[key]
-        return bool(self._decoding) or any(work.kind != "prefill" for work in self._pending)
+        return bool(self._decoding) or self._decoding_queued()
+
+    def _decoding_queued(self) -> bool:
+        return any(work.kind != "prefill" for work in self._pending)
 
     def _wait_for_lockstep(self) -> None:
         """With the lock held: waits (briefly, see LOCKSTEP_* and GATHER_MAX_S) for the last
@@ -415,7 +419,7 @@ class Batcher:
             queued = {id(w.session) for w in self._pending}
             now = time.monotonic()
             deadline = max(gather if self._awaited - queued else now, lockstep if self._expected - queued else now,
-                           now if any(w.kind != "prefill" for w in self._pending) else hold)
+                           now if self._decoding_queued() else hold)
             left = deadline - now
             if left <= 0:
                 return
