@@ -374,7 +374,7 @@ class SpeculativeDecoder:
                     })
                 yield chunk
                 if chunk.stats is not None:
-                    self.metrics.record_finished(stats, first_token_s)
+                    self.metrics.record_finished(stats, first_token_s, time.perf_counter() - t_start)
         except ServiceError as exc:
             self._failed(span, exc)
             raise

@@ -77,13 +77,15 @@ class DecodingMetrics:
     def record_first_token(self, seconds: float) -> None:
         self.ttft.record(seconds)
 
-    def record_finished(self, stats, first_token_s: float | None) -> None:
-        self.duration.record(stats.total_s)
+    def record_finished(self, stats, first_token_s: float | None, request_s: float) -> None:
+        """first_token_s and request_s: from the request's arrival, on one clock (stats.total_s starts
+        later, at its prefill, so it cannot be set against first_token_s)."""
+        self.duration.record(request_s)
         self.requests.add(1, {t.STATUS: 0})
         self.tokens.add(stats.prompt_tokens, {t.GEN_AI_TOKEN_TYPE: "input"})
         self.tokens.add(stats.generated_tokens, {t.GEN_AI_TOKEN_TYPE: "output"})
         if first_token_s is not None and stats.generated_tokens > 1:
-            self.tpot.record((stats.total_s - first_token_s) / (stats.generated_tokens - 1))
+            self.tpot.record((request_s - first_token_s) / (stats.generated_tokens - 1))
 
     def record_failed(self, code_value: int) -> None:
         self.requests.add(1, {t.STATUS: code_value})

@@ -248,6 +248,10 @@ def test_metrics_agree_with_returned_stats(traced):
     assert tokens[frozenset({(t.GEN_AI_TOKEN_TYPE, "input")})] == sum(r.stats["prompt_tokens"] for r in results)
     assert d["gen_ai.server.time_to_first_token"][frozenset()][0] == 3
     assert d["gen_ai.server.request.duration"][frozenset()][0] == 3
+    # one clock from the request's arrival: a request lasts past its first token, a token after it takes time
+    assert d["gen_ai.server.request.duration"][frozenset()][1] > d["gen_ai.server.time_to_first_token"][frozenset()][1]
+    tpot_count, tpot_sum = d["gen_ai.server.time_per_output_token"][frozenset()]
+    assert tpot_count == 3 and tpot_sum > 0
     assert d["specdec.requests"][frozenset({(t.STATUS, 0)})] == 3
     verify_count, verify_sum = d["specdec.stage.duration"][frozenset({(t.STAGE, "verify")})]
     assert verify_count == rounds

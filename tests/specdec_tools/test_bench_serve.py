@@ -302,7 +302,9 @@ def test_smoke_grpc_and_http_side_by_side(tmp_path, capsys):
                                                                           ("http", 2)}
     for row in summary["levels"]:
         assert row["errors"] == 0 and row["generated_tokens"] > 0 and row["ms_per_token_p50"] > 0, row
-        assert row["longest_gap_p95_s"] > 0, row  # each request streamed its tokens in more than one chunk
+        # each gRPC request streamed its 4 tokens in 4 chunks; over HTTP a random tiny model's token may be
+        # an incomplete character, held back until the next one completes it, so a request can stream one event
+        assert row["longest_gap_p95_s"] > 0 if row["api"] == "grpc" else row["longest_gap_p95_s"] >= 0, row
     assert "| http | off | 2 |" in printed
     assert summary["outputs"]["identical"] and rc == 0
 
