@@ -42,7 +42,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from orchestrator.arms import DRAFT, PLAIN, Arms, Level
 
@@ -156,7 +156,8 @@ class StepRequest:
     draft: str | None  # its draft worker's address
     lag: int = 1  # tokens its draft session must take in before drafting (the whole context when opened lazily)
     acceptance: Acceptance | None = None  # its own drafts' acceptance (None: its draft's pooled one alone)
-    remaining: int = 0  # tokens it may still generate: its draft's catch-up is spread over them (0: unknown)
+    remaining: int = 0  # tokens it may still generate: its draft's catch-up is spread over them (0: unknown, or
+    # the catch-up charged whole to the step: GammaPolicy._catch_ups_charged)
     explorable: bool = True  # may draft in a step that explores drafting: its draft holds its prompt and
     # lags by at most EXPLORE_MAX_LAG (exploring prefills a draft session only for a request alone on its target)
 
@@ -484,13 +485,14 @@ class GammaPolicy:
         with self._lock:
             costs = self._step_costs(target, requests)
             level = self.arms.level(target, max(load or 0, len(requests)))
-            # where measurement chose plain the model's arm is not asked (its search: ~2 ms at 32 requests)
-            model = None if level.measured and level.running == PLAIN else best_step_gammas(requests, costs)
-            can_draft = any(c > 0 and r.draft is not None for c, r in zip(caps, requests))
             # a request alone on the target explores even with its draft's catch-up, which delays no
             # one else: a level of one whose drafting measured worse on a noisy second otherwise never
             # drafted again, as its later requests' drafts open lazily and lag by their prompt
             alone = max(load or 0, len(requests)) == 1
+            # where measurement chose plain the model's arm is not asked (its search: ~2 ms at 32 requests)
+            model = None if level.measured and level.running == PLAIN else \
+                best_step_gammas(self._catch_ups_charged(level, alone, requests), costs)
+            can_draft = any(c > 0 and r.draft is not None for c, r in zip(caps, requests))
             explorable = [r.explorable or alone for r in requests]
             can_explore = any(c > 0 and r.draft is not None and e for c, r, e in zip(caps, requests, explorable))
             running = level.running
@@ -519,6 +521,18 @@ class GammaPolicy:
                            for d, line in costs.drafts.items()},
                           {a: round(r.value, 2) for a, r in level.rates.items()})
             return gammas
+
+    def _catch_ups_charged(self, level: Level, alone: bool, requests: list[StepRequest]) -> list[StepRequest]:
+        """The requests as the cost model should price the step: a draft's catch-up (a whole
+        prompt, where the draft opened lazily) pays back only over later steps that draft, so the
+        model spreads it over the steps a request has left only where drafting is established at
+        this load: measured better there, a heavier level's verdict, or a request alone (whose
+        catch-up delays no one else). Elsewhere the step that pays it is charged all of it: a
+        fresh stack's first wave of four requests drafted through four prompts' catch-up (the
+        draft phase 427 ms, a plain step 40 ms) before the arms measured that drafting loses there."""
+        if alone or (level.running or self.arms.prior(level)) == DRAFT:
+            return requests
+        return [replace(r, remaining=0) if r.lag > 1 else r for r in requests]
 
     def observe_outcome(self, target: str, tokens: int, seconds: float,
                         measured: bool = True) -> tuple[str, bool, float] | None:

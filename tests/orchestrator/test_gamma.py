@@ -390,3 +390,30 @@ def test_a_draft_that_has_not_run_yet_is_not_taken_as_free():
     assert policy.choose_step("t", [StepRequest(4, "d")])[0] > 0
     policy._costs["d"] = measured(lambda r: 0.0005 + 0.00001 * r)  # a draft measured nearly free: then it drafts
     assert min(policy.choose_step("t", [StepRequest(4, "d")] * 16)) > 0
+
+
+def test_a_catch_up_is_spread_over_later_steps_only_where_drafting_is_established():
+    """Four requests whose drafts opened lazily (each must first take in its 60-token prompt): the
+    catch-up pays back only over later steps that draft. At a load whose arms have not shown that
+    drafting pays, the model charges the step all of it and runs plain (a fresh stack's first wave
+    drafted through four prompts' catch-up, 0.56 s for a 40 ms step's work). Where drafting is
+    established (measured better at this load, or a request alone) it is spread as before."""
+    from orchestrator.arms import DRAFT
+
+    def policy() -> GammaPolicy:
+        p = GammaPolicy()
+        p._costs["t"], p._costs["d"] = FLAT_TARGET, measured(lambda r: 0.002 + 0.0005 * r)
+        p._acceptance[("t", "d")] = accepting(0.9)
+        return p
+
+    lagging = [StepRequest(4, "d", lag=60, remaining=48, explorable=False)] * 4
+    assert policy().choose_step("t", lagging) == [0] * 4
+    assert min(policy().choose_step("t", [StepRequest(4, "d", remaining=48)] * 4)) > 0  # in step: it drafts
+    assert policy().choose_step("t", lagging[:1])[0] > 0  # alone: nobody waits for its catch-up
+    established = policy()
+    four = established.arms.level("t", 4)
+    four.running = DRAFT
+    for arm, rate in (("draft", 40.0), ("plain", 20.0)):
+        for _ in range(10):
+            four.rates[arm].observe(rate, 1.0)
+    assert min(established.choose_step("t", lagging)) > 0
