@@ -79,7 +79,7 @@ class WorkerConfig(ServedConfig, GrammarConfig):
     drain_timeout_s: float = FLAGS.default("drain_timeout_s")
     max_workers: int = FLAGS.default("max_workers")
     max_batch_tokens: int = FLAGS.default("max_batch_tokens")
-    max_prefill_tokens_while_decoding: int = FLAGS.default("max_prefill_tokens_while_decoding")
+    max_prefill_tokens_while_decoding: int | None = FLAGS.default("max_prefill_tokens_while_decoding")  # None: by device
     cuda_graphs: str = FLAGS.default("cuda_graphs")  # on CUDA: replay captured decoding passes
     pass_lock: str | None = None  # workers sharing cores lock this file around each pass
     log_level: str = FLAGS.default("log_level")

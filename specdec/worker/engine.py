@@ -234,7 +234,7 @@ class WorkerEngine:
             self._forward = model_forward(self.model)  # specdec/worker/forward.py: native or lean for Llama/Qwen2
             self._forward_device = self.input_device
         if max_prefill_tokens_while_decoding is None:  # on a GPU an eager prefill pass costs about the same at any size
-            max_prefill_tokens_while_decoding = CPU_MAX_PREFILL_TOKENS_WHILE_DECODING if not cuda else 0
+            max_prefill_tokens_while_decoding = max_batch_tokens if cuda else CPU_MAX_PREFILL_TOKENS_WHILE_DECODING
         self._batcher = Batcher(self._run_pass, max_batch_tokens, max_prefill_tokens_while_decoding)
         # the calls of a batched RPC run on threads of their own, their passes shared (run_calls)
         self._call_pool = ThreadPoolExecutor(max_workers=max(1, max_sessions), thread_name_prefix="call")
