@@ -14,6 +14,7 @@ round kept every draft and the bonus is that guess, the next call finds its prop
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,14 +24,14 @@ from typing import Iterator
 import torch
 from opentelemetry import metrics
 
-from specdec.errors import Aborted, InvalidArgument, ServiceError
+from specdec.errors import Aborted, FailedPrecondition, InvalidArgument, ServiceError
 from specdec import ngram
 from specdec import telemetry as t
 from specdec.protocol import MAX_GAMMA, SamplingParams
 from specdec.sampling import apply_controls, coupled_choice, process_logits
-from specdec.wire import CompactProbs, DraftOptions, Proposal, ProposeCall
+from specdec.wire import CompactProbs, DraftOptions, Features, Proposal, ProposeCall
 from specdec.worker.batching import Chain
-from specdec.worker.engine import Session, WorkerEngine
+from specdec.worker.engine import Session, WorkerEngine, grow_hidden
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class DraftEngine(WorkerEngine):
         self._ahead = ThreadPoolExecutor(max_workers=max(1, self.max_sessions), thread_name_prefix="ahead")
         self.forced_made = 0  # structured output: tokens proposed with no pass (the grammar forced them)
         self.ahead_made = self.ahead_taken = 0  # tokens drafted ahead, and those a later call took
+        self.info = dataclasses.replace(self.info, draft_kind="eagle3" if self.head else "model")
 
     def instrument(self, telemetry, role: str) -> None:
         super().instrument(telemetry, role)
@@ -99,6 +101,7 @@ class DraftEngine(WorkerEngine):
         params: SamplingParams,
         seed: int,
         options: DraftOptions = DraftOptions(),
+        features: Features | None = None,
     ) -> Iterator[Proposal]:
         """Truncates to `start`, appends token_ids, then yields up to gamma proposals as they come.
 
@@ -117,11 +120,20 @@ class DraftEngine(WorkerEngine):
         proposal is a draw from the q sent with it, and the rejection test keeps the output
         exactly the target's. A proposal drafted ahead is taken only where the session's tokens
         before it are the request's: it is then a draw from q given exactly the request's
-        context, made with randomness the target's decisions never saw."""
+        context, made with randomness the target's decisions never saw.
+
+        A feature head (self.head, specdec/eagle3.py) takes the target's features of the positions
+        before each of token_ids (`features`) and drafts one token a pass, each step fed the
+        state of the one before; it neither looks up n-grams, drafts ahead nor skips forced
+        tokens, and a call always recomputes from `start` (the states there are the target's)."""
         if not 1 <= gamma <= MAX_GAMMA:
             raise InvalidArgument(f"gamma must lie in [1, {MAX_GAMMA}] for a proposal, got {gamma}")
         params.validate().check_vocabulary(self.vocab_size)
         options.validate()
+        if self.head:
+            options = dataclasses.replace(options, lookup=0, ahead=0, forced_tokens=False)
+        elif features is not None:
+            raise InvalidArgument("features are for a feature head; this draft is a model")
         session = self.session(session_id)
         end = start + len(token_ids)  # where this call's proposals begin
         with session.lock:
@@ -130,7 +142,13 @@ class DraftEngine(WorkerEngine):
             self.check_tokens([], already=end + gamma)
             self.grow(session, end + gamma)
             drafted = session.drafted
-            if drafted is not None and drafted.agrees(session, start, token_ids, params, options):
+            if self.head:
+                self._check_features(features, start, end)
+                self.truncate_to(session, start)
+                session.tokens.extend(token_ids)
+                self._take_features(session, start, end, features)
+                drafted = session.drafted = Drafted(end, params, options, torch.Generator().manual_seed(seed))
+            elif drafted is not None and drafted.agrees(session, start, token_ids, params, options):
                 taken = min(gamma, drafted.end - end) if drafted.start < end else 0  # made ahead, not by a call
                 if taken:
                     self.ahead_taken += taken
@@ -179,7 +197,35 @@ class DraftEngine(WorkerEngine):
         """The proposals of many sessions' calls (one orchestrator step): draft step i of every
         call runs in the same forward pass. Per call, its proposals or the error it raised."""
         return self.run_calls(calls, lambda c: list(self.propose(c.session_id, c.start, c.token_ids, c.gamma,
-                                                                 c.params, c.seed, c.options)))
+                                                                 c.params, c.seed, c.options, c.features)))
+
+    def _check_features(self, features: Features | None, start: int, end: int) -> None:
+        """A feature head's Propose must bring the target's features of positions max(start, 1) - 1
+        .. end - 2, of the head's width."""
+        first = max(start, 1) - 1
+        if features is None:
+            if end - 1 > first:
+                raise FailedPrecondition("this draft is a feature head: a Propose must bring the target's features "
+                                         "(open the target session with the head's feature_layers)")
+            return
+        width = self.model.feature_size
+        if features.start != first or features.end != max(end - 1, first) or features.rows.shape[1] != width:
+            raise InvalidArgument(f"a Propose of tokens {start}..{end - 1} needs features of positions {first}.."
+                                  f"{end - 2}, {width} wide; got positions {features.start}..{features.end - 1}, "
+                                  f"{features.rows.shape[1]} wide")
+
+    @torch.inference_mode()
+    def _take_features(self, session: Session, start: int, end: int, features: Features | None) -> None:
+        """Token j's input state, for the call's tokens: fc of the target's features at j - 1 (token 0
+        has none: zeros, and no later position attends to it)."""
+        head = self.model
+        like = head.fc.weight
+        grow_hidden(session, end + 1, like.new_empty(0, head.head_config.hidden_size))
+        if start == 0:
+            session.hidden[0].zero_()
+        if features is not None and features.rows.shape[0]:
+            rows = features.rows.to(like.device, like.dtype)
+            session.hidden[features.start + 1: features.end + 1] = head.fc(rows)
 
     def _draft_pass(self, session: Session, drafted: Drafted, left: int, made: int, kind: str) -> int:
         """One pass, holding session.lock: appends the next proposals (at most `left`) to the

@@ -69,7 +69,7 @@ class NgramDraft:
                 raise NotFound(f"no open session {session_id!r} on the n-gram draft")
 
     def propose(self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams,
-                seed: int, options: DraftOptions = DraftOptions()) -> Iterator[Proposal]:
+                seed: int, options: DraftOptions = DraftOptions(), features=None) -> Iterator[Proposal]:
         """Up to gamma tokens that followed the last n-gram before (none when it never occurred)."""
         if not 1 <= gamma <= MAX_GAMMA:
             raise InvalidArgument(f"gamma must lie in [1, {MAX_GAMMA}] for a proposal, got {gamma}")

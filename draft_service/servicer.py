@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from specdec.protocol import SamplingParams
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec.wire import DraftOptions, Proposal, ProposeCall, call_status
+from specdec.wire import DraftOptions, Features, Proposal, ProposeCall, call_status
 from specdec.worker.server import SessionRpcs
 
 
 def propose_call(request: draft_pb2.ProposeRequest) -> ProposeCall:
     return ProposeCall(request.session_id, request.start, list(request.token_ids), request.gamma,
                        SamplingParams.from_proto(request.sampling), request.seed,
-                       DraftOptions.from_proto(request.options))
+                       DraftOptions.from_proto(request.options), Features.from_proto(request.features))
 
 
 def proposal_to_proto(p: Proposal) -> draft_pb2.Proposal:
@@ -24,7 +24,8 @@ class DraftServicer(SessionRpcs, draft_pb2_grpc.DraftWorkerServicer):
     def Propose(self, request, context):
         engine = self.authorized(request, context)  # first: an unknown session is NOT_FOUND, whatever else is wrong
         c = propose_call(request)
-        for p in engine.propose(c.session_id, c.start, c.token_ids, c.gamma, c.params, c.seed, c.options):
+        for p in engine.propose(c.session_id, c.start, c.token_ids, c.gamma, c.params, c.seed, c.options,
+                                c.features):
             yield proposal_to_proto(p)
 
     def ProposeBatch(self, request, context):

@@ -55,6 +55,10 @@ class Placement:
         # catch-up, and never happens for a request that a loaded target serves at gamma 0.
         self.lazy_draft = prefill_pool is None
         self.draft_synced = 0  # tokens the draft's session holds validly, set when it opens
+        # a feature head drafts (specdec/eagle3.py): the target layers its features come from; the
+        # target's session returns them, and the head's opens on one token (its catch-up brings them)
+        self.feature_layers: tuple[int, ...] = ()
+        self.opened_features = None  # the target prefill's features (specdec.wire.Features), for the request
 
     # ---- opening ---------------------------------------------------------------------------
 
@@ -66,6 +70,7 @@ class Placement:
                 self.draft = self._acquire(self.drafts)
             except Unavailable as exc:
                 self._drop_draft(exc)
+        self._note_draft_kind()
         pending = [m for m in (self.target, self.draft) if m is not None]
         if self._prefill_pool is None:
             results = [self._try_open(m, prompt) for m in pending]
@@ -91,6 +96,7 @@ class Placement:
                 self.draft = self._acquire(self.drafts, prefer=parent.draft)
             except Unavailable as exc:
                 self._drop_draft(exc)
+        self._note_draft_kind()
         for member in [m for m in (self.target, self.draft) if m is not None]:
             same = member is (parent.target if member is self.target else parent.draft) and member in parent._open
             error = self._try_open(member, prompt, parent.session_id if same else None)
@@ -100,11 +106,15 @@ class Placement:
     def _try_open(self, member: Member, tokens: list[int], fork_of: str | None = None) -> ServiceError | None:
         """Opens our session there (a copy of session fork_of, which it holds); a worker fault is
         returned (for failover), others raised."""
-        if member is self.draft and self.lazy_draft:
+        if member is self.draft and (self.lazy_draft or self.feature_layers):
             tokens = tokens[:1]  # no pass: the first Propose catches up from here
         try:
             if fork_of is not None:
                 _, _, cached = member.worker.fork_session(self.session_id, fork_of, tokens)
+            elif member is self.target and self.feature_layers:
+                _, _, cached = member.worker.open_session(self.session_id, tokens, scope=self.scope,
+                                                          feature_layers=self.feature_layers)
+                self.opened_features = member.worker.opened_features(self.session_id)
             else:
                 _, _, cached = member.worker.open_session(self.session_id, tokens, scope=self.scope)
         except ServiceError as exc:
@@ -117,6 +127,10 @@ class Placement:
         else:
             self.cached_tokens = cached
         return None
+
+    def _note_draft_kind(self) -> None:
+        info = self.draft.info if self.draft is not None else None
+        self.feature_layers = tuple(info.feature_layers) if info is not None else ()
 
     def _acquire(self, pool: WorkerPool, exclude=(), prefer: Member | None = None) -> Member:
         member = pool.acquire(exclude, prefer)
@@ -139,7 +153,12 @@ class Placement:
 
     def draft_failed(self, exc: ServiceError, tokens: list[int]) -> None:
         """Moves the draft session to another draft holding `tokens` (draft_synced of them), or drops
-        speculation."""
+        speculation. A feature head is dropped: a new one would need the target's features of
+        every position, which the request no longer keeps."""
+        if self.feature_layers:
+            self._forget(self.draft, exc)
+            self.failovers["draft"] += 1
+            return self._drop_draft(exc)
         self._fail_over("draft", exc, tokens, lambda exc, failed, none_left: self._drop_draft(none_left or exc))
 
     def _fail_over(self, role: str, exc: ServiceError, tokens: list[int], give_up) -> None:

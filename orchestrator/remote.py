@@ -18,8 +18,8 @@ from specdec.protocol import SamplingParams, message_options
 from specdec.security import ClientTls, open_channel
 from specdec.telemetry import Telemetry
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdec.wire import (WORKER_MAX_MESSAGE_BYTES, CompactProbs, DraftOptions, ModelInfo, Proposal, ProposeCall,
-                          Verification, VerifyCall, error_from_status)
+from specdec.wire import (WORKER_MAX_MESSAGE_BYTES, CompactProbs, DraftOptions, Features, ModelInfo, Proposal,
+                          ProposeCall, Verification, VerifyCall, error_from_status)
 
 GRPC_PREFIX_BYTES = 5  # each gRPC message is framed by a flag byte and a 4-byte length
 # gRPC backs off reconnecting up to 120 s by default; a restarted worker should rejoin its pool
@@ -48,6 +48,7 @@ class _RemoteWorker:
         self._info: ModelInfo | None = None
         self.vocab_size = 0
         self._secrets: dict[str, bytes] = {}  # session id -> the secret its OpenSession returned
+        self._opened: dict[str, Features] = {}  # session id -> its prefill's features, until taken
 
     @property
     def peer(self) -> str:
@@ -107,11 +108,19 @@ class _RemoteWorker:
         self.vocab_size = info.vocab_size
         return info
 
-    def open_session(self, session_id: str, token_ids: list[int], scope: str = "") -> tuple[int, float, int]:
-        r = self._call(self._stub.OpenSession, common_pb2.OpenSessionRequest(session_id=session_id, token_ids=token_ids,
-                                                                              prefix_scope=scope))
+    def open_session(self, session_id: str, token_ids: list[int], scope: str = "", *,
+                     feature_layers: tuple[int, ...] = ()) -> tuple[int, float, int]:
+        r = self._call(self._stub.OpenSession, common_pb2.OpenSessionRequest(
+            session_id=session_id, token_ids=token_ids, prefix_scope=scope, feature_layers=feature_layers))
         self._secrets[session_id] = r.session_secret
+        features = Features.from_proto(r.features)
+        if features is not None:
+            self._opened[session_id] = features
         return r.length, r.compute_s, r.cached_tokens
+
+    def opened_features(self, session_id: str) -> Features | None:
+        """The features the session's OpenSession returned (feature_layers), once."""
+        return self._opened.pop(session_id, None)
 
     def fork_session(self, session_id: str, parent_id: str, token_ids: list[int]) -> tuple[int, float, int]:
         r = self._call(self._stub.OpenSession, common_pb2.OpenSessionRequest(
@@ -132,6 +141,7 @@ class _RemoteWorker:
                 session_id=session_id, session_secret=self.secret(session_id)))
         finally:
             self._secrets.pop(session_id, None)
+            self._opened.pop(session_id, None)
 
     def close(self) -> None:
         self._raw_channel.close()
@@ -153,7 +163,8 @@ class RemoteDraft(_RemoteWorker):
         return draft_pb2.ProposeRequest(
             session_id=c.session_id, start=c.start, token_ids=c.token_ids, gamma=c.gamma, sampling=c.params.to_proto(),
             seed=c.seed, options=c.options.to_proto() if c.options != DraftOptions() else None,
-            session_secret=self.secret(c.session_id))
+            session_secret=self.secret(c.session_id),
+            features=c.features.to_proto() if c.features is not None else None)
 
     def _timeout(self, new_tokens: int) -> float:
         # a Propose that first catches up many tokens (a lazily opened session, or rounds that did
@@ -166,9 +177,9 @@ class RemoteDraft(_RemoteWorker):
 
     def propose(
         self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int,
-        options: DraftOptions = DraftOptions(),
+        options: DraftOptions = DraftOptions(), features: Features | None = None,
     ) -> Iterator[Proposal]:
-        request = self._request(ProposeCall(session_id, start, token_ids, gamma, params, seed, options))
+        request = self._request(ProposeCall(session_id, start, token_ids, gamma, params, seed, options, features))
         request_bytes = _wire(request)
         try:
             for msg in self._stub.Propose(request, timeout=self._timeout(len(token_ids))):
@@ -221,7 +232,8 @@ class RemoteTarget(_RemoteWorker):
                     or (norms is not None and len(norms) != positions)):
                 raise ServiceError(f"{self.peer} returned malformed logprobs", grpc.StatusCode.INTERNAL)
         return Verification(argmax, probs, r.length, r.compute_s, r.batch_rows, r.pass_s, wire_bytes,
-                            logprob_bases=bases, top_logprobs=top, raw_log_norms=norms)
+                            logprob_bases=bases, top_logprobs=top, raw_log_norms=norms,
+                            features=Features.from_proto(r.features))
 
     def verify(
         self, session_id: str, start: int, token_ids: list[int], draft_token_ids: list[int], params: SamplingParams,

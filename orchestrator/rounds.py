@@ -42,7 +42,7 @@ from orchestrator.suffix import RequestIndex
 from specdec import telemetry as t
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationChunk, GenerationStats, SamplingParams, TokenLogprob
-from specdec.wire import CompactProbs, DraftOptions, Proposal, ProposeCall, Verification, VerifyCall
+from specdec.wire import CompactProbs, DraftOptions, Features, Proposal, ProposeCall, Verification, VerifyCall
 
 
 @dataclass
@@ -76,12 +76,21 @@ class RequestState:
     acceptance: Acceptance = field(init=False, default_factory=Acceptance)  # its own drafts' (the policy's)
     free_calibration: Calibration = field(init=False, default_factory=Calibration)  # its suffix drafts'
     own_index: RequestIndex = field(init=False, default_factory=RequestIndex)  # its tokens' n-grams (suffix drafts)
+    # a feature head drafts: the target's features of the positions its draft has not taken in yet
+    # (from draft_synced - 1 up to the last the target ran: target_synced - 1)
+    features: Features | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.target_synced = len(self.tokens)
         if self.synthetic_acceptance:  # requests differ, each reproducibly
             self.coin = random.Random(hash(tuple(self.tokens)))
         self.draft_synced = self.placement.draft_synced if self.placement.draft is not None else 0
+        self.features = self.placement.opened_features
+
+    @property
+    def feature_head(self) -> bool:
+        """Whether its draft is a feature head (specdec/eagle3.py)."""
+        return self.placement.draft is not None and bool(self.placement.feature_layers)
 
     @property
     def generated(self) -> int:
@@ -142,8 +151,12 @@ def finish(req: RequestState, rnd: Round, span) -> None:
 def draft_call(req: RequestState, rnd: Round) -> ProposeCall:
     """The round's Propose; draws its seed from the request's generator (before any sampling)."""
     seed = int(torch.randint(0, 2**63 - 1, (), generator=req.generator))
+    features = None
+    first, end = max(req.draft_synced, 1) - 1, len(req.tokens) - 1
+    if req.feature_head and end > first:  # the target's states before each token the head takes in
+        features = req.features.between(first, end)
     return ProposeCall(req.placement.session_id, req.draft_synced, req.tokens[req.draft_synced:], rnd.gamma,
-                       req.params, seed, req.draft_options)
+                       req.params, seed, req.draft_options, features)
 
 
 def take_proposals(req: RequestState, rnd: Round, proposals: list[Proposal]) -> None:
@@ -186,6 +199,7 @@ def target_failed(req: RequestState, exc: ServiceError) -> None:
         raise exc
     req.placement.target_failed(exc, req.tokens)
     req.target_synced = len(req.tokens)
+    req.features = req.placement.opened_features  # the new target's prefill ran every position again
 
 
 def verify(req: RequestState, rnd: Round) -> None:
@@ -233,10 +247,24 @@ def commit(req: RequestState, rnd: Round) -> None:
     with req.tracer.start_as_current_span("rollback") as span:
         req.target_synced = len(req.tokens) + rnd.num_accepted  # tokens + x_0..x_{n-1}
         if rnd.gamma > 0 and not rnd.free_probs:  # a suffix draft never reached the draft's session
-            req.draft_synced = req.target_synced
+            # a feature head's states past the round's first draft were fed its own guesses: the
+            # next Propose takes the accepted tokens in again, with the target's features
+            req.draft_synced = len(req.tokens) if req.feature_head else req.target_synced
+        if req.feature_head:
+            keep_features(req, v.features)
         if span.is_recording():
             span.set_attributes({t.TARGET_LENGTH: req.target_synced, t.DRAFT_LENGTH: req.draft_synced,
                                  t.DISCARDED: rnd.gamma - rnd.num_accepted})
+
+
+def keep_features(req: RequestState, new: Features | None) -> None:
+    """The verify's features join the request's, up to the last validated position; those the
+    draft has taken in are dropped."""
+    have = new if req.features is None else req.features.joined(new)
+    if have is None:
+        return
+    first = max(req.draft_synced, 1) - 1
+    req.features = have.between(max(first, have.start), min(req.target_synced, have.end))
 
 
 def learn(req: RequestState, rnd: Round) -> None:

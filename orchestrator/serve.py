@@ -158,7 +158,12 @@ def build_children(a: argparse.Namespace, target_dir: str, draft_dir: str | None
     children = [target]
     orchestrator_flags = ["--target", f"127.0.0.1:{target.port}"]
     if draft_dir is not None:
-        if not _has(draft_flags, "--draft-vocab"):
+        from specdec.eagle3 import is_head_dir
+
+        if is_head_dir(draft_dir):  # a feature head drafts for the target, from its hidden states
+            if not _has(draft_flags, "--target-model"):
+                draft_flags = ["--target-model", target_dir, *draft_flags]
+        elif not _has(draft_flags, "--draft-vocab"):
             draft_flags = ["--draft-vocab", str(DEFAULT_DRAFT_VOCAB), *draft_flags]
         draft = Child("draft", [*py, "draft_service", "--model", draft_dir, *shared, *draft_flags], draft_port)
         draft.argv += ["--port", str(draft.port)]

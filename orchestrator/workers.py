@@ -11,13 +11,14 @@ from typing import Iterator, Protocol
 
 from specdec.errors import FailedPrecondition
 from specdec.protocol import SamplingParams
-from specdec.wire import ANY_VOCABULARY, DraftOptions, ModelInfo, Proposal, Verification
+from specdec.wire import ANY_VOCABULARY, DraftOptions, Features, ModelInfo, Proposal, Verification
 
 
 class Worker(Protocol):
     def describe(self) -> ModelInfo: ...
 
-    def open_session(self, session_id: str, token_ids: list[int], scope: str = "") -> tuple[int, float, int]: ...
+    def open_session(self, session_id: str, token_ids: list[int], scope: str = "", *,
+                     feature_layers: tuple[int, ...] = ()) -> tuple[int, float, int]: ...
 
     def fork_session(self, session_id: str, parent_id: str, token_ids: list[int]) -> tuple[int, float, int]: ...
 
@@ -29,11 +30,13 @@ class Worker(Protocol):
 class DraftWorker(Worker, Protocol):
     def propose(
         self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int,
-        options: DraftOptions = DraftOptions(),
+        options: DraftOptions = DraftOptions(), features: Features | None = None,
     ) -> Iterator[Proposal]: ...
 
 
 class TargetWorker(Worker, Protocol):
+    def opened_features(self, session_id: str) -> Features | None: ...
+
     def verify(
         self, session_id: str, start: int, token_ids: list[int], draft_token_ids: list[int], params: SamplingParams,
         top_logprobs: int | None = None,
@@ -47,6 +50,13 @@ def check_pair(target: ModelInfo, draft: ModelInfo) -> None:
     A model-free draft (draft_service/ngram.py) proposes tokens of the sequence: any vocabulary."""
     if draft.vocab_fingerprint == ANY_VOCABULARY:
         return
+    if draft.feature_layers:  # a feature head reads the target's hidden states: they must be what it was made for
+        if not target.num_layers or any(i >= target.num_layers for i in draft.feature_layers) \
+                or draft.feature_size != len(draft.feature_layers) * target.hidden_size:
+            raise FailedPrecondition(
+                f"feature head '{draft.model_name}' reads layers {list(draft.feature_layers)} ({draft.feature_size} "
+                f"values a position) but target model '{target.model_name}' has {target.num_layers} layers of width "
+                f"{target.hidden_size}: the head was made for another target")
     if target.vocab_size != draft.vocab_size or target.vocab_fingerprint != draft.vocab_fingerprint:
         raise FailedPrecondition(
             f"draft model '{draft.model_name}' (vocabulary {draft.vocab_size}, fingerprint {draft.vocab_fingerprint[:12]}) "

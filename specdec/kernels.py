@@ -149,7 +149,7 @@ def native_library() -> ctypes._CFuncPtr | None:
     decoder = lib.specdec_decoder_pass
     decoder.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
-                        ctypes.c_float, ctypes.c_int32]
+                        ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     decoder.restype = ctypes.c_int
     fn.decoder = decoder  # the decoder layers around them (worker/forward.py's native_forward)
     return fn

@@ -372,10 +372,17 @@ def load_model(
     quantization: str = "auto",
     head_rows: int = 0,
     role: str = "target",
+    target_model: str | None = None,
 ) -> LoadedModel:
-    """role: 'draft' or 'target' (what 'auto' quantization picks on CPU)."""
+    """role: 'draft' or 'target' (what 'auto' quantization picks on CPU). A draft spec naming an
+    EAGLE-3 head directory (specdec/eagle3.py) needs target_model: the head drafts for it, with
+    its tokenizer and (unless the head ships one) its input embedding."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specdec.eagle3 import is_head_dir
+
+    if is_head_dir(spec):
+        return load_head_model(spec, target_model, device=device, dtype=dtype, quantization=quantization)
     path = resolve_model_dir(spec)
     torch_dtype = resolve_dtype(dtype, device)
     quantization = resolve_quantization(quantization, device, torch_dtype, role)
@@ -413,6 +420,51 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(path)
     name = os.path.basename(os.path.normpath(spec)) if Path(spec).exists() else spec
     return LoadedModel(model, tokenizer, name, path, device, torch_dtype, quantization, head_rows)
+
+
+def load_head_model(spec: str, target_model: str | None, *, device: str, dtype: str,
+                    quantization: str = "auto") -> LoadedModel:
+    """An EAGLE-3 head for target_model, with the target's tokenizer; ValueError where it does not
+    fit the target. Its Linears (fc, the layer's projections, lm_head) are quantized as a draft's
+    are: 'auto' on CPU is q4k-rows where the native kernel builds (every Linear requantized to
+    Q4_K: a step reads ~4.5 bits a weight), else int8."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specdec.eagle3 import load_head
+
+    if not target_model:
+        raise ValueError(f"{spec} is an EAGLE-3 feature head: name the target it drafts for (--target-model)")
+    target_path = resolve_model_dir(target_model)
+    config = AutoConfig.from_pretrained(target_path).get_text_config(decoder=True)
+    torch_dtype = resolve_dtype(dtype, device)
+    head = load_head(Path(spec).expanduser(), vocab_size=int(config.vocab_size),
+                     target_layers=int(config.num_hidden_layers), target_hidden=int(config.hidden_size),
+                     target_embedding=lambda: target_embedding(target_path),
+                     max_context=int(getattr(config, "max_position_embeddings", 0) or 2048), dtype=torch_dtype,
+                     device=device)
+    quantization = resolve_quantization(quantization, device, torch_dtype, "draft")
+    blocks = requantized_blocks(Path(spec), head, {}) if quantization == "q4k-rows" else None
+    quantize(head, quantization, blocks)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    name = os.path.basename(os.path.normpath(spec))
+    log.info("feature head %s for %s: reads layers %s, scores %d tokens", name, target_model,
+             list(head.feature_layers), head.lm_head.out_features)
+    return LoadedModel(head, tokenizer, name, Path(spec), device, torch_dtype, quantization)
+
+
+def target_embedding(path: Path) -> torch.Tensor:
+    """A model directory's input embedding [vocab, hidden], read from its safetensors alone where it
+    has them (no other weight loaded), else from the whole model."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for key in ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+                if key in st.keys():
+                    return st.get_tensor(key).float()
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).get_input_embeddings().weight.detach()
 
 
 def vocab_fingerprint(tokenizer) -> str:

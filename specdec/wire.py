@@ -150,14 +150,74 @@ class ModelInfo:
     draining: bool = False
     held_tokens: int = 0
     kernels: str = ""  # the code its passes run on (worker/engine.py, kernels_in_use)
+    draft_kind: str = ""  # a draft's: "model", "eagle3" (a feature head) or "ngram"; "" on a target
+    feature_layers: tuple[int, ...] = ()  # a feature head's: the target layers whose input stream it reads
+    feature_size: int = 0  # a feature head's: the width of one position's features
+    num_layers: int = 0  # a target's decoder layers ...
+    hidden_size: int = 0  # ... and hidden size: what a feature head must fit
 
     def to_proto(self) -> common_pb2.ModelInfo:
-        return common_pb2.ModelInfo(**{**self.__dict__, "eos_token_ids": list(self.eos_token_ids)})
+        return common_pb2.ModelInfo(**{**self.__dict__, "eos_token_ids": list(self.eos_token_ids),
+                                       "feature_layers": list(self.feature_layers)})
 
     @classmethod
     def from_proto(cls, msg: common_pb2.ModelInfo) -> "ModelInfo":
         return cls(**{f: getattr(msg, f) for f in cls.__dataclass_fields__}
-                   | {"eos_token_ids": tuple(msg.eos_token_ids)})
+                   | {"eos_token_ids": tuple(msg.eos_token_ids), "feature_layers": tuple(msg.feature_layers)})
+
+
+@dataclass
+class Features:
+    """A target's hidden states for a feature head (specdec/eagle3.py): rows [n, width] for the
+    positions start .. start + n - 1, each the residual stream entering the head's feature layers,
+    side by side. bfloat16 on the wire (what heads are trained on), float32 once received."""
+
+    start: int
+    rows: Any  # torch.Tensor [n, width]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows.shape[0]
+
+    def to_proto(self) -> common_pb2.Features:
+        import torch
+
+        rows = self.rows.detach().to("cpu", torch.bfloat16).contiguous()
+        return common_pb2.Features(start=self.start, rows=rows.shape[0], width=rows.shape[1],
+                                   bfloat16_le=rows.view(torch.int16).numpy().tobytes())
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Features) -> "Features | None":
+        """None for an absent message (no rows, no width)."""
+        if not msg.rows and not msg.width:
+            return None
+        import torch
+
+        if len(msg.bfloat16_le) != 2 * msg.rows * msg.width:
+            raise InvalidArgument(f"features of {msg.rows} x {msg.width} values need {2 * msg.rows * msg.width} "
+                                  f"bytes, got {len(msg.bfloat16_le)}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": copied below
+            raw = torch.frombuffer(bytearray(msg.bfloat16_le), dtype=torch.int16) if msg.bfloat16_le else \
+                torch.empty(0, dtype=torch.int16)
+        return cls(msg.start, raw.view(torch.bfloat16).float().reshape(msg.rows, msg.width))
+
+    def between(self, start: int, end: int) -> "Features":
+        """The rows of positions [start, end), which these must hold."""
+        assert self.start <= start <= end <= self.end, (self.start, self.end, start, end)
+        return Features(start, self.rows[start - self.start: end - self.start])
+
+    def joined(self, later: "Features | None") -> "Features":
+        """These rows up to later.start, then later's (later may start before these end)."""
+        if later is None:
+            return self
+        import torch
+
+        if later.start > self.end:
+            raise ValueError(f"features from {later.start} do not continue those ending at {self.end}")
+        if later.start <= self.start:
+            return later
+        return Features(self.start, torch.cat([self.rows[: later.start - self.start], later.rows]))
 
 
 @dataclass(frozen=True)
@@ -239,6 +299,8 @@ class Verification:
     # rejection sampling under decoding controls, with logprobs: [gamma + 1] logsumexp of the raw
     # logits; the controlled logit of t is temperature * log p(t) + base + norm
     raw_log_norms: list[float] | None = None
+    # a session opened with feature_layers: the features of every position the pass ran
+    features: Features | None = None
 
     def logprob(self, position: int, token_id: int, params: "SamplingParams", prefix: list[int] = ()) -> float:
         """The target model's raw log-probability of a token this round emits at `position`, whose
@@ -268,6 +330,9 @@ class ProposeCall:
     params: SamplingParams
     seed: int
     options: DraftOptions = DraftOptions()
+    # a feature head's: the target's features of the positions before each of token_ids
+    # (max(start, 1) - 1 .. start + len(token_ids) - 2)
+    features: Features | None = None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ these where this package is installed).
   specdec bench-tracing / specdec loadtest                             telemetry cost / load with faults
   specdec bench-serve                                                  throughput and latency against concurrency
   specdec bench-kernels                                                forward passes under each CPU quantization
+  specdec bench-head                                                   a feature head's draft step against a target pass
   specdec bench-coupling                                               coupled vs rejection sampling
   specdec bench-ahead                                                  drafting ahead on split cores vs target alone
   specdec bench-anchor --llama-server PATH                             beside llama.cpp's server on the same GGUF files
@@ -71,6 +72,12 @@ def add_commands(sub) -> dict[str, Callable[[list[str]], int]]:
     bk = sub.add_parser("bench-kernels", help="forward passes under each CPU quantization: speed, exactness, quality")
     bench_kernels.add_arguments(bk)
     bk.set_defaults(func=bench_kernels.cmd_bench_kernels)
+
+    from specdec_tools import bench_head
+
+    bh = sub.add_parser("bench-head", help="a feature head's draft step against a target pass (c), by sessions")
+    bench_head.add_arguments(bh)
+    bh.set_defaults(func=bench_head.cmd_bench_head)
 
     from specdec_tools import bench_coupling
 

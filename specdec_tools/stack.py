@@ -18,6 +18,12 @@ import tempfile
 import sys
 import time
 
+def _is_head_dir(path: str) -> bool:
+    from specdec.eagle3 import is_head_dir  # torch: only where a stack starts
+
+    return is_head_dir(path)
+
+
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation."
 DEFAULT_DRAFT_VOCAB = 32768  # the default pair's draft scores the 32k most common ids (see docs/performance.md)
 
@@ -72,7 +78,8 @@ class ProcessStack:
         self.commands = [
             ["target_service", "--model", target_dir, "--port", str(self.ports["target"]), *common],
             ["draft_service", "--model", draft_dir, "--port", str(self.ports["draft"]), *common,
-             "--draft-vocab", str(draft_vocab), *draft_args],
+             *(["--target-model", target_dir] if _is_head_dir(draft_dir) else ["--draft-vocab", str(draft_vocab)]),
+             *draft_args],
             ["orchestrator", "--host", "127.0.0.1", "--port", str(self.ports["orchestrator"]), "--prefill",
              "sequential",  # all three share this host's cores
              "--target", f"127.0.0.1:{self.ports['target']}", "--draft", f"127.0.0.1:{self.ports['draft']}",

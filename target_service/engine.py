@@ -16,7 +16,7 @@ from specdec.errors import InvalidArgument, ServiceError
 from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.sampling import apply_controls, coupled_choice, process_logits
 from specdec.wire import Verification, VerifyCall
-from specdec.worker.engine import WorkerEngine
+from specdec.worker.engine import WorkerEngine, take_features
 
 
 class TargetEngine(WorkerEngine):
@@ -53,7 +53,7 @@ class TargetEngine(WorkerEngine):
                 lambda logits: self._score(logits, params, top_logprobs, first, session.tokens, grammar))
             return Verification(argmax, probs, len(session.tokens), time.perf_counter() - t0,
                                 session.last_pass_rows, session.last_pass_s, logprob_bases=bases, top_logprobs=top,
-                                raw_log_norms=norms)
+                                raw_log_norms=norms, features=take_features(session))
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | ServiceError]:
         """The verifications of many sessions' calls (one orchestrator step), scored in one forward

@@ -24,6 +24,7 @@ def verification_to_proto(v: Verification) -> target_pb2.VerifyResponse:
         logprob_bases=v.logprob_bases or [],
         top_logprobs=[target_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in v.top_logprobs or ()],
         raw_log_norms=v.raw_log_norms or [],
+        features=v.features.to_proto() if v.features is not None else None,
     )
 
 

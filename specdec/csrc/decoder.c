@@ -171,10 +171,12 @@ static void silu_mul(float *g, const float *u, int64_t n) {
  * [n, head_dim]; sessions: the pass's sessions in order, new[s] rows each after past[s] cached
  * ones; kv: [layers][sessions], each buffer with room for past + new rows. Returns 0, or -1
  * without scratch memory (nothing of the caches' past rows is touched either way; the rows after
- * them may hold part of this pass's keys, which the caller's views do not reach). */
+ * them may hold part of this pass's keys, which the caller's views do not reach). aux: NULL, or
+ * [n][n_aux][hidden], filled with the residual stream entering each layer of aux_layers (the
+ * features an EAGLE-3 head reads). */
 int specdec_decoder_pass(const sd_model *model, float *h, int64_t n, const float *cos, const float *sin,
                          int64_t sessions, const int64_t *new_rows, const int64_t *past, const sd_kv *kv, float eps,
-                         float scaling, int32_t threads) {
+                         float scaling, int32_t threads, int64_t n_aux, const int64_t *aux_layers, float *aux) {
     const int64_t H = model->hidden, hd = model->head_dim, heads = model->heads, kvh = model->kv_heads;
     const int64_t I = model->inter, qd = heads * hd, kd = kvh * hd, group = heads / kvh;
     if (hd > 512 || hd % 2) return -1; /* native_forward_fits never passes such a model */
@@ -197,6 +199,9 @@ int specdec_decoder_pass(const sd_model *model, float *h, int64_t n, const float
     for (int64_t l = 0; l < model->layers; l++) {
         const sd_layer *L = model->layer + l;
         const sd_kv *cache = kv + l * sessions;
+        for (int64_t a = 0; a < n_aux; a++) /* the residual stream entering layer l: a feature head's input */
+            if (aux_layers[a] == l)
+                for (int64_t r = 0; r < n; r++) memcpy(aux + (r * n_aux + a) * H, h + r * H, sizeof(float) * H);
         for (int64_t r = 0; r < n; r++) rms_norm(h + r * H, L->in_norm, H, eps, x + r * H);
         if (linear(&L->q, x, n, q, threads) || linear(&L->k, x, n, k, threads) || linear(&L->v, x, n, v, threads))
             goto done;

@@ -55,6 +55,6 @@ typedef struct {
  * ones; kv: [layers][sessions]. */
 int specdec_decoder_pass(const sd_model *model, float *h, int64_t n, const float *cos, const float *sin,
                          int64_t sessions, const int64_t *new_rows, const int64_t *past, const sd_kv *kv, float eps,
-                         float scaling, int32_t threads);
+                         float scaling, int32_t threads, int64_t n_aux, const int64_t *aux_layers, float *aux);
 
 #endif

@@ -29,6 +29,9 @@ FLAGS = FlagTable("SPECDEC_{role}", [
               "int8-rows = int8 weights and per-row activations (rows independent; the native kernel, else "
               "fbgemm); fp16 = fp16 weights (rows independent with AVX-512 "
               "only); int8 = one activation scale per pass; none = plain"),
+    Flag("--target-model", roles=["draft"],
+         help="the target an EAGLE-3 feature head (--model HEAD_DIR) drafts for: its tokenizer, its layer count "
+              "and width, and its input embedding where the head ships none"),
     Flag("--draft-vocab", int, 0, "propose only from the first N token ids (smaller output head; 0 = all)",
          roles=["draft"]),
     Flag("--max-sessions", int, 64),
@@ -71,6 +74,7 @@ class WorkerConfig(ServedConfig, GrammarConfig):
     dtype: str = FLAGS.default("dtype")
     device_map: str | None = FLAGS.default("device_map")
     quantization: str = FLAGS.default("quantization")  # auto on CPU: fp16 Linear weights (a draft: int8)
+    target_model: str | None = None  # draft only: the target a feature head drafts for
     draft_vocab: int = FLAGS.default("draft_vocab")  # draft only: score just the first N token ids (0: all)
     max_sessions: int = FLAGS.default("max_sessions")
     max_cached_tokens: int = FLAGS.default("max_cached_tokens")

@@ -29,6 +29,7 @@ import torch
 from opentelemetry import metrics, trace
 from transformers import DynamicCache
 
+from specdec.eagle3 import Eagle3Head, HeadForward
 from specdec.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange,
                             ResourceExhausted, ServiceError, Unavailable)
 from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
@@ -117,6 +118,13 @@ class Session:
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
     owner: str = ""
     scope: str = ""  # the orchestrator's name for the request's tenant: prefix caching stays within it
+    # a target session a feature head drafts for: the layers whose input stream each pass returns
+    # (OpenSession's feature_layers), and the features of its passes not yet handed out
+    feature_layers: tuple[int, ...] = ()
+    features: list = field(default_factory=list)  # [specdec.wire.Features], in pass order
+    # a feature head's session (specdec/eagle3.py): row j is token j's input state (fc of the
+    # target's features at position j - 1, or the head's own state there); rows past the tokens unused
+    hidden: Any = None
 
     @property
     def cached(self) -> int:
@@ -154,6 +162,62 @@ def _free_cache(cache) -> None:
     free = getattr(cache, "free", None)
     if free is not None:
         free()
+
+
+def take_features(session: Session):
+    """The session's features not handed out yet, as one Features (later passes over a position
+    replace earlier ones); None where there are none. Call holding session.lock."""
+    out = None
+    for f in session.features:
+        out = f if out is None else out.joined(f)
+    session.features.clear()
+    return out
+
+
+def hand_out_features(items, starts: list[int], features: torch.Tensor, aux: tuple[int, ...]) -> None:
+    """A pass's features [rows, len(aux) * hidden] to the sessions that asked for them: each its
+    rows (from position starts[i]), its layers' columns. On the model thread, before the pass's
+    callers go on."""
+    from specdec.wire import Features
+
+    width = features.shape[1] // len(aux)
+    row = 0
+    for (work, n), start in zip(items, starts):
+        session = work.session
+        if session.feature_layers:
+            mine = features[row:row + n].view(n, len(aux), width)
+            if session.feature_layers != aux:
+                mine = mine[:, [aux.index(layer) for layer in session.feature_layers]]
+            session.features.append(Features(start, mine.reshape(n, -1).clone()))
+        row += n
+
+
+def hidden_rows(session: Session, start: int, n: int) -> torch.Tensor:
+    """A feature head's input states of tokens start .. start + n - 1 (specdec/eagle3.py)."""
+    return session.hidden[start:start + n]
+
+
+def set_next_states(done: list, states: torch.Tensor) -> None:
+    """A feature head's pass: each finished work's last state feeds the token its caller appends
+    next (its proposal), at the position after the session's tokens."""
+    row = 0
+    for work in done:
+        row += work.keep
+        session = work.session
+        grow_hidden(session, len(session.tokens) + 1)
+        session.hidden[len(session.tokens)] = states[row - 1]
+
+
+def grow_hidden(session: Session, rows: int, like: torch.Tensor | None = None) -> None:
+    """Room for `rows` input states in a feature head's session (a quarter more when it grows)."""
+    have = session.hidden
+    if have is not None and have.shape[0] >= rows:
+        return
+    like = have if have is not None else like
+    grown = like.new_zeros(rows + rows // 4 + 16, like.shape[-1])
+    if have is not None:
+        grown[: have.shape[0]] = have
+    session.hidden = grown
 
 
 def new_model_thread() -> ThreadPoolExecutor:
@@ -209,16 +273,24 @@ class WorkerEngine:
         # one process (the in-process path) should share one: pass model_thread=new_model_thread().
         self._owns_model_thread = model_thread is None
         self._model_thread = model_thread or new_model_thread()
-        use_ragged_attention(self.model)
+        self.head = isinstance(self.model, Eagle3Head)  # a feature head drafts (specdec/eagle3.py)
+        if self.head:
+            prefix_cache_tokens = 0  # a head's cached states hold its own guesses past the target's: not kept
+        else:
+            use_ragged_attention(self.model)
         cuda = self.input_device.type == "cuda"
         if cuda:
             # the model thread only launches kernels: OpenMP teams of every core would spin against
             # the Python threads that launch them (vLLM's default for GPU workers too)
             torch.set_num_threads(1)
         self._pages: KVPages | None = None
-        if kv_pages and not static_forward_fits(self.model):
+        if kv_pages and (self.head or not static_forward_fits(self.model)):
             raise ValueError(f"{type(self.model).__name__} does not fit the static pass over KV pages")
-        if kv_pages if kv_pages is not None else cuda and static_forward_fits(self.model):
+        if self.head:
+            graph = None
+            self._forward = HeadForward(self.model)
+            self._forward_device = self.input_device
+        elif kv_pages if kv_pages is not None else cuda and static_forward_fits(self.model):
             self._pages = KVPages.for_model(self.model, tokens=max_cached_tokens + prefix_cache_tokens,
                                             sessions=max_sessions)
             graph = graph_class or (CudaGraph if cuda and cuda_graphs else None)
@@ -252,6 +324,10 @@ class WorkerEngine:
             dtype=str(loaded.dtype).removeprefix("torch.")
             + ("" if loaded.quantization == "none" else f"+{loaded.quantization}-weights"),
             kernels=kernels_in_use(loaded.quantization, self._forward, graph is not None),
+            feature_layers=self.model.feature_layers if self.head else (),
+            feature_size=self.model.feature_size if self.head else 0,
+            num_layers=0 if self.head else int(config.num_hidden_layers),
+            hidden_size=int(config.hidden_size),
         )
         log.info("passes run on %s kernels, weights %s", self.info.kernels, self.info.dtype)
         self._tokenizer_files: dict[str, bytes] | None = None
@@ -361,25 +437,36 @@ class WorkerEngine:
         return left
 
     def open_session(self, session_id: str, token_ids: list[int], owner: str = "",
-                     scope: str = "") -> tuple[int, float, int]:
+                     scope: str = "", *, feature_layers: tuple[int, ...] = ()) -> tuple[int, float, int]:
         """Prefills all but the last token (from a copy of a cached prefix, where one of the
         caller's scope matches); returns (tokens held, seconds spent, prompt tokens not prefilled).
         owner: the caller's certificate identity, bound to the session (see authorize); scope: the
-        orchestrator's name for the request's tenant (prefix caching matches within it)."""
+        orchestrator's name for the request's tenant (prefix caching matches within it).
+        feature_layers (a target a feature head drafts for): the prefill and every pass after it
+        also give the residual stream entering these layers at each position they run (the
+        prefill's: opened_features; a Verify's: Verification.features); such a session prefills
+        its whole prompt, its features were never cached.
+        A feature head's session opens on the prompt's first token only: the target's features of
+        the rest come with its first Propose."""
         check_session_id(session_id)
         if not token_ids:
             raise InvalidArgument("cannot open a session with an empty prompt")
         if self.draining:
             raise Unavailable("this worker is shutting down; open the session on another worker")
         self.check_tokens(token_ids, already=0)
-        session = Session(session_id, list(token_ids[:-1]), self._new_cache(), owner=owner, scope=scope)
+        feature_layers = self.check_feature_layers(feature_layers)
+        if self.head and len(token_ids) > 1:
+            raise FailedPrecondition(f"a feature head's session opens on one token (got {len(token_ids)}): the "
+                                     f"target's features of the prompt come with the first Propose")
+        session = Session(session_id, list(token_ids[:-1]), self._new_cache(), owner=owner, scope=scope,
+                          feature_layers=feature_layers)
         session.lock.acquire()  # held from before the session is visible until its prefill is done
         try:
             self._admit(session, len(token_ids))
             t0 = time.perf_counter()
             reused = 0
             try:
-                if self._prefixes is not None and session.tokens:
+                if self._prefixes is not None and session.tokens and not feature_layers:
                     cache, reused = self._prefixes.copy_longest((owner, scope), session.tokens)
                     if cache is not None:
                         _free_cache(session.cache)
@@ -398,6 +485,23 @@ class WorkerEngine:
             session.lock.release()
         return len(session.tokens), time.perf_counter() - t0, reused
 
+    def check_feature_layers(self, layers) -> tuple[int, ...]:
+        """OpenSession's feature_layers, checked: layers of this model, on a forward that gives them."""
+        layers = tuple(int(i) for i in layers)
+        if not layers:
+            return ()
+        num_layers = self.info.num_layers
+        if self.head or not num_layers or any(not 0 <= i < num_layers for i in layers):
+            raise InvalidArgument(f"feature_layers {list(layers)} must name layers of this model's {num_layers}")
+        return layers
+
+    def opened_features(self, session_id: str):
+        """The features a session opened with feature_layers has not handed out yet (its
+        prefill's), as one specdec.wire.Features; None where it has none."""
+        session = self.session(session_id)
+        with session.lock:
+            return take_features(session)
+
     def fork_session(self, session_id: str, parent_id: str, token_ids: list[int], owner: str = "",
                      secret: bytes | None = None) -> tuple[int, float, int]:
         """Opens session_id as a copy of parent_id (its tokens and KV cache): one prefill serves a
@@ -415,7 +519,9 @@ class WorkerEngine:
                 raise FailedPrecondition(f"session {parent_id} holds other tokens than the fork asks for")
             with torch.inference_mode():
                 cache = copy.deepcopy(parent.cache)
-            session = Session(session_id, list(parent.tokens), cache, owner=owner, scope=parent.scope)
+                hidden = None if parent.hidden is None else parent.hidden.clone()
+            session = Session(session_id, list(parent.tokens), cache, owner=owner, scope=parent.scope,
+                              feature_layers=parent.feature_layers, hidden=hidden)
         try:
             self._admit(session, len(session.tokens))
         except ServiceError:
@@ -595,7 +701,8 @@ class WorkerEngine:
         (logits, the (tokens, probabilities) chosen on the device, the pass's own first, or None).
         Call it holding session.lock: one pass at a time per session."""
         assert len(session.tokens) - session.cached >= keep >= 1, (len(session.tokens), session.cached, keep)
-        if self._prefixes is not None and len(session.tokens) - keep - session.cached >= MIN_PREFIX:
+        if self._prefixes is not None and len(session.tokens) - keep - session.cached >= MIN_PREFIX \
+                and not session.feature_layers:
             self._adopt_prefix(session, keep)  # a draft's catch-up (its session opened on one token)
         return self._batcher.submit(Work(session, keep, kind, post, t.current_context(), chain=chain))
 
@@ -635,16 +742,28 @@ class WorkerEngine:
                 keep_rows += range(row + n - work.keep, row + n)
                 done.append(work)
         sessions = [work.session for work, _ in batch.items]
+        starts = [s.cached for s in sessions]
+        # a target's sessions that a feature head drafts for: the layers their features come from
+        aux = tuple(dict.fromkeys(layer for s in sessions for layer in s.feature_layers))
         attributes = {t.BATCH_ROWS: len(ids), t.BATCH_SESSIONS: len(sessions)}
         spans = [self.tracer.start_span("forward", context=work.context, attributes={
             t.FORWARD_TOKENS: n, t.FORWARD_KIND: work.kind, **attributes}) for work, n in batch.items]
         try:
             with self._pass_lock:
                 t0 = time.perf_counter()  # the pass itself: not the wait for the other worker's
-                logits = self._forward(torch.tensor([ids], device=self._forward_device),
-                                       torch.tensor([positions], device=self._forward_device),
-                                       RaggedCache([s.cache for s in sessions], [n for _, n in batch.items]),
-                                       torch.tensor(keep_rows, dtype=torch.long))
+                args = (torch.tensor([ids], device=self._forward_device),
+                        torch.tensor([positions], device=self._forward_device),
+                        RaggedCache([s.cache for s in sessions], [n for _, n in batch.items]),
+                        torch.tensor(keep_rows, dtype=torch.long))
+                if self.head:  # each row's input state beside its token
+                    logits, states = self._forward(*args, torch.cat([
+                        hidden_rows(work.session, work.session.cached, n) for work, n in batch.items]))
+                    set_next_states(done, states)
+                elif aux:
+                    logits, features = self._forward(*args, aux=aux)
+                    hand_out_features(batch.items, starts, features, aux)
+                else:
+                    logits = self._forward(*args)
                 chain_rows, chained = self._chain(done, logits[0]) if any(work.chain for work in done) else (0, {})
                 if logits.device.type == "cuda":
                     # kernels run after their launch: the pass's seconds (the gamma policy's costs)

@@ -33,18 +33,24 @@ Forward = Callable[[torch.Tensor, torch.Tensor, RaggedCache, torch.Tensor], torc
 
 
 def model_forward(model) -> Forward:
-    """forward(ids [1, n], positions [1, n], cache, keep_rows) -> logits [1, len(keep_rows), vocab].
+    """forward(ids [1, n], positions [1, n], cache, keep_rows, aux=()) -> logits [1, len(keep_rows), vocab];
+    with aux (layer indices), (logits, features [n, len(aux) * hidden]): each row's residual stream
+    entering those layers, side by side (what an EAGLE-3 head reads: specdec/eagle3.py).
     SPECDEC_NATIVE_FORWARD=0 keeps lean_forward where native_forward would run, SPECDEC_LEAN_FORWARD=0
     transformers' forward for every model (the ablations)."""
     lean = os.environ.get("SPECDEC_LEAN_FORWARD", "1") != "0" and lean_forward_fits(model)
     if lean and os.environ.get("SPECDEC_NATIVE_FORWARD", "1") != "0" and native_forward_fits(model):
         return NativeForward(model)
     if lean:
-        return lambda ids, positions, cache, keep: lean_forward(model, ids, positions, cache, keep)
+        return lambda ids, positions, cache, keep, aux=(): lean_forward(model, ids, positions, cache, keep, aux)
 
-    def plain(ids, positions, cache, keep):
-        return model(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, past_key_values=cache,
-                     use_cache=True, logits_to_keep=keep).logits
+    def plain(ids, positions, cache, keep, aux=()):
+        out = model(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, past_key_values=cache,
+                    use_cache=True, logits_to_keep=keep, output_hidden_states=bool(aux))
+        if not aux:
+            return out.logits
+        # hidden_states[i]: the stream entering layer i (hidden_states[0] the embeddings)
+        return out.logits, torch.cat([out.hidden_states[i][0] for i in aux], dim=-1)
     return plain
 
 
@@ -75,15 +81,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def lean_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache: RaggedCache,
-                 keep: torch.Tensor) -> torch.Tensor:
+                 keep: torch.Tensor, aux: tuple[int, ...] = ()):
     """The ragged pass through a Llama/Qwen2-family model, op for op its forward (see the module
-    docstring) -> logits [1, len(keep), vocab]."""
+    docstring) -> logits [1, len(keep), vocab]; with aux, (logits, features [n, len(aux) * hidden]:
+    each row's residual stream entering the layers of aux, side by side)."""
     inner = model.model
     h = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(h, positions)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # once, where apply_rotary_pos_emb does it per layer
     n = ids.shape[1]
+    captured = {}
     for i, layer in enumerate(inner.layers):
+        if i in aux:
+            captured[i] = h[0]
         attn, mlp = layer.self_attn, layer.mlp
         x = _rms_norm(layer.input_layernorm, h)
         shape = (1, n, -1, attn.head_dim)
@@ -98,7 +108,8 @@ def lean_forward(model, ids: torch.Tensor, positions: torch.Tensor, cache: Ragge
         x = _rms_norm(layer.post_attention_layernorm, h)
         h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
     h = _rms_norm(inner.norm, h)
-    return model.lm_head(h[:, keep, :])
+    logits = model.lm_head(h[:, keep, :])
+    return (logits, torch.cat([captured[i] for i in aux], dim=-1)) if aux else logits
 
 
 # ---- the native forward: the decoder layers in C (specdec/csrc/decoder.c) ----------------------
@@ -179,7 +190,8 @@ class NativeForward:
             self._tables, self._generation = (model, layers), kernels.bind_generation()
         return self._tables[0].data_ptr()
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: RaggedCache, keep: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache: RaggedCache, keep: torch.Tensor,
+                 aux: tuple[int, ...] = ()):
         inner = self.inner
         h = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(h, positions)
@@ -195,11 +207,15 @@ class NativeForward:
                     past.append(length)
         kv_table = torch.tensor(kv, dtype=torch.int64)
         rows = torch.tensor(cache.new + past, dtype=torch.int64)
+        aux_layers = torch.tensor(aux, dtype=torch.int64)
+        features = h.new_empty(n, len(aux) * h.shape[-1]) if aux else None
         rc = self._decoder(self._model_table(), h.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), sessions,
                            rows.data_ptr(), rows.data_ptr() + 8 * sessions, kv_table.data_ptr(), self.eps, self.scaling,
-                           torch.get_num_threads())
+                           torch.get_num_threads(), len(aux), aux_layers.data_ptr() if aux else None,
+                           features.data_ptr() if aux else None)
         if rc != 0:
             raise MemoryError("the native decoder pass found no scratch memory")
         for layer, keys, values, length in buffers:
             layer.keys, layer.values = keys[..., :length, :], values[..., :length, :]
-        return self.model.lm_head(h[:, keep, :])
+        logits = self.model.lm_head(h[:, keep, :])
+        return (logits, features) if aux else logits

@@ -334,17 +334,23 @@ class StaticForward:
 
     # ---- the pass -------------------------------------------------------------------------
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, keep: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, keep: torch.Tensor, aux: tuple[int, ...] = ()):
+        """With aux (a feature head drafts for one of the pass's sessions), the pass runs eagerly and
+        also returns its rows' features, as model_forward's functions do."""
         caches, new = cache.caches, cache.new
         self.pages.begin_pass()
         try:
             for c, n in zip(caches, new):
                 if not c.freed:
                     c.reserve(c.length + n)
-            logits = self._run(ids[0].tolist(), caches, new, keep.tolist())
+            features = dict.fromkeys(aux) if aux else None  # filled with each layer's input
+            logits = self._run(ids[0].tolist(), caches, new, keep.tolist()) if not aux else \
+                self._eager(ids[0].tolist(), caches, new, keep.tolist(), features)
             for c, n in zip(caches, new):
                 if not c.freed:
                     c.length += n
+            if aux:
+                return logits.unsqueeze(0), torch.cat([features[i] for i in aux], dim=-1)
             return logits.unsqueeze(0)
         finally:
             self.pages.end_pass()
@@ -504,8 +510,9 @@ class StaticForward:
         h = self._layers(ids, pos, slot, attend)
         return _linear_into(self._logits[:T], h, self.model.lm_head)
 
-    def _eager(self, ids: list[int], caches, new: list[int], keep: list[int]) -> torch.Tensor:
-        """Any pass, unpadded: one attention call a session over exactly its keys -> logits [len(keep), vocab]."""
+    def _eager(self, ids: list[int], caches, new: list[int], keep: list[int], features: dict | None = None) -> torch.Tensor:
+        """Any pass, unpadded: one attention call a session over exactly its keys -> logits [len(keep), vocab].
+        features: {layer: None} to fill with the stream entering each of those layers ([rows, hidden])."""
         positions = torch.tensor([p for c, n in zip(caches, new) for p in range(c.length, c.length + n)],
                                  device=self.device)
         ids, keep = torch.tensor(ids, device=self.device), torch.tensor(keep, device=self.device)
@@ -537,7 +544,7 @@ class StaticForward:
                 row += n
             return out[0] if len(out) == 1 else torch.cat(out)
 
-        h = self._layers(ids, positions, slot, attend, keep=keep)
+        h = self._layers(ids, positions, slot, attend, keep=keep, features=features)
         self.eager_passes += 1
         return self.model.lm_head(h)
 
@@ -545,7 +552,8 @@ class StaticForward:
     def _scaling(self) -> float:
         return self.inner.layers[0].self_attn.scaling
 
-    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, attend, keep=None) -> torch.Tensor:
+    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, attend, keep=None,
+                features: dict | None = None) -> torch.Tensor:
         """The decoder layers over T rows (lean_forward's computation in fewer kernels: a pass of a
         small model on a GPU is bound by how many it launches): each layer's new keys and values go
         to their slots (page * PAGE + offset) before attend reads them -> the final norm's rows
@@ -557,6 +565,8 @@ class StaticForward:
         rotation = self._rotation(cos[0], sin[0])  # [T, d, d]: each row's rotary positions as one matrix
         flat = (pages.pages * PAGE, kvh, d)
         for i, (layer, (qkv_w, qkv_b, gate_up)) in enumerate(zip(inner.layers, self._fused)):
+            if features is not None and i in features:
+                features[i] = h.clone()  # h is added to in place below
             attn, mlp = layer.self_attn, layer.mlp
             x = self._norm(layer.input_layernorm, h)
             qkv = torch.nn.functional.linear(x, qkv_w, qkv_b)  # q, k and v in one GEMM

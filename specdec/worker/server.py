@@ -46,7 +46,8 @@ class WorkerRole:
         from specdec.modeling import load_model
 
         loaded = load_model(config.model, device=config.device, dtype=config.dtype, device_map=config.device_map,
-                            quantization=config.quantization, head_rows=config.draft_vocab, role=config.role)
+                            quantization=config.quantization, head_rows=config.draft_vocab, role=config.role,
+                            target_model=config.target_model)
         return self.engine_class(loaded, max_sessions=config.max_sessions, max_cached_tokens=config.max_cached_tokens,
                                  session_ttl_s=config.session_ttl_s, max_batch_tokens=config.max_batch_tokens,
                                  max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
@@ -129,9 +130,12 @@ class SessionRpcs:
                                                             request.fork_secret)
         else:
             length, compute_s, cached = engine.open_session(request.session_id, list(request.token_ids),
-                                                            peer_identity(context), request.prefix_scope)
+                                                            peer_identity(context), request.prefix_scope,
+                                                            feature_layers=tuple(request.feature_layers))
+        features = engine.opened_features(request.session_id) if request.feature_layers else None
         return common_pb2.OpenSessionResponse(length=length, compute_s=compute_s, cached_tokens=cached,
-                                              session_secret=engine.secret_of(request.session_id))
+                                              session_secret=engine.secret_of(request.session_id),
+                                              features=features.to_proto() if features is not None else None)
 
     def Truncate(self, request, context):
         engine = self.authorized(request, context)

@@ -6,6 +6,7 @@ BPE tokenizer without merges (one token per byte) plus chat special tokens and a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -187,6 +188,61 @@ def build_real_shape_dir(path: Path, name: str, *, seed: int = 0, dtype: torch.d
     config = Qwen2Config(**shape, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     return _save_random(path, config, tokenizer, seed=seed, dtype=dtype, device=device)
+
+
+def build_head_dir(path: Path, *, target_hidden: int, target_vocab: int, seed: int, layout: str = "vllm",
+                   hidden: int | None = None, heads: int = 4, kv_heads: int = 2, intermediate: int | None = None,
+                   draft_vocab: int | None = None, feature_layers: tuple[int, ...] | None = None,
+                   with_embedding: bool = False, std: float = 0.2, rope_theta: float = 10000.0,
+                   draft_ids: list[int] | None = None, dtype: torch.dtype = torch.float32) -> Path:
+    """An EAGLE-3 head directory with random weights (std `std`) for a target of width target_hidden
+    and vocabulary target_vocab, in vLLM's layout ("vllm": LlamaForCausalLMEagle3, midlayer.*) or
+    the speculators one ("speculators": transformer_layer_config, layers.0.*). draft_vocab: the
+    head scores that many ids, spread over the vocabulary by a random d2t (None: all of them);
+    draft_ids: exactly these ids instead (one id: a head that always proposes it)."""
+    from safetensors.torch import save_file
+
+    d = hidden or target_hidden
+    inter = intermediate or 2 * d
+    dv = len(draft_ids) if draft_ids else draft_vocab or target_vocab
+    head_dim = d // heads
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    layer = "midlayer." if layout == "vllm" else "layers.0."
+    state = {"fc.weight": w(d, 3 * target_hidden), "norm.weight": 1 + w(d) / 4, "lm_head.weight": w(dv, d)}
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        state[f"{layer}{name}.weight"] = 1 + w(d) / 4
+    for name, shape in (("q_proj", (heads * head_dim, 2 * d)), ("k_proj", (kv_heads * head_dim, 2 * d)),
+                        ("v_proj", (kv_heads * head_dim, 2 * d)), ("o_proj", (d, heads * head_dim))):
+        state[f"{layer}self_attn.{name}.weight"] = w(*shape)
+    for name, shape in (("gate_proj", (inter, d)), ("up_proj", (inter, d)), ("down_proj", (d, inter))):
+        state[f"{layer}mlp.{name}.weight"] = w(*shape)
+    ids = torch.sort(torch.tensor(draft_ids) if draft_ids else torch.randperm(target_vocab, generator=g)[:dv]).values
+    state["d2t"] = ids - torch.arange(dv)
+    state["t2d"] = torch.zeros(target_vocab, dtype=torch.bool).index_fill_(0, ids, True)
+    if with_embedding:
+        state["embed_tokens.weight"] = w(target_vocab, d)
+    layer_config = {"hidden_size": d, "intermediate_size": inter, "num_attention_heads": heads,
+                    "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-6, "rope_theta": rope_theta,
+                    "max_position_embeddings": 4096, "vocab_size": target_vocab, "hidden_act": "silu"}
+    extra = {"target_hidden_size": target_hidden} if d != target_hidden else {}
+    if layout == "vllm":
+        config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **layer_config,
+                  "num_hidden_layers": 1, "draft_vocab_size": dv, **extra,
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(feature_layers)} if feature_layers else {}}
+    else:
+        config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                  "transformer_layer_config": {**layer_config, "num_hidden_layers": 1, "model_type": "llama"},
+                  "draft_vocab_size": dv, "norm_before_residual": True, **extra,
+                  **({"eagle_aux_hidden_state_layer_ids": list(feature_layers)} if feature_layers else {})}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,3 +170,8 @@ def test_the_commands_share_cores_on_a_cpu_and_name_the_model_as_the_user_did(tm
     assert "--served-model-name" not in gpu[-1].argv and "--device" in gpu[1].argv
     assert "--pass-lock" not in gpu[0].argv + gpu[1].argv and "--prefill" not in gpu[-1].argv
     assert len(build_children(a, str(tmp_path / "t"), None, [])) == 2  # --draft none: target and orchestrator
+    from specdec_tools.testing.tiny_models import build_head_dir
+
+    head = build_head_dir(tmp_path / "head", target_hidden=64, target_vocab=300, seed=0)
+    _, draft, _ = build_children(a, str(tmp_path / "t"), str(head), [])  # a feature head drafts for the target
+    assert draft.argv[draft.argv.index("--target-model") + 1] == str(tmp_path / "t") and "--draft-vocab" not in draft.argv

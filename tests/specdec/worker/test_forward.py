@@ -277,3 +277,43 @@ def test_models_off_the_native_kernels_keep_the_lean_pass(monkeypatch):
         monkeypatch.delenv("SPECDEC_NATIVE_FORWARD")
         model.config.hidden_act = "gelu"
         assert not native_forward_fits(model)
+
+
+# ---- features for a feature head (specdec/eagle3.py) ------------------------------------------
+
+@pytest.mark.parametrize("path", ["plain", "lean", "native"])
+@torch.inference_mode()
+def test_every_forward_returns_the_residual_stream_entering_the_asked_layers(path, monkeypatch):
+    """forward(..., aux=layers) -> (the same logits as without, each row's input to those layers
+    side by side): transformers' hidden_states[i] for every row of a two-session pass (a prefill
+    beside a 3-row verify), in the order asked (layer 2 before layer 0)."""
+    from specdec.worker.forward import NativeForward
+
+    if path == "native" and not native_available():
+        pytest.skip("the native kernels do not build here")
+    model = _native_model("qwen2") if path == "native" else _model("qwen2", torch.float64)
+    if path == "plain":
+        monkeypatch.setenv("SPECDEC_LEAN_FORWARD", "0")
+    forward = model_forward(model)
+    assert isinstance(forward, NativeForward) == (path == "native")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, 12), generator=g)
+    caches = [DynamicCache(config=model.config) for _ in range(2)]
+    forward(ids[:, :4], torch.arange(4)[None], RaggedCache([caches[1]], [4]), torch.tensor([3]))
+    positions = torch.cat([torch.arange(9), torch.arange(4, 7)])[None]
+    rows = torch.cat([ids[:, 3:12], ids[:, 7:10]], dim=1)  # session 0's prefill, session 1's verify
+    plain = forward(rows, positions, RaggedCache(copy.deepcopy(caches), [9, 3]), torch.tensor([8, 9, 10, 11]))
+    logits, features = forward(rows, positions, RaggedCache(caches, [9, 3]), torch.tensor([8, 9, 10, 11]),
+                               aux=(2, 0))
+    assert torch.equal(logits, plain)
+    assert features.shape == (12, 2 * SHAPE["hidden_size"])
+    reference = _model("qwen2", torch.float64)  # the same weights (seeded), unquantized for the native path
+    if path == "native":
+        reference = model
+    first = reference(ids[:, 3:12], output_hidden_states=True).hidden_states
+    want_first = torch.cat([first[2][0], first[0][0]], dim=-1)
+    tol = 1e-9 if path != "native" else 2e-3
+    assert (features[:9].double() - want_first.double()).abs().max() < tol
+    second = reference(torch.cat([ids[:, :4], ids[:, 7:10]], dim=1), output_hidden_states=True).hidden_states
+    want_second = torch.cat([second[2][0, 4:], second[0][0, 4:]], dim=-1)
+    assert (features[9:].double() - want_second.double()).abs().max() < tol

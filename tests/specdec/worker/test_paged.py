@@ -209,6 +209,39 @@ def test_greedy_on_pages_matches_generate(paged_decoder, gamma):
     assert target._forward.replays > 0 and (draft._forward.replays > 0 or gamma == 0)
 
 
+def test_a_target_on_pages_feeds_a_feature_head_exactly(paged_decoder, model_dirs, tmp_path):
+    """A target whose passes run over KV pages returns features (its feature sessions' passes run
+    eagerly), equal to its hidden states, and a feature head drafting from them keeps greedy
+    output the target's own."""
+    from draft_service.engine import DraftEngine
+    from orchestrator.decoder import SpeculativeDecoder
+    from specdec.modeling import load_model
+    from specdec.protocol import GenerationRequest
+    from specdec_tools.testing.tiny_models import build_head_dir
+    from tests.orchestrator.test_greedy_equivalence import PROMPTS, reference
+
+    _, target, _ = paged_decoder
+    config = target.model.config
+    head_dir = build_head_dir(tmp_path / "head", target_hidden=config.hidden_size, target_vocab=config.vocab_size,
+                              seed=4, feature_layers=(1, 0, 1))
+    head = DraftEngine(load_model(str(head_dir), dtype="float64", role="draft", target_model=str(model_dirs["target"])))
+    try:
+        ids = target.tokenizer(PROMPTS[0]).input_ids
+        target.open_session("fed", ids, feature_layers=(1, 0))
+        opened = target.opened_features("fed")
+        target.close_session("fed")
+        with torch.inference_mode():
+            hidden = target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        torch.testing.assert_close(opened.rows, torch.cat([hidden[1][0], hidden[0][0]], -1)[:-1])
+        decoder = SpeculativeDecoder(target, head, target.tokenizer)
+        for prompt in PROMPTS[:2]:
+            ids = target.tokenizer(prompt).input_ids
+            r = decoder.generate(GenerationRequest(token_ids=ids, max_new_tokens=16, temperature=0, gamma=3))
+            assert r.token_ids == reference(target, ids, 16)
+    finally:
+        head.close()
+
+
 def test_sampled_choices_on_pages_match_dynamic_caches(paged_decoder, target_engine, draft_engine):
     """Seeded sampling with n = 3 choices (forks of one prefill), several requests at once: each
     choice is the one the DynamicCache engines give for its seed; every page comes back."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\xaa\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\rcoupling_seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x1c\n\x14logit_bias_token_ids\x18\t \x03(\x05\x12\x19\n\x11logit_bias_values\x18\n \x03(\x02\x12\x14\n\x0coutput_start\x18\x0b \x01(\r\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12$\n\x07grammar\x18\x0e \x01(\x0b\x32\x13.specdec.v1.Grammar\x12\x1a\n\x12processed_logprobs\x18\x0f \x01(\x08\x42\x10\n\x0e_coupling_seedB\x15\n\x13_repetition_penalty\"%\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"c\n\x05Probs\x12\'\n\x05\x64\x65nse\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DenseProbsH\x00\x12)\n\x06sparse\x18\x02 \x01(\x0b\x32\x17.specdec.v1.SparseProbsH\x00\x42\x06\n\x04\x66orm\" \n\nDenseProbs\x12\x12\n\nfloat32_le\x18\x01 \x01(\x0c\"U\n\x0bSparseProbs\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x18\n\x10indices_int32_le\x18\x02 \x01(\x0c\x12\x18\n\x10probs_float32_le\x18\x03 \x01(\x0c\"\x11\n\x0f\x44\x65scribeRequest\"\xa7\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0c\x62os_token_id\x18\x05 \x01(\x05\x12\x14\n\x0cpad_token_id\x18\x06 \x01(\x05\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x11\n\tmax_gamma\x18\n \x01(\r\x12\x15\n\ropen_sessions\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x13\n\x0bheld_tokens\x18\r \x01(\x04\x12\x0f\n\x07kernels\x18\x0e \x01(\t\"w\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07\x66ork_of\x18\x03 \x01(\t\x12\x13\n\x0b\x66ork_secret\x18\x04 \x01(\x0c\x12\x14\n\x0cprefix_scope\x18\x05 \x01(\t\"g\n\x13OpenSessionResponse\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0esession_secret\x18\x03 \x01(\x0c\"M\n\x0fTruncateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x16\n\x0esession_secret\x18\x03 \x01(\x0c\"\"\n\x10TruncateResponse\x12\x0e\n\x06length\x18\x01 \x01(\r\"A\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\x0c\"\x16\n\x14\x43loseSessionResponse\"\'\n\tFileChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x15\n\x13GetTokenizerRequest\"+\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\xaa\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\rcoupling_seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x1c\n\x14logit_bias_token_ids\x18\t \x03(\x05\x12\x19\n\x11logit_bias_values\x18\n \x03(\x02\x12\x14\n\x0coutput_start\x18\x0b \x01(\r\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12$\n\x07grammar\x18\x0e \x01(\x0b\x32\x13.specdec.v1.Grammar\x12\x1a\n\x12processed_logprobs\x18\x0f \x01(\x08\x42\x10\n\x0e_coupling_seedB\x15\n\x13_repetition_penalty\"%\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"c\n\x05Probs\x12\'\n\x05\x64\x65nse\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DenseProbsH\x00\x12)\n\x06sparse\x18\x02 \x01(\x0b\x32\x17.specdec.v1.SparseProbsH\x00\x42\x06\n\x04\x66orm\" \n\nDenseProbs\x12\x12\n\nfloat32_le\x18\x01 \x01(\x0c\"U\n\x0bSparseProbs\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x18\n\x10indices_int32_le\x18\x02 \x01(\x0c\x12\x18\n\x10probs_float32_le\x18\x03 \x01(\x0c\"\x11\n\x0f\x44\x65scribeRequest\"\x92\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0c\x62os_token_id\x18\x05 \x01(\x05\x12\x14\n\x0cpad_token_id\x18\x06 \x01(\x05\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x11\n\tmax_gamma\x18\n \x01(\r\x12\x15\n\ropen_sessions\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x13\n\x0bheld_tokens\x18\r \x01(\x04\x12\x0f\n\x07kernels\x18\x0e \x01(\t\x12\x12\n\ndraft_kind\x18\x0f \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x10 \x03(\r\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x11 \x01(\r\x12\x12\n\nnum_layers\x18\x12 \x01(\r\x12\x13\n\x0bhidden_size\x18\x13 \x01(\r\"K\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x13\n\x0b\x62\x66loat16_le\x18\x04 \x01(\x0c\"\x8f\x01\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07\x66ork_of\x18\x03 \x01(\t\x12\x13\n\x0b\x66ork_secret\x18\x04 \x01(\x0c\x12\x14\n\x0cprefix_scope\x18\x05 \x01(\t\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x06 \x03(\r\"\x8f\x01\n\x13OpenSessionResponse\x12\x0e\n\x06length\x18\x01 \x01(\r\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x16\n\x0esession_secret\x18\x03 \x01(\x0c\x12&\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x14.specdec.v1.Features\"M\n\x0fTruncateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x16\n\x0esession_secret\x18\x03 \x01(\x0c\"\"\n\x10TruncateResponse\x12\x0e\n\x06length\x18\x01 \x01(\r\"A\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0esession_secret\x18\x02 \x01(\x0c\"\x16\n\x14\x43loseSessionResponse\"\'\n\tFileChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x15\n\x13GetTokenizerRequest\"+\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,23 +44,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=729
   _globals['_DESCRIBEREQUEST']._serialized_end=746
   _globals['_MODELINFO']._serialized_start=749
-  _globals['_MODELINFO']._serialized_end=1044
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1046
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1165
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=1167
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=1270
-  _globals['_TRUNCATEREQUEST']._serialized_start=1272
-  _globals['_TRUNCATEREQUEST']._serialized_end=1349
-  _globals['_TRUNCATERESPONSE']._serialized_start=1351
-  _globals['_TRUNCATERESPONSE']._serialized_end=1385
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1387
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1452
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1454
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1476
-  _globals['_FILECHUNK']._serialized_start=1478
-  _globals['_FILECHUNK']._serialized_end=1517
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1519
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1540
-  _globals['_CALLSTATUS']._serialized_start=1542
-  _globals['_CALLSTATUS']._serialized_end=1585
+  _globals['_MODELINFO']._serialized_end=1151
+  _globals['_FEATURES']._serialized_start=1153
+  _globals['_FEATURES']._serialized_end=1228
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1231
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1374
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=1377
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1520
+  _globals['_TRUNCATEREQUEST']._serialized_start=1522
+  _globals['_TRUNCATEREQUEST']._serialized_end=1599
+  _globals['_TRUNCATERESPONSE']._serialized_start=1601
+  _globals['_TRUNCATERESPONSE']._serialized_end=1635
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1637
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1702
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1704
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1726
+  _globals['_FILECHUNK']._serialized_start=1728
+  _globals['_FILECHUNK']._serialized_end=1767
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1769
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1790
+  _globals['_CALLSTATUS']._serialized_start=1792
+  _globals['_CALLSTATUS']._serialized_end=1835
 # @@protoc_insertion_point(module_scope)

@@ -77,7 +77,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "bos_token_id", "pad_token_id", "max_context", "device", "dtype", "max_gamma", "open_sessions", "draining", "held_tokens", "kernels")
+    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "bos_token_id", "pad_token_id", "max_context", "device", "dtype", "max_gamma", "open_sessions", "draining", "held_tokens", "kernels", "draft_kind", "feature_layers", "feature_size", "num_layers", "hidden_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,11 @@ class ModelInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KIND_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     vocab_fingerprint: str
@@ -106,33 +111,54 @@ class ModelInfo(_message.Message):
     draining: bool
     held_tokens: int
     kernels: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_gamma: _Optional[int] = ..., open_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., held_tokens: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...
+    draft_kind: str
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    feature_size: int
+    num_layers: int
+    hidden_size: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_gamma: _Optional[int] = ..., open_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., held_tokens: _Optional[int] = ..., kernels: _Optional[str] = ..., draft_kind: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("start", "rows", "width", "bfloat16_le")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BFLOAT16_LE_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    rows: int
+    width: int
+    bfloat16_le: bytes
+    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., bfloat16_le: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "fork_of", "fork_secret", "prefix_scope")
+    __slots__ = ("session_id", "token_ids", "fork_of", "fork_secret", "prefix_scope", "feature_layers")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FORK_OF_FIELD_NUMBER: _ClassVar[int]
     FORK_SECRET_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     fork_of: str
     fork_secret: bytes
     prefix_scope: str
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., fork_of: _Optional[str] = ..., fork_secret: _Optional[bytes] = ..., prefix_scope: _Optional[str] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., fork_of: _Optional[str] = ..., fork_secret: _Optional[bytes] = ..., prefix_scope: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("length", "compute_s", "cached_tokens", "session_secret")
+    __slots__ = ("length", "compute_s", "cached_tokens", "session_secret", "features")
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     length: int
     compute_s: float
     cached_tokens: int
     session_secret: bytes
-    def __init__(self, length: _Optional[int] = ..., compute_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
+    features: Features
+    def __init__(self, length: _Optional[int] = ..., compute_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., session_secret: _Optional[bytes] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class TruncateRequest(_message.Message):
     __slots__ = ("session_id", "length", "session_secret")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "start", "token_ids", "gamma", "sampling", "seed", "options", "session_secret")
+    __slots__ = ("session_id", "start", "token_ids", "gamma", "sampling", "seed", "options", "session_secret", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class ProposeRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +26,8 @@ class ProposeRequest(_message.Message):
     seed: int
     options: DraftOptions
     session_secret: bytes
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[DraftOptions, _Mapping]] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[DraftOptions, _Mapping]] = ..., session_secret: _Optional[bytes] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class DraftOptions(_message.Message):
     __slots__ = ("p_min", "min_drafts", "lookup", "ahead", "skip_grammar", "skip_forced_tokens")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec_client.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xcc\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x16\n\x0esession_secret\x18\x08 \x01(\x0c\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xf6\x01\n\x0eVerifyResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12 \n\x05probs\x18\x02 \x03(\x0b\x32\x11.specdec.v1.Probs\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x12\n\nbatch_rows\x18\x06 \x01(\r\x12\x0e\n\x06pass_s\x18\x07 \x01(\x01\x12\x15\n\rlogprob_bases\x18\x08 \x03(\x02\x12-\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x17.specdec.v1.TopLogprobs\x12\x15\n\rraw_log_norms\x18\n \x03(\x02J\x04\x08\x05\x10\x06\">\n\x12VerifyBatchRequest\x12(\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyRequest\"d\n\x0cVerifyResult\x12,\n\x08response\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponse\x12&\n\x06status\x18\x02 \x01(\x0b\x32\x16.specdec.v1.CallStatus\"@\n\x13VerifyBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.specdec.v1.VerifyResult2\x93\x04\n\x0cTargetWorker\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12N\n\x0bVerifyBatch\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12H\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a\x15.specdec.v1.FileChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xcc\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x16\n\x0esession_secret\x18\x08 \x01(\x0c\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x9e\x02\n\x0eVerifyResponse\x12\x18\n\x10\x61rgmax_token_ids\x18\x01 \x03(\x05\x12 \n\x05probs\x18\x02 \x03(\x0b\x32\x11.specdec.v1.Probs\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x12\n\nbatch_rows\x18\x06 \x01(\r\x12\x0e\n\x06pass_s\x18\x07 \x01(\x01\x12\x15\n\rlogprob_bases\x18\x08 \x03(\x02\x12-\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x17.specdec.v1.TopLogprobs\x12\x15\n\rraw_log_norms\x18\n \x03(\x02\x12&\n\x08\x66\x65\x61tures\x18\x0b \x01(\x0b\x32\x14.specdec.v1.FeaturesJ\x04\x08\x05\x10\x06\">\n\x12VerifyBatchRequest\x12(\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyRequest\"d\n\x0cVerifyResult\x12,\n\x08response\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponse\x12&\n\x06status\x18\x02 \x01(\x0b\x32\x16.specdec.v1.CallStatus\"@\n\x13VerifyBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.specdec.v1.VerifyResult2\x93\x04\n\x0cTargetWorker\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12N\n\x0bVerifyBatch\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12H\n\x0cGetTokenizer\x12\x1f.specdec.v1.GetTokenizerRequest\x1a\x15.specdec.v1.FileChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROBS']._serialized_start=271
   _globals['_TOPLOGPROBS']._serialized_end=321
   _globals['_VERIFYRESPONSE']._serialized_start=324
-  _globals['_VERIFYRESPONSE']._serialized_end=570
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=572
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=634
-  _globals['_VERIFYRESULT']._serialized_start=636
-  _globals['_VERIFYRESULT']._serialized_end=736
-  _globals['_VERIFYBATCHRESPONSE']._serialized_start=738
-  _globals['_VERIFYBATCHRESPONSE']._serialized_end=802
-  _globals['_TARGETWORKER']._serialized_start=805
-  _globals['_TARGETWORKER']._serialized_end=1336
+  _globals['_VERIFYRESPONSE']._serialized_end=610
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=612
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=674
+  _globals['_VERIFYRESULT']._serialized_start=676
+  _globals['_VERIFYRESULT']._serialized_end=776
+  _globals['_VERIFYBATCHRESPONSE']._serialized_start=778
+  _globals['_VERIFYBATCHRESPONSE']._serialized_end=842
+  _globals['_TARGETWORKER']._serialized_start=845
+  _globals['_TARGETWORKER']._serialized_end=1376
 # @@protoc_insertion_point(module_scope)

@@ -36,7 +36,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("argmax_token_ids", "probs", "length", "compute_s", "batch_rows", "pass_s", "logprob_bases", "top_logprobs", "raw_log_norms")
+    __slots__ = ("argmax_token_ids", "probs", "length", "compute_s", "batch_rows", "pass_s", "logprob_bases", "top_logprobs", "raw_log_norms", "features")
     ARGMAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class VerifyResponse(_message.Message):
     LOGPROB_BASES_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RAW_LOG_NORMS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     argmax_token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Probs]
     length: int
@@ -55,7 +56,8 @@ class VerifyResponse(_message.Message):
     logprob_bases: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     raw_log_norms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.Probs, _Mapping]]] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., batch_rows: _Optional[int] = ..., pass_s: _Optional[float] = ..., logprob_bases: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., raw_log_norms: _Optional[_Iterable[float]] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, argmax_token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.Probs, _Mapping]]] = ..., length: _Optional[int] = ..., compute_s: _Optional[float] = ..., batch_rows: _Optional[int] = ..., pass_s: _Optional[float] = ..., logprob_bases: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., raw_log_norms: _Optional[_Iterable[float]] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class VerifyBatchRequest(_message.Message):
     __slots__ = ("calls",)

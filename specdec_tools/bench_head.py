@@ -1,0 +1,148 @@
+"""`specdec bench-head`: what a feature head's draft step costs next to a target pass (c).
+
+In one process, through the workers' own engines (their sessions, their ragged passes), on one
+thread pool: the target's step (a Verify of one row per session, no drafts) and a feature
+head's step (a Propose of one draft per session), at 1 and more sessions, each session holding
+--cached tokens. The head has the shape EAGLE-3 heads for the target have (one decoder layer of
+the target's width, a --draft-vocab output head) and random weights: its speed, not its
+acceptance. The 0.5B-class model draft is timed beside it where --draft names one.
+
+c = the head's pass seconds / the target's pass seconds (median of --repeats, the model alone:
+what the gamma policy fits), with the calls' seconds beside them (the engine's work around the
+pass too). Writes table.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specdec.model_store import DEFAULT_TARGET
+
+    p.add_argument("--target", default=DEFAULT_TARGET, help="the target: a model spec (the default pair's target)")
+    p.add_argument("--draft", default="", help="also time this model draft's step (e.g. the default pair's draft)")
+    p.add_argument("--head", default="", help="a head directory (default: a random head of the target's shape)")
+    p.add_argument("--modes", default="none,int8-rows,q4k-rows", help="the head's quantizations to time")
+    p.add_argument("--draft-vocab", type=int, default=32000, help="the random head's output rows (EAGLE-3: 32k)")
+    p.add_argument("--sessions", default="1,4,16", help="sessions in one step")
+    p.add_argument("--cached", type=int, default=200, help="tokens each session holds before the timed steps")
+    p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--out", default=None, help="results folder (default bench_results/head-<time>)")
+
+
+def _random_head(target_path: Path, out: Path, draft_vocab: int) -> Path:
+    from transformers import AutoConfig
+
+    from specdec_tools.testing.tiny_models import build_head_dir
+
+    config = AutoConfig.from_pretrained(target_path).get_text_config(decoder=True)
+    return build_head_dir(out, target_hidden=config.hidden_size, target_vocab=config.vocab_size, seed=0,
+                          heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                          intermediate=config.intermediate_size, draft_vocab=draft_vocab, std=0.02,
+                          rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0))
+
+
+def _time(step, repeats: int) -> tuple[float, float]:
+    """(median pass seconds, median call seconds) of step() -> pass seconds, after one warm-up."""
+    step()
+    passes, calls = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        passes.append(step())
+        calls.append(time.perf_counter() - t0)
+    return statistics.median(passes), statistics.median(calls)
+
+
+def _target_step(engine, ids: list[str], length: int):
+    from specdec.protocol import SamplingParams
+    from specdec.wire import VerifyCall
+
+    greedy = SamplingParams(temperature=0)
+
+    def step() -> float:  # one row a session, rolled back after: every repeat is the same step
+        results = engine.verify_batch([VerifyCall(s, length - 1, [7], [], greedy) for s in ids])
+        return results[0].pass_s
+    return step
+
+
+def _draft_step(engine, ids: list[str], length: int, features):
+    from specdec.protocol import SamplingParams
+    from specdec.wire import ProposeCall
+
+    greedy = SamplingParams(temperature=0)
+
+    def step() -> float:  # the last token again (its features too), then one draft
+        results = engine.propose_batch([ProposeCall(s, length - 1, [7], 1, greedy, 0, features=features)
+                                        for s in ids])
+        return results[0][-1].pass_s
+    return step
+
+
+def cmd_bench_head(a: argparse.Namespace) -> int:
+    from draft_service.engine import DraftEngine
+    from specdec.modeling import load_model, resolve_model_dir
+    from specdec.wire import Features
+    from target_service.engine import TargetEngine
+
+    log = lambda msg: print(f"[bench-head] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    out = Path(a.out or f"bench_results/head-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    sessions = [int(s) for s in a.sessions.split(",")]
+    most = max(sessions)
+    target_path = resolve_model_dir(a.target)
+    log(f"loading the target {a.target}")
+    target = TargetEngine(load_model(a.target), max_sessions=most + 1)
+    prompt = [int(t) for t in torch.randint(100, 5000, (a.cached,), generator=torch.Generator().manual_seed(1))]
+    ids = [f"t{i}" for i in range(most)]
+    for s in ids:
+        target.open_session(s, prompt)
+    rows: list[tuple[str, int, float, float]] = []
+    for n in sessions:
+        p, c = _time(_target_step(target, ids[:n], a.cached), a.repeats)
+        rows.append(("target pass", n, p, c))
+        log(f"target, {n} sessions: pass {p * 1e3:.2f} ms, call {c * 1e3:.2f} ms")
+    target.close()
+    drafts = []
+    with tempfile.TemporaryDirectory() as tmp:
+        head = a.head or str(_random_head(target_path, Path(tmp) / "head", a.draft_vocab))
+        drafts += [(f"head, {mode}", lambda mode=mode: load_model(head, role="draft", quantization=mode,
+                                                                  target_model=a.target)) for mode in a.modes.split(",")]
+        if a.draft:
+            drafts.append((f"draft {a.draft}", lambda: load_model(a.draft, role="draft")))
+        for name, load in drafts:
+            log(f"loading {name}")
+            engine = DraftEngine(load(), max_sessions=most + 1)
+            width = engine.info.feature_size
+            features = Features(a.cached - 2, torch.randn(1, width)) if width else None
+            for s in ids:
+                engine.open_session(s, prompt[:1] if width else prompt)
+                catch_up = Features(0, torch.randn(a.cached - 1, width)) if width else None
+                list(engine.propose(s, 1, prompt[1:], 1, _greedy(), 0, features=catch_up) if width else
+                     engine.propose(s, a.cached, [], 1, _greedy(), 0))
+            for n in sessions:
+                p, c = _time(_draft_step(engine, ids[:n], a.cached, features), a.repeats)
+                rows.append((name, n, p, c))
+                log(f"{name}, {n} sessions: pass {p * 1e3:.2f} ms, call {c * 1e3:.2f} ms")
+            engine.close()
+    target_pass = {n: p for name, n, p, _ in rows if name == "target pass"}
+    lines = ["| step | sessions | pass ms | call ms | c (pass / target pass) |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {n} | {p * 1e3:.2f} | {c * 1e3:.2f} | {p / target_pass[n]:.3f} |" for name, n, p, c in rows]
+    table = "\n".join(lines) + "\n"
+    (out / "table.md").write_text(table)
+    print(table)
+    log(f"wrote {out / 'table.md'}")
+    return 0
+
+
+def _greedy():
+    from specdec.protocol import SamplingParams
+
+    return SamplingParams(temperature=0)
