@@ -219,7 +219,7 @@ class DraftEngine(WorkerEngine):
         """Token j's input state, for the call's tokens: fc of the target's features at j - 1 (token 0
         has none: zeros, and no later position attends to it)."""
         head = self.model
-        like = head.fc.weight
+        like = head.norm.weight  # the head's dtype and device (its Linears may be quantized)
         grow_hidden(session, end + 1, like.new_empty(0, head.head_config.hidden_size))
         if start == 0:
             session.hidden[0].zero_()

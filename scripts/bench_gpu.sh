@@ -13,6 +13,8 @@
 #     gamma, the workers on CUDA graphs (their default);
 #   serve-1.5b-eager: the same at one client with --cuda-graphs off (the ablation);
 #   serve-7b: a 7B target with the 0.5B draft, one and four clients;
+#   head-1.5b: a feature head's (EAGLE-3) draft step against the 1.5B target's captured pass and the
+#     0.5B draft's step, 1/4/16 sessions (specdec bench-head: c, docs/benchmarks/feature-heads);
 #   tests-cuda: the tests that need a GPU (pytest -k cuda, ~1-2 min; not in the default: run it in a
 #     second call while the machine is warm): the captured pass against the lean pass, chained
 #     drafts against eager ones, choices on the device against the host's, the step loop.
@@ -20,7 +22,7 @@
 # up in OUT/results.tar.gz and OUT/log.txt (the device tool brings back few files).
 set -u
 out=${1:?OUT}
-steps=${2:-passes-1.5b,passes-0.5b,serve-1.5b,serve-7b}
+steps=${2:-passes-1.5b,passes-0.5b,head-1.5b,serve-1.5b,serve-7b}
 mkdir -p "$out/r"
 exec > >(tee -a "$out/log.txt") 2>&1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -64,6 +66,12 @@ fi
 want passes-1.5b && passes 1.5b --sessions 1,4,16 --rows 1,2,5,8
 want serve-7b && wait && serve 7b 7b 1,4 default,gamma-policy=fixed
 want passes-0.5b && passes 0.5b --role draft --draft-vocab 32768 --rows 1,2,5
+if want head-1.5b; then
+  step bench-head 1.5b
+  timeout 240 python3 -m orchestrator.cli bench-head --target $models/qwen2.5-coder-1.5b \
+    --draft $models/qwen2.5-coder-0.5b --device cuda --rounds 3 --out "$out/r/head-1.5b" 2>&1 | grep -v "Loading weights"
+  pack
+fi
 want serve-1.5b && serve 1.5b 1.5b 1,4,16 default,gamma-policy=fixed
 want serve-1.5b-eager && (export SPECDEC_TARGET_CUDA_GRAPHS=off SPECDEC_DRAFT_CUDA_GRAPHS=off; serve 1.5b-eager 1.5b 1 gamma-policy=fixed)
 want passes-7b && wait && passes 7b --rows 1,5,8 --repeats 10

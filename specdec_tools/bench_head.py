@@ -7,9 +7,10 @@ head's step (a Propose of one draft per session), at 1 and more sessions, each s
 the target's width, a --draft-vocab output head) and random weights: its speed, not its
 acceptance. The 0.5B-class model draft is timed beside it where --draft names one.
 
-c = the head's pass seconds / the target's pass seconds (median of --repeats, the model alone:
-what the gamma policy fits), with the calls' seconds beside them (the engine's work around the
-pass too). Writes table.md to --out.
+c = the head's pass seconds / the target's pass seconds (the model alone: what the gamma policy
+fits), with the calls' seconds beside them (the engine's work around the pass too): the median
+over --rounds rounds, each timing every step (its median of --repeats) in turn, the order
+reversed from round to round. Writes table.md to --out.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=32000, help="the random head's output rows (EAGLE-3: 32k)")
     p.add_argument("--sessions", default="1,4,16", help="sessions in one step")
     p.add_argument("--cached", type=int, default=200, help="tokens each session holds before the timed steps")
-    p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=8, help="steps timed a round (their median)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds over every step, alternating the order")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, ... (on CUDA the target replays captured graphs)")
+    p.add_argument("--dtype", default="auto", help="auto: float32 on CPU (quantized by --modes), bfloat16 on CUDA")
     p.add_argument("--out", default=None, help="results folder (default bench_results/head-<time>)")
 
 
@@ -79,9 +83,12 @@ def _draft_step(engine, ids: list[str], length: int, features):
 
     greedy = SamplingParams(temperature=0)
 
-    def step() -> float:  # the last token again (its features too), then one draft
-        results = engine.propose_batch([ProposeCall(s, length - 1, [7], 1, greedy, 0, features=features)
-                                        for s in ids])
+    turn = [0]
+
+    def step() -> float:  # the last token replaced (7 and 8 in turn: a model draft then holds no proposal
+        turn[0] += 1  # for it), then one draft
+        results = engine.propose_batch([ProposeCall(s, length - 1, [7 + turn[0] % 2], 1, greedy, 0,
+                                                    features=features) for s in ids])
         return results[0][-1].pass_s
     return step
 
@@ -90,6 +97,7 @@ def cmd_bench_head(a: argparse.Namespace) -> int:
     from draft_service.engine import DraftEngine
     from specdec.modeling import load_model, resolve_model_dir
     from specdec.wire import Features
+    from specdec_tools.stack import DEFAULT_DRAFT_VOCAB
     from target_service.engine import TargetEngine
 
     log = lambda msg: print(f"[bench-head] {msg}", file=sys.stderr, flush=True)  # noqa: E731
@@ -97,41 +105,44 @@ def cmd_bench_head(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sessions = [int(s) for s in a.sessions.split(",")]
     most = max(sessions)
-    target_path = resolve_model_dir(a.target)
-    log(f"loading the target {a.target}")
-    target = TargetEngine(load_model(a.target), max_sessions=most + 1)
     prompt = [int(t) for t in torch.randint(100, 5000, (a.cached,), generator=torch.Generator().manual_seed(1))]
-    ids = [f"t{i}" for i in range(most)]
+    ids = [f"s{i}" for i in range(most)]
+    log(f"loading the target {a.target}")
+    target = TargetEngine(load_model(a.target, device=a.device, dtype=a.dtype), max_sessions=most + 1)
     for s in ids:
         target.open_session(s, prompt)
-    rows: list[tuple[str, int, float, float]] = []
-    for n in sessions:
-        p, c = _time(_target_step(target, ids[:n], a.cached), a.repeats)
-        rows.append(("target pass", n, p, c))
-        log(f"target, {n} sessions: pass {p * 1e3:.2f} ms, call {c * 1e3:.2f} ms")
-    target.close()
-    drafts = []
+    steps = {("target pass", n): _target_step(target, ids[:n], a.cached) for n in sessions}
+    engines = [target]
     with tempfile.TemporaryDirectory() as tmp:
-        head = a.head or str(_random_head(target_path, Path(tmp) / "head", a.draft_vocab))
-        drafts += [(f"head, {mode}", lambda mode=mode: load_model(head, role="draft", quantization=mode,
-                                                                  target_model=a.target)) for mode in a.modes.split(",")]
-        if a.draft:
-            drafts.append((f"draft {a.draft}", lambda: load_model(a.draft, role="draft")))
-        for name, load in drafts:
+        head = a.head or str(_random_head(resolve_model_dir(a.target), Path(tmp) / "head", a.draft_vocab))
+        where = dict(device=a.device, dtype=a.dtype)
+        modes = a.modes.split(",") if a.device == "cpu" else ["none"]
+        loads = [(f"head, {mode}", lambda mode=mode: load_model(head, role="draft", quantization=mode,
+                                                                target_model=a.target, **where)) for mode in modes]
+        if a.draft:  # as served: its 32k most common ids
+            loads.append((f"draft {a.draft}", lambda: load_model(a.draft, role="draft", head_rows=DEFAULT_DRAFT_VOCAB,
+                                                                 **where)))
+        for name, load in loads:
             log(f"loading {name}")
             engine = DraftEngine(load(), max_sessions=most + 1)
+            engines.append(engine)
             width = engine.info.feature_size
-            features = Features(a.cached - 2, torch.randn(1, width)) if width else None
-            for s in ids:
+            for s in ids:  # each session holds the prompt (a head: with the target's features, random here)
                 engine.open_session(s, prompt[:1] if width else prompt)
                 catch_up = Features(0, torch.randn(a.cached - 1, width)) if width else None
-                list(engine.propose(s, 1, prompt[1:], 1, _greedy(), 0, features=catch_up) if width else
-                     engine.propose(s, a.cached, [], 1, _greedy(), 0))
-            for n in sessions:
-                p, c = _time(_draft_step(engine, ids[:n], a.cached, features), a.repeats)
-                rows.append((name, n, p, c))
-                log(f"{name}, {n} sessions: pass {p * 1e3:.2f} ms, call {c * 1e3:.2f} ms")
-            engine.close()
+                list(engine.propose(s, 1, prompt[1:], 1, _greedy(), 0, features=catch_up))
+            features = Features(a.cached - 2, torch.randn(1, width)) if width else None
+            steps.update({(name, n): _draft_step(engine, ids[:n], a.cached, features) for n in sessions})
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {key: [] for key in steps}
+    keys = list(steps)
+    for r in range(a.rounds):  # every step in turn, the order reversed each round: drift weighs on all alike
+        for key in keys if r % 2 == 0 else keys[::-1]:
+            times[key].append(_time(steps[key], a.repeats))
+        log(f"round {r + 1} of {a.rounds} done")
+    for engine in engines:
+        engine.close()
+    rows = [(name, n, statistics.median(p for p, _ in times[(name, n)]),
+             statistics.median(c for _, c in times[(name, n)])) for name, n in keys]
     target_pass = {n: p for name, n, p, _ in rows if name == "target pass"}
     lines = ["| step | sessions | pass ms | call ms | c (pass / target pass) |", "|---|---|---|---|---|"]
     lines += [f"| {name} | {n} | {p * 1e3:.2f} | {c * 1e3:.2f} | {p / target_pass[n]:.3f} |" for name, n, p, c in rows]
