@@ -54,7 +54,7 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          "that followed it in one pass (0: off)"),
     Flag("--suffix-cache-tokens", int, 65536, "tokens of ended requests' prompts and outputs kept per orchestrator "
          "for suffix drafts (drafts with no draft pass, from what followed the same tokens before: "
-         "orchestrator/suffix.py), searched within the requesting client's auth token only; a request's own tokens "
+         "orchestrator/proposers/suffix.py), searched within the requesting client's auth token only; a request's own tokens "
          "are searched either way (0: only those)"),
     Flag("--draft-ahead", int, 0, "tokens a model draft keeps drafting past each round's drafts while the target "
          "verifies; the next round takes them when the round kept every draft. Pays only where the draft has "

@@ -40,7 +40,7 @@ from orchestrator.placement import Placement
 from orchestrator.pool import WorkerPool, pair_pools
 from orchestrator.rounds import RequestState
 from orchestrator.steps import StepLoops
-from orchestrator.suffix import SuffixIndex
+from orchestrator.proposers.suffix import SuffixIndex
 from orchestrator import tools
 from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t

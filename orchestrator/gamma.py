@@ -337,7 +337,7 @@ def best_step_gammas(requests: list[StepRequest], costs: StepCosts) -> list[int]
 
 @dataclass
 class Calibration:
-    """Tokens accepted per token promised by suffix drafts' path probabilities (orchestrator/suffix.py),
+    """Tokens accepted per token promised by suffix drafts' path probabilities (orchestrator/proposers/suffix.py),
     exponentially weighted by draft; before any, FREE_PRIOR counted as FREE_PRIOR_TOKENS promised tokens."""
 
     promised: float = 0.0
@@ -397,17 +397,17 @@ class GammaPolicy:
                          self._overhead.get(target, Average()).value,
                          {d: a.value for d, a in self._draft_extra.items()})
 
-    def free_calibration(self, target: str) -> "Calibration":
+    def suffix_calibration(self, target: str) -> "Calibration":
         """The pooled calibration of suffix drafts on `target` (a request's own starts from it)."""
         with self._lock:
             return self._free.setdefault(target, Calibration())
 
-    def choose_free(self, target: str, requests: list[StepRequest], gammas: list[int],
+    def choose_suffix(self, target: str, requests: list[StepRequest], gammas: list[int],
                     candidates: list[list[float]], calibrations: list["Calibration | None"],
                     load: int | None = None) -> list[int]:
-        """How many tokens of each request's suffix draft (orchestrator/suffix.py: candidates[j],
+        """How many tokens of each request's suffix draft (orchestrator/proposers/suffix.py: candidates[j],
         each position's path probability; [] for none) the step chosen (gammas) adds to the
-        target's pass. A free draft costs no draft pass, only its rows: request j's k tokens are
+        target's pass. A suffix draft costs no draft pass, only its rows: request j's k tokens are
         expected to add sum_{i<k} min(1, c_j p_i) tokens (c_j: how many tokens its suffix drafts
         gave per token their probabilities promised, its own over the target's pooled one) for
         beta k seconds (beta: the target's pass line's slope). Requests are taken in the order of
@@ -437,7 +437,7 @@ class GammaPolicy:
     def _free_lengths(self, target: str, requests: list[StepRequest], gammas: list[int],
                       candidates: list[list[float]],
                       calibrations: list["Calibration | None"]) -> tuple[list[int], float]:
-        """choose_free's model: the lengths, and the goodput it expects of the step with them."""
+        """choose_suffix's model: the lengths, and the goodput it expects of the step with them."""
         lengths = [0] * len(requests)
         costs = self._step_costs(target, requests)
         if not costs.target.known:
@@ -463,7 +463,7 @@ class GammaPolicy:
                 tokens, seconds = tokens + gains[best_k - 1], seconds + beta * best_k
         return lengths, tokens / seconds
 
-    def observe_free(self, target: str, promised: float, accepted: int) -> None:
+    def observe_suffix(self, target: str, promised: float, accepted: int) -> None:
         """A suffix draft's outcome: its tokens' path probabilities summed to `promised`, and
         `accepted` of them were kept."""
         if self.adaptive:

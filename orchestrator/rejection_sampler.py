@@ -36,7 +36,7 @@ def rejection_sample(
 
     draft_token_ids: [gamma]      x_i, drawn by the draft from q_i
     draft_probs:     [gamma]      q_i, the draft's processed distribution at position i; None
-                                  for a point mass on x_i (a lookup draft, draft_service/ngram.py):
+                                  for a point mass on x_i (a lookup draft, orchestrator/proposers/ngram.py):
                                   x_i is then kept w.p. p_i(x_i), and a rejection draws from p_i
                                   without x_i, renormalized, which is norm(max(0, p_i - q_i))
     target_probs:    [gamma + 1]  p_i, the target's processed distribution at position i;

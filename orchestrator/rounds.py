@@ -4,8 +4,9 @@ A round, in named steps on a Round (gpt-fast's `speculative_decode`, spread over
 The step loop (orchestrator/steps.py) runs these steps for all the requests on a target at once,
 the draft and verify steps as one batched call per worker; the per-request steps live here:
 
-  draft   the draft proposes x_0..x_{gamma-1}, each x_i ~ q_i (draft_call, take_proposals); or,
-          with no draft pass, a suffix draft does (take_free: orchestrator/suffix.py)
+  draft   the draft proposes x_0..x_{gamma-1}, each x_i ~ q_i (draft_call, take_proposals: the
+          request's proposer, orchestrator/proposers/: a draft model's or a feature head's); or,
+          with no draft pass, a suffix draft does (take_suffix: orchestrator/proposers/suffix.py)
   verify  the target scores the unsynced tokens and the drafts in one pass: p_0..p_gamma (verify_call)
   accept  keep x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw the
           recovered token from norm(max(0, p_i - q_i)); if all gamma pass, the bonus token ~ p_gamma
@@ -38,11 +39,12 @@ from orchestrator.detokenizer import TextAssembler
 from orchestrator.gamma import Acceptance, Calibration, GammaPolicy
 from orchestrator.placement import Placement, is_worker_fault
 from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample, synthetic_verify
-from orchestrator.suffix import RequestIndex
+from orchestrator.proposers import DraftWorkerProposer, proposer_for
+from orchestrator.proposers.suffix import RequestIndex
 from specdec import telemetry as t
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationChunk, GenerationStats, SamplingParams, TokenLogprob
-from specdec.wire import CompactProbs, DraftOptions, Features, Proposal, ProposeCall, Verification, VerifyCall
+from specdec.wire import CompactProbs, DraftOptions, Proposal, ProposeCall, Verification, VerifyCall
 
 
 @dataclass
@@ -74,23 +76,17 @@ class RequestState:
     synthetic_acceptance: float = 0.0
     coin: random.Random | None = field(init=False, default=None)  # its draws; seeded by the prompt
     acceptance: Acceptance = field(init=False, default_factory=Acceptance)  # its own drafts' (the policy's)
-    free_calibration: Calibration = field(init=False, default_factory=Calibration)  # its suffix drafts'
+    suffix_calibration: Calibration = field(init=False, default_factory=Calibration)  # its suffix drafts'
     own_index: RequestIndex = field(init=False, default_factory=RequestIndex)  # its tokens' n-grams (suffix drafts)
-    # a feature head drafts: the target's features of the positions its draft has not taken in yet
-    # (from draft_synced - 1 up to the last the target ran: target_synced - 1)
-    features: Features | None = field(init=False, default=None)
+    # how its drafts are made (orchestrator/proposers/): a draft worker's, or a feature head's
+    proposer: DraftWorkerProposer = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt_len = self.target_synced = len(self.tokens)
         if self.synthetic_acceptance:  # requests differ, each reproducibly
             self.coin = random.Random(hash(tuple(self.tokens)))
         self.draft_synced = self.placement.draft_synced if self.placement.draft is not None else 0
-        self.features = self.placement.opened_features
-
-    @property
-    def feature_head(self) -> bool:
-        """Whether its draft is a feature head (specdec/eagle3.py)."""
-        return self.placement.draft is not None and bool(self.placement.feature_layers)
+        self.proposer = proposer_for(self.placement)
 
     @property
     def generated(self) -> int:
@@ -108,7 +104,7 @@ class Round:
     draft_probs: list[CompactProbs | None] = field(default_factory=list)  # q_i (None when greedy)
     draft_rows: int = 0  # rows of the draft's passes, mean over this round's steps (0: not reported)
     draft_pass_s: float = 0.0  # and their seconds
-    free_probs: list[float] = field(default_factory=list)  # a suffix draft's path probabilities (no draft pass)
+    suffix_probs: list[float] = field(default_factory=list)  # a suffix draft's path probabilities (no draft pass)
     verification: Verification | None = None  # p_i (or argmax p_i) for i = 0..gamma
     result: SampleResult | None = None
     emitted: list[int] = field(default_factory=list)
@@ -149,33 +145,22 @@ def finish(req: RequestState, rnd: Round, span) -> None:
 
 
 def draft_call(req: RequestState, rnd: Round) -> ProposeCall:
-    """The round's Propose; draws its seed from the request's generator (before any sampling)."""
+    """The round's Propose (its proposer's); draws its seed from the request's generator (before
+    any sampling)."""
     seed = int(torch.randint(0, 2**63 - 1, (), generator=req.generator))
-    features = None
-    first, end = max(req.draft_synced, 1) - 1, len(req.tokens) - 1
-    if req.feature_head and end > first:  # the target's states before each token the head takes in
-        features = req.features.between(first, end)
-    return ProposeCall(req.placement.session_id, req.draft_synced, req.tokens[req.draft_synced:], rnd.gamma,
-                       req.params, seed, req.draft_options, features)
+    return req.proposer.call(req, rnd, seed)
 
 
 def take_proposals(req: RequestState, rnd: Round, proposals: list[Proposal]) -> None:
     """x_i and q_i from the draft's answer; gamma becomes the drafts made (a draft may stop early)."""
-    for p in proposals:
-        rnd.drafts.append(p.token_id)
-        rnd.draft_probs.append(p.probs)
-        if p.batch_rows:  # only the last proposal reports them
-            rnd.draft_rows, rnd.draft_pass_s = p.batch_rows, p.pass_s
-        req.stats.wire_bytes += p.wire_bytes
-        req.stats.draft_compute_s += p.compute_s
-    rnd.gamma = len(rnd.drafts)  # fewer when the draft stopped early (or a lookup found nothing)
+    req.proposer.take(req, rnd, proposals)
 
 
-def take_free(rnd: Round, tokens: list[int], probs: list[float]) -> None:
-    """A suffix draft (orchestrator/suffix.py) as the round's drafts: x_i with q_i a point mass on
+def take_suffix(rnd: Round, tokens: list[int], probs: list[float]) -> None:
+    """A suffix draft (orchestrator/proposers/suffix.py) as the round's drafts: x_i with q_i a point mass on
     x_i (no draft pass; rejection_sample then keeps x_i w.p. p_i(x_i)), each x_i's path probability kept
     for learn."""
-    rnd.drafts, rnd.draft_probs, rnd.free_probs = list(tokens), [None] * len(tokens), list(probs)
+    rnd.drafts, rnd.draft_probs, rnd.suffix_probs = list(tokens), [None] * len(tokens), list(probs)
     rnd.gamma = len(tokens)
 
 
@@ -199,7 +184,7 @@ def target_failed(req: RequestState, exc: ServiceError) -> None:
         raise exc
     req.placement.target_failed(exc, req.tokens)
     req.target_synced = len(req.tokens)
-    req.features = req.placement.opened_features  # the new target's prefill ran every position again
+    req.proposer.target_moved(req)
 
 
 def verify(req: RequestState, rnd: Round) -> None:
@@ -241,39 +226,26 @@ def commit(req: RequestState, rnd: Round) -> None:
     stats.sampling_s += rnd.sampling_s
     stats.verify_compute_s += v.compute_s
     stats.wire_bytes += v.wire_bytes
-    stats.record_round(rnd.gamma, rnd.num_accepted, suffix=bool(rnd.free_probs))
+    stats.record_round(rnd.gamma, rnd.num_accepted, suffix=bool(rnd.suffix_probs))
     rnd.wire_bytes = stats.wire_bytes - rnd.wire_before
     # no call is made: the next round's Propose and Verify start at target_synced, truncating there
     with req.tracer.start_as_current_span("rollback") as span:
         req.target_synced = len(req.tokens) + rnd.num_accepted  # tokens + x_0..x_{n-1}
-        if rnd.gamma > 0 and not rnd.free_probs:  # a suffix draft never reached the draft's session
-            # a feature head's states past the round's first draft were fed its own guesses: the
-            # next Propose takes the accepted tokens in again, with the target's features
-            req.draft_synced = len(req.tokens) if req.feature_head else req.target_synced
-        if req.feature_head:
-            keep_features(req, v.features)
+        if rnd.gamma > 0 and not rnd.suffix_probs:  # a suffix draft never reached the draft's session
+            req.draft_synced = req.proposer.synced_after(req)
+        req.proposer.verified(req, v)
         if span.is_recording():
             span.set_attributes({t.TARGET_LENGTH: req.target_synced, t.DRAFT_LENGTH: req.draft_synced,
                                  t.DISCARDED: rnd.gamma - rnd.num_accepted})
 
 
-def keep_features(req: RequestState, new: Features | None) -> None:
-    """The verify's features join the request's, up to the last validated position; those the
-    draft has taken in are dropped."""
-    have = new if req.features is None else req.features.joined(new)
-    if have is None:
-        return
-    first = max(req.draft_synced, 1) - 1
-    req.features = have.between(max(first, have.start), min(req.target_synced, have.end))
-
-
 def learn(req: RequestState, rnd: Round) -> None:
     """The round's acceptance goes to the gamma policy (the pass costs: the step loop, once per
     step)."""
-    if rnd.free_probs:  # a suffix draft's: how far its probabilities are to be trusted
-        promised = sum(rnd.free_probs)
-        req.policy.observe_free(req.placement.target.address, promised, rnd.num_accepted)
-        req.free_calibration.observe(promised, rnd.num_accepted)
+    if rnd.suffix_probs:  # a suffix draft's: how far its probabilities are to be trusted
+        promised = sum(rnd.suffix_probs)
+        req.policy.observe_suffix(req.placement.target.address, promised, rnd.num_accepted)
+        req.suffix_calibration.observe(promised, rnd.num_accepted)
     elif rnd.gamma > 0:
         placement = req.placement
         req.policy.observe_round(placement.target.address, placement.draft.address, rnd.gamma, rnd.num_accepted)

@@ -21,7 +21,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.gamma import GammaPolicy
 from orchestrator.http.app import FrontDoor
 from orchestrator.http.transport import HttpServer
-from draft_service.ngram import NGRAM_MODEL, NgramDraft
+from orchestrator.proposers.ngram import NGRAM_MODEL, NgramDraft
 from orchestrator.pool import WorkerPool, pair_pools, parse_entries
 from orchestrator.remote import RemoteDraft, RemoteTarget
 from orchestrator.decoder import SpeculativeDecoder
@@ -47,7 +47,7 @@ def build_pools(config: OrchestratorConfig, telemetry: Telemetry) -> tuple[Worke
     targets = WorkerPool("target", parse_entries(config.target), connect=connect(RemoteTarget),
                          poll_s=config.poll_s, resolve_s=config.resolve_s)
     drafts = None
-    if config.draft == NGRAM_MODEL:  # a model-free draft in this process (draft_service/ngram.py)
+    if config.draft == NGRAM_MODEL:  # a model-free draft in this process (orchestrator/proposers/ngram.py)
         drafts = WorkerPool.fixed("draft", [NgramDraft()])
     elif config.draft:
         drafts = WorkerPool("draft", parse_entries(config.draft),

@@ -42,8 +42,8 @@ from orchestrator.arms import EXPLORE_MAX_LAG
 from orchestrator.gamma import CATCH_UP_LAG, GammaPolicy, StepRequest
 from orchestrator.metrics import DecodingMetrics
 from orchestrator.rounds import (RequestState, Round, draft_call, draft_failed, finish, gamma_cap, new_round,
-                                 take_free, take_proposals, target_failed, verify, verify_call)
-from orchestrator.suffix import SuffixIndex
+                                 take_suffix, take_proposals, target_failed, verify, verify_call)
+from orchestrator.proposers.suffix import SuffixIndex
 from specdec import telemetry as t
 from specdec.errors import ServiceError
 from specdec.protocol import MAX_GAMMA, GenerationChunk
@@ -97,7 +97,7 @@ class StepLoops:
 
     def __init__(self, policy: GammaPolicy, tracer, metrics: DecodingMetrics, suffix: SuffixIndex | None = None):
         self.policy, self.tracer, self.metrics = policy, tracer, metrics
-        # suffix drafts (orchestrator/suffix.py): ended requests' tokens, fed by each request's own thread
+        # suffix drafts (orchestrator/proposers/suffix.py): ended requests' tokens, fed by each request's own thread
         self.suffix = suffix if suffix is not None else SuffixIndex(0)
         self._loops: dict[str, StepLoop] = {}
         self._lock = threading.Lock()
@@ -219,13 +219,13 @@ class StepLoop:
                     for cap, s in zip(caps, states)]
         load = self._load(started, len(states) + self.loops.prefilling)  # those joining soon too
         gammas = self.loops.policy.choose_step(self.address, requests, load=load)
-        free = self._free_drafts(states, requests, gammas, load)
+        free = self._suffix_drafts(states, requests, gammas, load)
         rounds = [new_round(s, g) for s, g in zip(states, gammas)]
         spans = [self.loops.tracer.start_span("round", context=tk.ctx) for tk in tickets]
         errors: list[BaseException | None] = [None] * len(tickets)
         drafts = self._draft(states, rounds, spans, errors)
         for j, (tokens, probs) in free.items():  # after the draft phase: they make no draft call
-            take_free(rounds[j], tokens, probs)
+            take_suffix(rounds[j], tokens, probs)
         draft_end = time.perf_counter()
         target_pass = self._verify(states, rounds, spans, errors)
         staying, tokens = [], 0
@@ -281,15 +281,15 @@ class StepLoop:
         loads.append((now, requests))
         return max(n for _, n in loads)
 
-    def _free_drafts(self, states: list[RequestState], requests: list[StepRequest],
+    def _suffix_drafts(self, states: list[RequestState], requests: list[StepRequest],
                      gammas: list[int], load: int) -> dict[int, tuple[list[int], list[float]]]:
-        """Suffix drafts (orchestrator/suffix.py) in a step that drafts nothing with the model, as
+        """Suffix drafts (orchestrator/proposers/suffix.py) in a step that drafts nothing with the model, as
         many tokens of each as the gamma policy finds worth their rows in the target's pass (and
-        none where its measured arms say they do not pay: GammaPolicy.choose_free). Not for a
+        none where its measured arms say they do not pay: GammaPolicy.choose_suffix). Not for a
         request that asked for gamma 0 (the baseline stays plain), one with a grammar (the draft's
         tokens could leave it), or a benchmark's synthetic acceptance."""
         policy = self.loops.policy
-        if not policy.adaptive or any(gammas):  # a step that drafts with the model carries none (choose_free)
+        if not policy.adaptive or any(gammas):  # a step that drafts with the model carries none (choose_suffix)
             return {}
         found = {}
         for j, s in enumerate(states):
@@ -301,9 +301,9 @@ class StepLoop:
                 found[j] = (tokens, probs)
         if not found:
             return {}
-        lengths = policy.choose_free(self.address, requests, gammas,
+        lengths = policy.choose_suffix(self.address, requests, gammas,
                                      [found[j][1] if j in found else [] for j in range(len(states))],
-                                     [s.free_calibration for s in states], load=load)
+                                     [s.suffix_calibration for s in states], load=load)
         return {j: (found[j][0][:k], found[j][1][:k]) for j, k in enumerate(lengths) if k}
 
     def _draft(self, states: list[RequestState], rounds: list[Round], spans,

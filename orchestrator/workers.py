@@ -47,7 +47,7 @@ class TargetWorker(Worker, Protocol):
 
 def check_pair(target: ModelInfo, draft: ModelInfo) -> None:
     """Refuses a draft whose vocabulary differs from the target's: its acceptance would collapse.
-    A model-free draft (draft_service/ngram.py) proposes tokens of the sequence: any vocabulary."""
+    A model-free draft (orchestrator/proposers/ngram.py) proposes tokens of the sequence: any vocabulary."""
     if draft.vocab_fingerprint == ANY_VOCABULARY:
         return
     if draft.feature_layers:  # a feature head reads the target's hidden states: they must be what it was made for

@@ -1,6 +1,6 @@
 """What the step policy costs the orchestrator per step: GammaPolicy.choose_step with its outcome,
 the cost model's search it skips where the level's measured arm is plain (best_step_gammas), and
-the suffix-draft lookups of every request (orchestrator/suffix.py), at several request counts.
+the suffix-draft lookups of every request (orchestrator/proposers/suffix.py), at several request counts.
 
     .venv/bin/python scripts/bench_policy_cost.py [--requests 1,8,16,32] [--steps 2000]
 
@@ -18,7 +18,7 @@ import random
 import time
 
 from orchestrator.gamma import GammaPolicy, StepRequest, best_step_gammas
-from orchestrator.suffix import RequestIndex, SuffixIndex
+from orchestrator.proposers.suffix import RequestIndex, SuffixIndex
 
 TARGET, DRAFT = "target:1", "draft:1"
 

@@ -2,7 +2,7 @@
 
 For each prompt of a bench prompt set (specdec_tools.bench: fresh, edit) the target's greedy
 output is generated once (transformers, cached in --cache), then replayed step by step as the
-step loop would serve it with suffix drafts alone: at each step the draft of orchestrator/suffix.py
+step loop would serve it with suffix drafts alone: at each step the draft of orchestrator/proposers/suffix.py
 (the request's own tokens and the earlier requests' prompts and outputs, as `--suffix-cache on`)
 is sent whole, the target keeps its longest agreeing prefix plus one token, and the step costs
 ALPHA + BETA x its draft's length (a one-row pass and a row's extra cost on this CPU's pass line,
@@ -50,7 +50,7 @@ def generate(prompt_set: str, max_new_tokens: int, cache: Path) -> list[dict]:
 
 
 def replay(seqs: list[dict], alpha: float, beta: float, k: int) -> dict:
-    from orchestrator.suffix import RequestIndex, SuffixIndex
+    from orchestrator.proposers.suffix import RequestIndex, SuffixIndex
 
     index = SuffixIndex(65536)
     steps = with_draft = tokens = 0

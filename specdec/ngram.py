@@ -5,7 +5,7 @@ last n tokens of the sequence occurred before, the tokens that followed them the
 guess for what follows now (transformers' `prompt_lookup_num_tokens`, llama.cpp's n-gram
 drafts). No model runs: a lookup costs microseconds.
 
-Two users: draft_service/ngram.py proposes the guesses as drafts (a model-free draft, q a point
+Two users: orchestrator/proposers/ngram.py proposes the guesses as drafts (a model-free draft, q a point
 mass), and draft_service/engine.py has its model check them in one pass instead of one pass per
 draft.
 """

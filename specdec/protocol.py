@@ -346,7 +346,7 @@ class GenerationStats:
     mean_gamma: float = 0.0
     sampling: str = ""  # "greedy", "coupled" or "rejection"
     seed: int = 0  # the seed the request ran with, as an unsigned 64-bit integer
-    suffix_drafted_tokens: int = 0  # of drafted_tokens, those of suffix drafts (orchestrator/suffix.py)
+    suffix_drafted_tokens: int = 0  # of drafted_tokens, those of suffix drafts (orchestrator/proposers/suffix.py)
     suffix_accepted_tokens: int = 0  # of accepted_tokens, those of suffix drafts
 
     def record_round(self, gamma: int, num_accepted: int, suffix: bool = False) -> None:

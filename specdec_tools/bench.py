@@ -279,7 +279,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         # warm-up: first passes allocate and pack weights
         decoder.generate(GenerationRequest(token_ids=prompt_ids[0], max_new_tokens=8, temperature=0, gamma=a.gamma))
         if a.ablation:
-            from draft_service.ngram import NgramDraft
+            from orchestrator.proposers.ngram import NgramDraft
 
             drafts = {"ngram": NgramDraft()}
             for q in ("fp16", "int8"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from draft_service.engine import DraftEngine
-from draft_service.ngram import NgramDraft
+from orchestrator.proposers.ngram import NgramDraft
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationRequest, SamplingParams

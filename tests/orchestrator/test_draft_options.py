@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from draft_service.ngram import NgramDraft
+from orchestrator.proposers.ngram import NgramDraft
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.protocol import GenerationRequest
 from specdec.sampling import process_logits

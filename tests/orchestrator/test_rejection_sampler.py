@@ -104,7 +104,7 @@ def test_a_wrong_residual_is_detected():
 
 @pytest.mark.parametrize("x", [0, 3, 5], ids=["likely", "unlikely", "impossible"])
 def test_a_point_mass_draft_follows_target_distribution(x):
-    """A lookup draft (draft_service/ngram.py) proposes x with certainty and sends q = None: x is
+    """A lookup draft (orchestrator/proposers/ngram.py) proposes x with certainty and sends q = None: x is
     kept w.p. p(x), a rejection draws from p without x. The output still follows p, whether x is
     p's favourite, a rare token or one p never emits."""
     p = dense([6, 1, 2, 0.5, 1, 0, 3, 1])

@@ -1,4 +1,4 @@
-"""orchestrator/suffix.py and the step loop's suffix drafts: drafts with no draft pass, from what
+"""orchestrator/proposers/suffix.py and the step loop's suffix drafts: drafts with no draft pass, from what
 followed the same tokens before in the request or in an ended request of the same tenant.
 
 The index: what it finds, by frequency, within a scope only, bounded in tokens. The policy: a
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.gamma import Calibration, GammaPolicy, StepRequest
-from orchestrator.suffix import MAX_HITS, SPEC_FACTOR, RequestIndex, SuffixIndex
+from orchestrator.proposers.suffix import MAX_HITS, SPEC_FACTOR, RequestIndex, SuffixIndex
 
 SEQ = list(range(100, 140))  # 40 distinct tokens
 
@@ -93,7 +93,7 @@ def policy_with(alpha: float, beta: float) -> GammaPolicy:
 
 def choose(policy: GammaPolicy, probs: list[float], calibration: Calibration | None = None) -> int:
     requests = [StepRequest(4, "d"), StepRequest(4, "d")]
-    return policy.choose_free("t", requests, [0, 0], [probs, []], [calibration, None])[0]
+    return policy.choose_suffix("t", requests, [0, 0], [probs, []], [calibration, None])[0]
 
 
 def test_a_likely_draft_rides_where_rows_are_cheap():
@@ -112,7 +112,7 @@ def test_drafts_that_keep_failing_stop_being_sent():
     probs = [1.0, 1.0, 1.0, 1.0]
     assert choose(policy, probs) > 0
     for _ in range(60):
-        policy.observe_free("t", promised=4.0, accepted=0)
+        policy.observe_suffix("t", promised=4.0, accepted=0)
     assert choose(policy, probs) == 0
     own = Calibration()
     own.observe(4.0, 4)
@@ -127,7 +127,7 @@ def test_suffix_drafts_that_measure_slower_stop_riding_but_for_exploration():
     sent = []
     for _ in range(300):
         gammas = policy.choose_step("t", requests, load=4)
-        lengths = policy.choose_free("t", requests, gammas, [[1.0] * 4] * 4, [None] * 4, load=4)
+        lengths = policy.choose_suffix("t", requests, gammas, [[1.0] * 4] * 4, [None] * 4, load=4)
         sent.append(any(lengths))
         policy.observe_outcome("t", 4 + sum(lengths) // 4, 0.2 if any(lengths) else 0.05)
     assert all(sent[:5])  # the model's choice until both are measured
@@ -136,12 +136,12 @@ def test_suffix_drafts_that_measure_slower_stop_riding_but_for_exploration():
 
 def test_a_step_that_drafts_with_the_model_carries_no_suffix_drafts():
     policy = policy_with(alpha=0.020, beta=0.0002)
-    assert policy.choose_free("t", [StepRequest(4, "d"), StepRequest(4, "d")], [3, 0], [[], [1.0] * 4],
+    assert policy.choose_suffix("t", [StepRequest(4, "d"), StepRequest(4, "d")], [3, 0], [[], [1.0] * 4],
                               [None, None]) == [0, 0]
 
 
 def test_the_fixed_policy_sends_none():
-    assert GammaPolicy(adaptive=False).choose_free("t", [StepRequest(4, "d")], [0], [[1.0]], [None]) == [0]
+    assert GammaPolicy(adaptive=False).choose_suffix("t", [StepRequest(4, "d")], [0], [[1.0]], [None]) == [0]
 
 
 # ---- through the services -------------------------------------------------------------------
