@@ -97,6 +97,7 @@ class Placement:
             except Unavailable as exc:
                 self._drop_draft(exc)
         self._note_draft_kind()
+        self.opened_features = parent.opened_features  # a forked target session ran no prefill
         for member in [m for m in (self.target, self.draft) if m is not None]:
             same = member is (parent.target if member is self.target else parent.draft) and member in parent._open
             error = self._try_open(member, prompt, parent.session_id if same else None)

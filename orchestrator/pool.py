@@ -295,6 +295,13 @@ def pair_pools(targets: WorkerPool, drafts: WorkerPool | None) -> None:
         if targets.reference is None:
             raise Unavailable("waiting for a target worker to pair with")
         check_pair(targets.reference, info)
+        with drafts._lock:  # a request's draft fails over within its pool: every member drafts alike
+            reference = drafts.reference = drafts.reference or info
+        kind = lambda i: (i.draft_kind or "model", tuple(i.feature_layers))  # noqa: E731 - "": a worker before kinds
+        if kind(info) != kind(reference):
+            raise FailedPrecondition(
+                f"draft '{info.model_name}' ({kind(info)[0]}) drafts otherwise than '{reference.model_name}' "
+                f"({kind(reference)[0]}), which the other drafts serve: one pool serves one kind of draft")
 
     targets.accept = accept_target
     if drafts is not None:

@@ -39,7 +39,7 @@ class NgramDraft:
             n = len(self._sessions)
         return ModelInfo(model_name=NGRAM_MODEL, vocab_size=0, vocab_fingerprint=ANY_VOCABULARY, eos_token_ids=(),
                          bos_token_id=-1, pad_token_id=-1, max_context=2**31 - 1, device="none", dtype="none",
-                         open_sessions=n)
+                         open_sessions=n, draft_kind="ngram")
 
     def open_session(self, session_id: str, token_ids: list[int], scope: str = "") -> tuple[int, float, int]:
         with self._lock:

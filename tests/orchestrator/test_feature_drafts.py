@@ -184,3 +184,32 @@ def test_seeded_output_is_the_seeds_with_a_feature_head(heads, target_engine):
         want = seeded_reference(target_engine, PROMPT, params, seed)
         for gamma in (1, 3):
             assert decoder.generate(seeded_request(params, seed, gamma)).token_ids == want, (seed, gamma)
+
+
+def test_choices_forked_from_one_prefill_feed_their_heads(heads, target_engine):
+    """n choices: one target prefill, its features shared by every choice's head; each choice is
+    its seed's answer, greedy choices the greedy answer."""
+    from orchestrator.decoder import choice_seed
+
+    decoder = SpeculativeDecoder(target_engine, heads["speculators"], target_engine.tokenizer)
+    ids = target_engine.tokenizer(PROMPTS[0]).input_ids
+    r = decoder.generate(GenerationRequest(token_ids=ids, max_new_tokens=16, temperature=0, gamma=3, n=2))
+    assert [c.token_ids for c in r.choices] == [reference(target_engine, ids, 16)] * 2
+    params = SamplingParams(0.9)
+    r = decoder.generate(GenerationRequest(token_ids=PROMPT, max_new_tokens=12, temperature=0.9, seed=7, gamma=3, n=3))
+    for i, c in enumerate(r.choices):
+        assert c.token_ids == seeded_reference(target_engine, PROMPT, params, choice_seed(7, i), 12), i
+
+
+def test_a_draft_pool_serves_one_kind_of_draft(heads, target_engine, draft_engine):
+    """A request's draft fails over within its pool, so a head beside a model draft is refused
+    (a model after it would get no features, a head after a model none either)."""
+    from orchestrator.pool import REFUSED, SERVING, WorkerPool, pair_pools
+
+    targets = WorkerPool.fixed("target", [target_engine])
+    drafts = WorkerPool.fixed("draft", [heads["vllm"], draft_engine])
+    pair_pools(targets, drafts)
+    targets.poll()
+    drafts.poll()
+    head, model = drafts.members()
+    assert head.state == SERVING and model.state == REFUSED and "one kind of draft" in model.message
