@@ -382,6 +382,8 @@ def load_model(
     from specdec.eagle3 import is_head_dir
 
     if is_head_dir(spec):
+        if head_rows:
+            log.warning("--draft-vocab %d ignored: a feature head scores its own draft vocabulary (its d2t)", head_rows)
         return load_head_model(spec, target_model, device=device, dtype=dtype, quantization=quantization)
     path = resolve_model_dir(spec)
     torch_dtype = resolve_dtype(dtype, device)
