@@ -29,7 +29,6 @@ head's weights and its forward; sessions and passes are specdec/worker/engine.py
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +38,6 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdec.worker.batching import RaggedCache
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,7 +144,6 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(d, hc.draft_vocab_size, bias=False)
         self.register_buffer("draft_ids", torch.arange(hc.draft_vocab_size), persistent=False)
         self.rotary_emb = LlamaRotaryEmbedding(self.config)
-        self.generation_config = None
 
     @property
     def feature_size(self) -> int:
@@ -155,9 +151,6 @@ class Eagle3Head(nn.Module):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
-
-    def set_attn_implementation(self, name: str) -> None:
-        """The head attends with its own code (HeadForward): nothing to switch."""
 
 
 def _own_name(name: str) -> str | None:
@@ -231,8 +224,6 @@ class HeadForward:
     hidden [n, d]: each token's input state, already through fc where it came from the target) ->
     (logits [1, len(keep), vocab]: -inf off the draft vocabulary, the kept rows' states [len(keep), d]
     to feed the next position)."""
-
-    takes_hidden = True
 
     def __init__(self, head: Eagle3Head):
         self.head = head

@@ -119,7 +119,7 @@ def _from_le_bytes(data: bytes, dtype: str):
     """A tensor over the received bytes without copying them (it is never written to)."""
     import torch  # only the side that reads distributions (the orchestrator) needs it
 
-    torch_dtype = {"<f4": torch.float32, "<i4": torch.int32}[dtype]
+    torch_dtype = {"<f4": torch.float32, "<i4": torch.int32, "<i2": torch.int16}[dtype]
     if not data:
         return torch.empty(0, dtype=torch_dtype)
     if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
@@ -184,7 +184,7 @@ class Features:
 
         rows = self.rows.detach().to("cpu", torch.bfloat16).contiguous()
         return common_pb2.Features(start=self.start, rows=rows.shape[0], width=rows.shape[1],
-                                   bfloat16_le=rows.view(torch.int16).numpy().tobytes())
+                                   bfloat16_le=_le_bytes(rows.view(torch.int16), "<i2"))  # numpy has no bfloat16
 
     @classmethod
     def from_proto(cls, msg: common_pb2.Features) -> "Features | None":
@@ -196,10 +196,7 @@ class Features:
         if len(msg.bfloat16_le) != 2 * msg.rows * msg.width:
             raise InvalidArgument(f"features of {msg.rows} x {msg.width} values need {2 * msg.rows * msg.width} "
                                   f"bytes, got {len(msg.bfloat16_le)}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": copied below
-            raw = torch.frombuffer(bytearray(msg.bfloat16_le), dtype=torch.int16) if msg.bfloat16_le else \
-                torch.empty(0, dtype=torch.int16)
+        raw = _from_le_bytes(msg.bfloat16_le, "<i2")  # read in place, then one float32 copy
         return cls(msg.start, raw.view(torch.bfloat16).float().reshape(msg.rows, msg.width))
 
     def between(self, start: int, end: int) -> "Features":

@@ -16,8 +16,6 @@ from specdec.wire import Proposal, ProposeCall, Verification
 class DraftWorkerProposer:
     """Stateless: one serves every request drafted by a model or the n-gram draft."""
 
-    kind = "model"
-
     def call(self, req, rnd, seed: int) -> ProposeCall:
         """The round's Propose (seed: the draw the request's generator made for it)."""
         return ProposeCall(req.placement.session_id, req.draft_synced, req.tokens[req.draft_synced:], rnd.gamma,

@@ -20,8 +20,6 @@ from specdec.wire import Features, Verification
 class FeatureHeadProposer(DraftWorkerProposer):
     """One per request: it holds the request's features the head has not taken in."""
 
-    kind = "eagle3"
-
     def __init__(self, opened: Features | None):
         self.held = opened  # the target's features from position draft_synced - 1 on (None: none yet)
 

@@ -35,7 +35,7 @@ from specdec.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, 
 from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
 from specdec import telemetry as t
 from specdec.threads import PassLock
-from specdec.wire import ModelInfo
+from specdec.wire import Features, ModelInfo
 from specdec.worker.batching import (CPU_MAX_PREFILL_TOKENS_WHILE_DECODING, DEFAULT_MAX_BATCH_TOKENS, Batcher,
                                      Chain, Pass, RaggedCache, Work, grow_append,
                                      use_ragged_attention)
@@ -177,9 +177,7 @@ def take_features(session: Session):
 def hand_out_features(items, starts: list[int], features: torch.Tensor, aux: tuple[int, ...]) -> None:
     """A pass's features [rows, len(aux) * hidden] to the sessions that asked for them: each its
     rows (from position starts[i]), its layers' columns. On the model thread, before the pass's
-    callers go on."""
-    from specdec.wire import Features
-
+    callers go on. The rows are views of the pass's features, handed out whole by the next take."""
     width = features.shape[1] // len(aux)
     row = 0
     for (work, n), start in zip(items, starts):
@@ -188,13 +186,8 @@ def hand_out_features(items, starts: list[int], features: torch.Tensor, aux: tup
             mine = features[row:row + n].view(n, len(aux), width)
             if session.feature_layers != aux:
                 mine = mine[:, [aux.index(layer) for layer in session.feature_layers]]
-            session.features.append(Features(start, mine.reshape(n, -1).clone()))
+            session.features.append(Features(start, mine.reshape(n, -1)))
         row += n
-
-
-def hidden_rows(session: Session, start: int, n: int) -> torch.Tensor:
-    """A feature head's input states of tokens start .. start + n - 1 (specdec/eagle3.py)."""
-    return session.hidden[start:start + n]
 
 
 def set_next_states(done: list, states: torch.Tensor) -> None:
@@ -742,9 +735,9 @@ class WorkerEngine:
                 keep_rows += range(row + n - work.keep, row + n)
                 done.append(work)
         sessions = [work.session for work, _ in batch.items]
-        starts = [s.cached for s in sessions]
         # a target's sessions that a feature head drafts for: the layers their features come from
         aux = tuple(dict.fromkeys(layer for s in sessions for layer in s.feature_layers))
+        starts = [s.cached for s in sessions] if aux else None
         attributes = {t.BATCH_ROWS: len(ids), t.BATCH_SESSIONS: len(sessions)}
         spans = [self.tracer.start_span("forward", context=work.context, attributes={
             t.FORWARD_TOKENS: n, t.FORWARD_KIND: work.kind, **attributes}) for work, n in batch.items]
@@ -755,9 +748,9 @@ class WorkerEngine:
                         torch.tensor([positions], device=self._forward_device),
                         RaggedCache([s.cache for s in sessions], [n for _, n in batch.items]),
                         torch.tensor(keep_rows, dtype=torch.long))
-                if self.head:  # each row's input state beside its token
+                if self.head:  # each row's input state beside its token (specdec/eagle3.py)
                     logits, states = self._forward(*args, torch.cat([
-                        hidden_rows(work.session, work.session.cached, n) for work, n in batch.items]))
+                        work.session.hidden[work.session.cached:][:n] for work, n in batch.items]))
                     set_next_states(done, states)
                 elif aux:
                     logits, features = self._forward(*args, aux=aux)
