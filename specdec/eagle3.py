@@ -16,7 +16,10 @@ Loaded from a directory in the layout vLLM's `llama_eagle3.py` and SGLang load:
                  hidden_norm, post_attention_layernorm, self_attn.{q,k,v}_proj over 2 d (the normed
                  embedding and the normed feature side by side), o_proj, mlp.{gate,up,down}_proj;
                  norm; lm_head [draft_vocab, d]; d2t (target id = draft id + d2t[id]); optional
-                 embed_tokens (else the target's) and t2d (unused)
+                 embed_tokens (else the target's) and t2d (unused). Two extensions of this project
+                 (specdec train-head writes them): a head without lm_head scores with the target's
+                 own output rows of its draft vocabulary, and a Linear stored as int8 rows
+                 (NAME.weight int8 [out, in] with NAME.weight_scale [out, 1]) is their product
 
 The head scores only its draft vocabulary: its q is the softmax over those ids, zero elsewhere
 (logits -inf there), so rejection sampling against the target stays exact whatever the head.
@@ -164,11 +167,13 @@ def _own_name(name: str) -> str | None:
 
 
 def load_head(path: Path, *, vocab_size: int, target_layers: int, target_hidden: int, target_embedding,
-              max_context: int, dtype: torch.dtype, device: str = "cpu") -> Eagle3Head:
+              max_context: int, dtype: torch.dtype, device: str = "cpu", target_output=None) -> Eagle3Head:
     """The head at `path` for a target of `target_layers` layers of width `target_hidden` and
     vocabulary `vocab_size`. target_embedding: a callable giving the target's input embedding
-    [vocab, target_hidden], asked only when the head ships none. ValueError where the head does
-    not fit the target (its aux layers, its feature width, its vocabulary)."""
+    [vocab, target_hidden], asked only when the head ships none; target_output: a callable giving
+    the target's output rows [len(ids), target_hidden] of target ids, asked only when the head has
+    no lm_head. ValueError where the head does not fit the target (its aux layers, its feature
+    width, its vocabulary)."""
     from safetensors.torch import load_file
 
     hc = read_head_config(path)
@@ -189,6 +194,11 @@ def load_head(path: Path, *, vocab_size: int, target_layers: int, target_hidden:
             own = _own_name(name)
             if own is not None:
                 state[own] = tensor
+    for name in [n for n in state if n.endswith(".weight_scale")]:  # int8 rows: weight * scale
+        scale, base = state.pop(name), name.removesuffix("_scale")
+        if base not in state or state[base].dtype != torch.int8 or scale.shape != (state[base].shape[0], 1):
+            raise ValueError(f"head {path.name}: {name} has no int8 weight [{scale.shape[0]}, in] beside it")
+        state[base] = state[base].float() * scale.float()
     extra_layers = sorted({k.split(".")[1] for k in state if k.startswith("layers.")})
     if extra_layers:
         raise ValueError(f"head {path.name} has {len(extra_layers) + 1} decoder layers; one is served")
@@ -211,6 +221,11 @@ def load_head(path: Path, *, vocab_size: int, target_layers: int, target_hidden:
             raise ValueError(f"head {path.name} has no embedding and the target's is {tuple(embedding.shape)}, not "
                              f"[{vocab_size}, {hc.hidden_size}]")
         state["embed_tokens.weight"] = embedding
+    if "lm_head.weight" not in state:
+        if target_output is None:
+            raise ValueError(f"head {path.name} has no lm_head (it scores with the target's output rows) and no "
+                             f"target to take them from")
+        state["lm_head.weight"] = target_output(ids)
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [m for m in missing if m != "draft_ids"]
     if missing or unexpected:

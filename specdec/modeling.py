@@ -443,6 +443,7 @@ def load_head_model(spec: str, target_model: str | None, *, device: str, dtype: 
     head = load_head(Path(spec).expanduser(), vocab_size=int(config.vocab_size),
                      target_layers=int(config.num_hidden_layers), target_hidden=int(config.hidden_size),
                      target_embedding=lambda: target_embedding(target_path),
+                     target_output=lambda ids: target_output_rows(target_path, ids),
                      max_context=int(getattr(config, "max_position_embeddings", 0) or 2048), dtype=torch_dtype,
                      device=device)
     quantization = resolve_quantization(quantization, device, torch_dtype, "draft")
@@ -468,6 +469,25 @@ def target_embedding(path: Path) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).get_input_embeddings().weight.detach()
+
+
+def target_output_rows(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """A model directory's output-head rows [len(ids), hidden] (float32) of token ids, read from its
+    safetensors alone where it has them (its input embedding's rows where the two are tied)."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for key in ("lm_head.weight", "model.language_model.lm_head.weight"):
+                if key in st.keys():
+                    return st.get_slice(key)[:][ids].float()
+    from transformers import AutoConfig
+
+    if getattr(AutoConfig.from_pretrained(path).get_text_config(decoder=True), "tie_word_embeddings", False):
+        return target_embedding(path)[ids].float()
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).lm_head.weight.detach()[ids].clone()
 
 
 def vocab_fingerprint(tokenizer) -> str:

@@ -8,6 +8,7 @@ these where this package is installed).
   specdec bench-serve                                                  throughput and latency against concurrency
   specdec bench-kernels                                                forward passes under each CPU quantization
   specdec bench-head                                                   a feature head's draft step against a target pass
+  specdec train-head [--generate] --out DIR                            train a feature head from the target's completions
   specdec bench-coupling                                               coupled vs rejection sampling
   specdec bench-ahead                                                  drafting ahead on split cores vs target alone
   specdec bench-anchor --llama-server PATH                             beside llama.cpp's server on the same GGUF files
@@ -78,6 +79,12 @@ def add_commands(sub) -> dict[str, Callable[[list[str]], int]]:
     bh = sub.add_parser("bench-head", help="a feature head's draft step against a target pass (c), by sessions")
     bench_head.add_arguments(bh)
     bh.set_defaults(func=bench_head.cmd_bench_head)
+
+    from specdec_tools import train_head
+
+    th = sub.add_parser("train-head", help="train a feature head (EAGLE-3) on the target's own completions")
+    train_head.add_arguments(th)
+    th.set_defaults(func=train_head.cmd_train_head)
 
     from specdec_tools import bench_coupling
 
