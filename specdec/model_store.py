@@ -75,6 +75,7 @@ from typing import Iterator
 __all__ = [
     "DEFAULT_DRAFT",
     "DEFAULT_MODELS",
+    "DEFAULT_HEAD",
     "DEFAULT_TARGET",
     "MODEL_ALIASES",
     "DefaultModel",
@@ -85,6 +86,7 @@ __all__ = [
     "lookup_default",
     "main",
     "resolve_model",
+    "shipped_head",
 ]
 
 _LOG_PREFIX = "[specdec]"
@@ -140,10 +142,24 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
     ),
 }
 
+# feature heads (EAGLE-3, specdec/eagle3.py) that ship inside this package, by name: a few MB each,
+# trained here for a default target by `specdec train-head` (specdec_tools/train_head.py)
+HEADS_DIR = Path(__file__).resolve().parent / "heads"
+DEFAULT_HEAD = "qwen2.5-coder-1.5b-instruct-eagle3"  # drafts for DEFAULT_TARGET
+
 MODEL_ALIASES: dict[str, str] = {
     "default-target": DEFAULT_TARGET,
     "default-draft": DEFAULT_DRAFT,
+    "default-head": DEFAULT_HEAD,
 }
+
+
+def shipped_head(spec: str) -> Path | None:
+    """The directory of a feature head shipped in the package, by its name or alias, else None."""
+    key = str(spec).strip().lower()
+    key = MODEL_ALIASES.get(key, key)
+    path = HEADS_DIR / key
+    return path if "/" not in key and (path / "config.json").is_file() else None
 
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _PART_RE = re.compile(r"(?:^|/)data/part(\d+)\.bin$")
@@ -665,6 +681,9 @@ def _resolve_inner(spec: str, cache: Path, progress: bool, timings: dict | None)
 
     model = lookup_default(spec_s)
     p = Path(spec_s).expanduser()
+    head = shipped_head(spec_s)
+    if head is not None and not p.exists():
+        return head
     if model is not None and not p.exists():
         out = _converted_dir(cache, Path(model.gguf_filename).stem, model.sha256[:12])
         if _converted_valid(out):

@@ -380,7 +380,9 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec.eagle3 import is_head_dir
+    from specdec.model_store import shipped_head
 
+    spec = str(shipped_head(spec) or spec)
     if is_head_dir(spec):
         if head_rows:
             log.warning("--draft-vocab %d ignored: a feature head scores its own draft vocabulary (its d2t)", head_rows)

@@ -80,8 +80,9 @@ SETUPS = {
 
 @dataclass(frozen=True)
 class Mode:
-    name: str  # "on", "off" or "gamma<N>"
+    name: str  # "on", "off" or "gamma<N>"; "<mode>-<draft>" through --second-draft's
     gamma: int | None  # the request's gamma; None = unset, the server's default
+    server: str | None = None  # another orchestrator than the setup's (--second-draft's)
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -179,6 +180,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (default {DEFAULT_DRAFT})")
+    p.add_argument("--second-draft", default="", metavar="SPEC",
+                   help="also a second draft worker on the same target (a model or a feature head directory), with "
+                        "an orchestrator of its own: each mode that drafts (on, a gamma) runs again through it, as "
+                        "<mode>-<name> (head, or the model's name), alternating with the others at every level")
     p.add_argument("--tiny", action="store_true",
                    help="tiny random models (specdec_tools.testing, no downloads): a quick smoke run")
     p.add_argument("--random", metavar="TARGET+DRAFT", default=None,
@@ -864,6 +869,15 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                        if "grpc" in a.api]
             if http_port:  # beside the gRPC run of the same orchestrator
                 servers.insert(1 if servers else 0, ("default", None, f"http://127.0.0.1:{http_port}", "http"))
+            if a.second_draft:
+                from specdec.model_store import resolve_model
+                from specdec_tools.stack import _is_head_dir
+
+                spec = a.second_draft if _is_head_dir(a.second_draft) else str(resolve_model(a.second_draft))
+                second = stack.add_orchestrator("--draft", stack.add_draft(spec))
+                name = "head" if _is_head_dir(spec) else Path(spec).name
+                modes = [*modes, *(Mode(f"{m.name}-{name}", m.gamma, second) for m in modes if m.gamma != 0)]
+                models["second_draft"] = a.second_draft
             stack.start(stdout=subprocess.DEVNULL)
             stack.wait_until_ready(a.startup_timeout)
             log(f"all SERVING after {time.monotonic() - t0:.1f} s ({len(servers)} setups)")
@@ -871,7 +885,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 
             for setup, rtt, address, api in servers:
                 for mode in modes:
-                    with Client(stack.address if api == "http" else address, timeout_s=a.request_timeout) as client:
+                    with Client(mode.server or (stack.address if api == "http" else address),
+                                timeout_s=a.request_timeout) as client:
                         client.generate(messages=[{"role": "user", "content": "warm up"}], max_new_tokens=4,
                                         temperature=0.0, gamma=mode.gamma)  # warm-up
                 # the modes of a level side by side, in turn first and last (A B, B A, ...): the
@@ -886,12 +901,12 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                             if warm_up == "short":  # the level's shapes once, untimed (the caching
                                 # allocator growing, lazy initialisation): `level` requests at once, a few tokens each
                                 warm = argparse.Namespace(**{**vars(a), "max_new_tokens": 8, "requests_per_level": level})
-                                run_level(address, mode, level, prompt_ids, warm, lambda *args: None, api)
+                                run_level(mode.server or address, mode, level, prompt_ids, warm, lambda *args: None, api)
                             elif warm_up == "full":  # the whole level once, untimed: the gamma policy's
                                 # measurements of this load start before the timed run (its steady state)
-                                run_level(address, mode, level, prompt_ids, a, lambda *args: None, api)
+                                run_level(mode.server or address, mode, level, prompt_ids, a, lambda *args: None, api)
                             before = _link_counts(links.get(rtt))
-                            recs, wall = run_level(address, mode, level, prompt_ids, a, log, api)
+                            recs, wall = run_level(mode.server or address, mode, level, prompt_ids, a, log, api)
                             for r in recs:
                                 r.setup, r.link_rtt_ms, r.api, r.round = setup, rtt, api, turn
                             records += recs

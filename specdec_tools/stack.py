@@ -87,6 +87,7 @@ class ProcessStack:
         ]
         self.procs: list[subprocess.Popen] = []
         self.extra_addresses: list[str] = []  # more orchestrators (add_orchestrator)
+        self._target_dir, self._common, self._draft_vocab = target_dir, common, draft_vocab
 
     def add_orchestrator(self, *args: str) -> str:
         """One more orchestrator on the same two workers, with its own flags (started by the next
@@ -96,6 +97,15 @@ class ProcessStack:
                               *self.commands[2][5:], *args])
         self.extra_addresses.append(f"127.0.0.1:{port}")
         return self.extra_addresses[-1]
+
+    def add_draft(self, draft_dir: str, *args: str) -> str:
+        """One more draft worker on this host (started by the next start()); returns its address: an
+        orchestrator added with ("--draft", address) drafts with it on the same target."""
+        port = free_port()
+        extra = ["--target-model", self._target_dir] if _is_head_dir(draft_dir) else \
+            ["--draft-vocab", str(self._draft_vocab)]
+        self.commands.append(["draft_service", "--model", draft_dir, "--port", str(port), *self._common, *extra, *args])
+        return f"127.0.0.1:{port}"
 
     def _argv(self, cmd: list[str]) -> tuple[list[str], dict]:
         env = child_env(cmd[0])
