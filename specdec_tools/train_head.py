@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--limit", type=int, default=0, help="train on the first N sequences only (0: all)")
     t.add_argument("--eval-every", type=int, default=0, help="held-out report every N optimizer steps (0: at the end)")
     t.add_argument("--checkpoint-minutes", type=float, default=10.0)
+    t.add_argument("--variants", default="", metavar="K=V,..;..",
+                   help="the ablation: before the head, train each variant from scratch on the same rows (keys: "
+                        "ttt, intermediate, vocab, epochs, lr) and report it beside the head")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save", choices=("int8", "bfloat16", "float32"), default="int8",
                    help="how the head's Linear weights are stored (int8: per-row scales)")
@@ -458,34 +461,36 @@ def _log(msg: str) -> None:
     print(f"[train-head] {msg}", flush=True)
 
 
-def cmd_train(a) -> int:
-    if not a.out:
-        print("train-head: give --out DIR (or --generate)", file=sys.stderr)
-        return 2
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(a.seed)
-    random.seed(a.seed)
+@dataclass
+class Prepared:
+    """What every head trained in one run shares: the teacher's rows, the target's frozen parts."""
+
+    seqs: list[Sequence]
+    held: list[Sequence]
+    config: object  # the target's
+    path: Path  # the target's directory
+    feature_layers: tuple[int, ...]
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    feature_s: float
+
+
+def prepare(a) -> Prepared | None:
     records = read_completions(data_path(a))
     if not records:
         print(f"train-head: no completions at {data_path(a)}; run with --generate first", file=sys.stderr)
-        return 2
-    t_start = time.monotonic()
+        return None
     teacher = Teacher(a.target, None, a.quantize)
-    config = teacher.config
-    vocab = int(config.vocab_size)
     held = [r for r in records if r["prompt"] % a.holdout_every == 0 and r["mode"] == "greedy"]
     train = [r for r in records if r["prompt"] % a.holdout_every != 0]
     if a.limit:
         train = train[: a.limit]
-    d2t_ids = draft_vocabulary(train, vocab, a.draft_vocab)
-    t2d = torch.full((vocab,), -1, dtype=torch.long)
-    t2d[d2t_ids] = torch.arange(len(d2t_ids))
     completion = torch.cat([torch.tensor(r["ids"]) for r in train])
+    vocab = int(teacher.config.vocab_size)
+    counts = torch.bincount(completion, minlength=vocab).sort(descending=True).values.cumsum(0) / completion.numel()
+    coverage = ", ".join(f"{size}: {float(counts[size - 1]):.4f}" for size in (4096, 8192, 16384, 32768) if size <= vocab)
     _log(f"{len(train)} training sequences ({completion.numel()} completion tokens), {len(held)} held out; "
-         f"draft vocabulary {len(d2t_ids)} covers {float((t2d[completion] >= 0).float().mean()):.4f} of them")
-
-    # features, by teacher forcing (in memory)
+         f"share of completion tokens in the most frequent N: {coverage}")
     seqs, held_seqs, t0 = [], [], time.monotonic()
     todo = train + held
     rows_total = sum(len(r["prompt_ids"]) + len(r["ids"]) for r in todo)
@@ -497,24 +502,37 @@ def cmd_train(a) -> int:
             el = time.monotonic() - t0
             _log(f"features {i + 1}/{len(todo)} sequences, {rows_done}/{rows_total} rows, "
                  f"{1000 * el / rows_done:.1f} ms a row, ETA {el / rows_done * (rows_total - rows_done) / 60:.1f} min")
-    feature_s = time.monotonic() - t0
-    from specdec.modeling import target_embedding, target_output_rows
+    from specdec.modeling import target_embedding
 
-    embed = target_embedding(teacher.loaded.path)
-    lm_rows = target_output_rows(teacher.loaded.path, d2t_ids)
-    final_norm = teacher.model.model.norm.weight.detach().float()
-    feature_layers = teacher.layers
+    prepared = Prepared(seqs, held_seqs, teacher.config, teacher.loaded.path, teacher.layers,
+                        target_embedding(teacher.loaded.path), teacher.model.model.norm.weight.detach().float().clone(),
+                        time.monotonic() - t0)
     del teacher
     import gc
 
     gc.collect()
+    return prepared
 
+
+def fit(a, data: Prepared, out: Path, name: str = "") -> tuple[TrainHead, torch.Tensor, dict, float]:
+    """Trains one head on data with a's settings (resuming from out/checkpoint.pt); returns (head,
+    its draft vocabulary's target ids, the run's state with its held-out curve, seconds)."""
+    from specdec.modeling import target_output_rows
+
+    config = data.config
+    vocab = int(config.vocab_size)
+    records = [{"ids": s.ids[s.start:].tolist(), "prompt_ids": s.ids[: s.start].tolist()} for s in data.seqs]
+    d2t_ids = draft_vocabulary(records, vocab, a.draft_vocab)
+    t2d = torch.full((vocab,), -1, dtype=torch.long)
+    t2d[d2t_ids] = torch.arange(len(d2t_ids))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = getattr(config, "rope_parameters", None) or {}
-    head = TrainHead(config.hidden_size, a.intermediate, heads, kv_heads, head_dim, len(feature_layers),
+    torch.manual_seed(a.seed)
+    head = TrainHead(config.hidden_size, a.intermediate, heads, kv_heads, head_dim, len(data.feature_layers),
                      float(config.rms_norm_eps), float(rope.get("rope_theta", getattr(config, "rope_theta", 1e4))),
-                     embed, lm_rows, final_norm)
+                     data.embed, target_output_rows(data.path, d2t_ids), data.final_norm)
+    seqs = data.seqs
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     weights = [0.8 ** k for k in range(a.ttt_steps)]
@@ -527,28 +545,36 @@ def cmd_train(a) -> int:
             return a.lr * (step + 1) / warmup
         return a.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
 
-    state = {"step": 0, "seen_rows": 0, "curve": [], "order_seed": a.seed}
+    state = {"step": 0, "seen_rows": 0, "curve": [], "order_seed": a.seed, "cursor": 0, "seconds": 0.0}
+    out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "checkpoint.pt"
     if ckpt.is_file():
         saved = torch.load(ckpt, weights_only=False)
         head.load_state_dict(saved["head"], strict=False)
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
-        _log(f"resumed from {ckpt} at step {state['step']}/{total_steps}")
-    _log(f"features took {feature_s / 60:.1f} min; training {total_steps} steps of ~{a.batch_tokens} rows, "
-         f"{a.ttt_steps} TTT steps, intermediate {a.intermediate}")
+        _log(f"{name}resumed from {ckpt} at step {state['step']}/{total_steps}")
+    _log(f"{name}training {total_steps} steps of ~{a.batch_tokens} rows, {a.ttt_steps} TTT steps, "
+         f"intermediate {a.intermediate}, draft vocabulary {a.draft_vocab}")
 
     def order(epoch):
         idx = list(range(len(seqs)))
         random.Random(state["order_seed"] * 1000 + epoch).shuffle(idx)
         return idx
 
+    def held_out():
+        r = evaluate(head, data.held, t2d, d2t_ids)
+        state["curve"].append({"step": step, "rows": state["seen_rows"], "train_top1": state.get("train_top1"), **r})
+        _log(f"{name}held-out at step {step}: first draft {r['first_greedy']:.3f} greedy / {r['first_sampled']:.3f} "
+             f"t0.7, tokens a round at gamma 4 {r['tokens_greedy'][3]:.2f} / {r['tokens_sampled'][3]:.2f}")
+
     step, t_train, last_ckpt = state["step"], time.monotonic(), time.monotonic()
-    steps_at_start = step
-    per_epoch = max(1, len(seqs))
-    cursor = state.get("cursor", 0)
-    acc = {}
+    seconds_before = state.get("seconds", 0.0)
+    steps_at_start, cursor, per_epoch = step, state.get("cursor", 0), max(1, len(seqs))
+    acc: dict[int, list[int]] = {}
     orders: dict[int, list[int]] = {}
+    if a.eval_every and step == 0:
+        held_out()
     while step < total_steps:
         batch_rows, batch_loss, loss_rows_seen = 0, 0.0, 0
         opt.zero_grad(set_to_none=True)
@@ -579,36 +605,81 @@ def cmd_train(a) -> int:
         if step % 10 == 0 or step == total_steps:
             el = time.monotonic() - t_train
             eta = el / (step - steps_at_start) * (total_steps - step)
-            accs = " ".join(f"{acc[k][0] / max(acc[k][1], 1):.2f}" for k in sorted(acc))
             state["train_top1"] = [acc[k][0] / max(acc[k][1], 1) for k in sorted(acc)]
-            _log(f"step {step}/{total_steps} epoch {cursor / per_epoch:.2f} loss {batch_loss / loss_rows_seen:.3f} "
+            accs = " ".join(f"{x:.2f}" for x in state["train_top1"])
+            _log(f"{name}step {step}/{total_steps} epoch {cursor / per_epoch:.2f} loss {batch_loss / loss_rows_seen:.3f} "
                  f"top-1 by TTT step {accs} lr {lr_at(step):.2e} ETA {eta / 60:.1f} min")
             acc = {}
         if a.eval_every and step % a.eval_every == 0 and step < total_steps:
-            r = evaluate(head, held_seqs, t2d, d2t_ids)
-            state["curve"].append({"step": step, "rows": state["seen_rows"], "train_top1": state.get("train_top1"), **r})
-            _log(f"held-out at step {step}: first {r['first_greedy']:.3f} greedy / {r['first_sampled']:.3f} t0.7, "
-                 f"tokens a round at gamma 4 {r['tokens_greedy'][3]:.2f} / {r['tokens_sampled'][3]:.2f}")
+            held_out()
         if time.monotonic() - last_ckpt > a.checkpoint_minutes * 60 or step == total_steps:
             state["step"], state["cursor"] = step, cursor
+            state["seconds"] = seconds_before + time.monotonic() - t_train
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
             last_ckpt = time.monotonic()
-    train_s = time.monotonic() - t_train
-    r = evaluate(head, held_seqs, t2d, d2t_ids)
-    state["curve"].append({"step": step, "rows": state["seen_rows"], "train_top1": state.get("train_top1"), **r})
-    meta = {"trained_by": "specdec train-head", "data": data_path(a).name, "sequences": len(seqs),
+    held_out()
+    return head, d2t_ids, state, seconds_before + time.monotonic() - t_train
+
+
+VARIANT_KEYS = {"ttt": "ttt_steps", "intermediate": "intermediate", "vocab": "draft_vocab", "epochs": "epochs",
+                "lr": "lr"}
+
+
+def parse_variants(text: str) -> list[dict]:
+    """'ttt=1;intermediate=2048,vocab=8192' -> [{'ttt_steps': 1}, {'intermediate': 2048, 'draft_vocab': 8192}]"""
+    variants = []
+    for item in (v.strip() for v in text.split(";") if v.strip()):
+        v = {}
+        for pair in item.split(","):
+            key, _, value = pair.partition("=")
+            if key.strip() not in VARIANT_KEYS:
+                raise argparse.ArgumentTypeError(f"--variants: {key!r} is not one of {', '.join(VARIANT_KEYS)}")
+            v[VARIANT_KEYS[key.strip()]] = float(value) if key.strip() in ("epochs", "lr") else int(value)
+        variants.append(v)
+    return variants
+
+
+def cmd_train(a) -> int:
+    if not a.out:
+        print("train-head: give --out DIR (or --generate)", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(a.seed)
+    t_start = time.monotonic()
+    data = prepare(a)
+    if data is None:
+        return 2
+    _log(f"features took {data.feature_s / 60:.1f} min")
+    ablation = []
+    for i, overrides in enumerate(parse_variants(a.variants)):  # the ablation: each from scratch on the same rows
+        va = argparse.Namespace(**{**vars(a), **overrides, "eval_every": 0})
+        _, _, state, seconds = fit(va, data, out / "variants" / str(i), f"variant {overrides}: ")
+        ablation.append((overrides, state["curve"][-1], seconds))
+    head, d2t_ids, state, train_s = fit(a, data, out)
+    r = state["curve"][-1]
+    loss_rows = sum(len(s.ids) - s.start for s in data.seqs)
+    meta = {"trained_by": "specdec train-head", "data": data_path(a).name, "sequences": len(data.seqs),
             "completion_rows": loss_rows, "epochs": a.epochs, "ttt_steps": a.ttt_steps, "lr": a.lr,
-            "batch_tokens": a.batch_tokens, "draft_vocab": a.draft_vocab, "steps": step,
-            "feature_minutes": round(feature_s / 60, 1), "train_minutes": round(train_s / 60, 1),
-            "total_minutes": round((time.monotonic() - t_start) / 60, 1), "held_out": r}
-    save_head(head, out, d2t_ids, config, feature_layers, a, meta)
+            "batch_tokens": a.batch_tokens, "draft_vocab": a.draft_vocab, "intermediate": a.intermediate,
+            "steps": state["step"], "feature_minutes": round(data.feature_s / 60, 1),
+            "train_minutes": round(train_s / 60, 1), "total_minutes": round((time.monotonic() - t_start) / 60, 1),
+            "held_out": r}
+    save_head(head, out, d2t_ids, data.config, data.feature_layers, a, meta)
     (out / "curve.json").write_text(json.dumps(state["curve"], indent=1) + "\n")
-    lines = [f"held-out acceptance ({r['roots']} round starts in {len(held_seqs)} held-out greedy completions; "
+    lines = [f"held-out acceptance ({r['roots']} round starts in {len(data.held)} held-out greedy completions; "
              f"mean tokens a round = kept drafts + 1):", "", *report_lines(r)]
+    if ablation:
+        lines += ["", "ablation (each trained from scratch on the same rows; held-out, greedy / temperature 0.7):", "",
+                  "| variant | first draft accepted | tokens a round at gamma 4 | minutes |", "|---|---|---|---|"]
+        for overrides, rv, seconds in ablation:
+            lines.append(f"| {', '.join(f'{k}={v}' for k, v in overrides.items())} | {rv['first_greedy']:.3f} / "
+                         f"{rv['first_sampled']:.3f} | {rv['tokens_greedy'][3]:.2f} / {rv['tokens_sampled'][3]:.2f} | "
+                         f"{seconds / 60:.1f} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
     _log("\n".join(lines))
-    _log(f"head written to {out} ({sum(f.stat().st_size for f in out.glob('*.safetensors')) / 1e6:.1f} MB); "
-         f"{meta['total_minutes']} min in all")
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 1e6
+    _log(f"head written to {out} ({size:.1f} MB); {meta['total_minutes']} min in all")
     return 0
 
 

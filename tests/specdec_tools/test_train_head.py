@@ -138,14 +138,17 @@ def test_a_tiny_run_learns_writes_a_servable_head_and_resumes(tiny_target, tmp_p
     data = tmp_path / "c.jsonl.gz"
     _completions(tiny_target, data, 16)
     out = tmp_path / "head"
-    assert train_head.cmd_train(_args(tiny_target, data, out, epochs=6, eval_every=10)) == 0
+    assert train_head.cmd_train(_args(tiny_target, data, out, epochs=6, eval_every=10, variants="ttt=1;vocab=60")) == 0
     curve = json.loads((out / "curve.json").read_text())
     # it learned the target's choices (a random tiny target's text is not predictable held out)
-    assert curve[-1]["train_top1"][0] > curve[0]["train_top1"][0] + 0.1
+    trained = [c["train_top1"][0] for c in curve if c["train_top1"]]
+    assert trained[-1] > trained[0] + 0.1
     r = curve[-1]
     assert len(r["tokens_greedy"]) == 6 and 1 <= r["tokens_greedy"][0] <= 2
     assert all(a <= b + 1e-9 for a, b in zip(r["tokens_greedy"], r["tokens_greedy"][1:]))
-    assert "first draft accepted" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "first draft accepted" in report
+    assert "| ttt_steps=1 |" in report and "| draft_vocab=60 |" in report  # the ablation, beside the head
     loaded = load_model(str(out), target_model=str(tiny_target), role="draft", quantization="none")
     assert loaded.model.lm_head.out_features == 120
     # a finished run started again resumes at its last step: nothing more to train
