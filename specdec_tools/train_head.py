@@ -40,6 +40,7 @@ import random
 import sys
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,10 +104,30 @@ def data_path(a) -> Path:
 
 
 def read_completions(path: Path) -> list[dict]:
+    """The records of a completions file; a run stopped while writing leaves a last line cut short,
+    which is dropped (--generate then makes it again)."""
     if not path.is_file():
         return []
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    records = []
+    try:
+        with gzip.open(path, "rt") as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    break
+    except (EOFError, gzip.BadGzipFile, zlib.error):
+        pass
+    return records
+
+
+def write_completions(path: Path, records: list[dict]) -> None:
+    """One gzip member, records by prompt and mode (what is committed)."""
+    tmp = path.with_suffix(".tmp")
+    with gzip.GzipFile(tmp, "wb", mtime=0) as f:  # mtime 0: the same records give the same bytes
+        for r in sorted(records, key=lambda r: (r["prompt"], r["mode"])):
+            f.write((json.dumps(r, separators=(",", ":")) + "\n").encode())
+    tmp.replace(path)
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -128,7 +149,9 @@ def cmd_generate(a) -> int:
     target_dir = str(resolve_model(a.target))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = PROMPTS[: a.prompts] if a.prompts else PROMPTS
-    done = {(r["prompt"], r["mode"]) for r in read_completions(path)}
+    records = read_completions(path)
+    write_completions(path, records) if records else None  # a cut-short tail dropped before appending
+    done = {(r["prompt"], r["mode"]) for r in records}
     jobs = [(i, "greedy") for i in range(len(prompts))]
     jobs += [(i, "sampled") for i in range(len(prompts)) if i % a.sampled_every == 0]
     jobs = [j for j in jobs if j not in done]
@@ -156,6 +179,8 @@ def cmd_generate(a) -> int:
                           "finish": r.finish_reason}
                 with lock:
                     out.write(json.dumps(record, separators=(",", ":")) + "\n")
+                    out.flush()  # readable up to here if the run is stopped
+                    records.append(record)
                     count[0] += 1
                     tokens[0] += len(r.token_ids)
                     elapsed = time.monotonic() - t0
@@ -169,6 +194,7 @@ def cmd_generate(a) -> int:
     finally:
         if stack is not None:
             stack.stop()
+        write_completions(path, records)
     return 0
 
 
@@ -651,11 +677,6 @@ def cmd_train(a) -> int:
     if data is None:
         return 2
     _log(f"features took {data.feature_s / 60:.1f} min")
-    ablation = []
-    for i, overrides in enumerate(parse_variants(a.variants)):  # the ablation: each from scratch on the same rows
-        va = argparse.Namespace(**{**vars(a), **overrides, "eval_every": 0})
-        _, _, state, seconds = fit(va, data, out / "variants" / str(i), f"variant {overrides}: ")
-        ablation.append((overrides, state["curve"][-1], seconds))
     head, d2t_ids, state, train_s = fit(a, data, out)
     r = state["curve"][-1]
     loss_rows = sum(len(s.ids) - s.start for s in data.seqs)
@@ -667,6 +688,12 @@ def cmd_train(a) -> int:
             "held_out": r}
     save_head(head, out, d2t_ids, data.config, data.feature_layers, a, meta)
     (out / "curve.json").write_text(json.dumps(state["curve"], indent=1) + "\n")
+    del head
+    ablation = []
+    for i, overrides in enumerate(parse_variants(a.variants)):  # the ablation: each from scratch on the same rows
+        va = argparse.Namespace(**{**vars(a), **overrides, "eval_every": 0})
+        _, _, vstate, seconds = fit(va, data, out / "variants" / str(i), f"variant {overrides}: ")
+        ablation.append((overrides, vstate["curve"][-1], seconds))
     lines = [f"held-out acceptance ({r['roots']} round starts in {len(data.held)} held-out greedy completions; "
              f"mean tokens a round = kept drafts + 1):", "", *report_lines(r)]
     if ablation:

@@ -155,3 +155,14 @@ def test_a_tiny_run_learns_writes_a_servable_head_and_resumes(tiny_target, tmp_p
     before = (out / "model.safetensors").read_bytes()
     assert train_head.cmd_train(_args(tiny_target, data, out, epochs=6, eval_every=10)) == 0
     assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_a_completions_file_cut_short_keeps_its_whole_records(tmp_path):
+    path = tmp_path / "c.jsonl.gz"
+    records = [{"prompt": i, "mode": "greedy", "ids": list(range(i, i + 50)), "prompt_ids": [1]} for i in range(40)]
+    train_head.write_completions(path, records[::-1])
+    assert train_head.read_completions(path) == records  # by prompt, whatever the order written
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) * 2 // 3])  # a run stopped while writing
+    kept = train_head.read_completions(path)
+    assert 0 < len(kept) < len(records) and kept == records[: len(kept)]
