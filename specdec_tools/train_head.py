@@ -70,13 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     g.add_argument("--prompts", type=int, default=0, help="the first N prompts only (0: all)")
     t = p.add_argument_group("training")
-    t.add_argument("--epochs", type=float, default=2.0)
+    t.add_argument("--epochs", type=float, default=2.0, help="passes over the training sequences")
     t.add_argument("--ttt-steps", type=int, default=4, help="training-time test: steps unrolled")
     t.add_argument("--intermediate", type=int, default=4096, help="the head's MLP width")
     t.add_argument("--draft-vocab", type=int, default=16384)
     t.add_argument("--top", type=int, default=32, help="target logits kept a row (the soft labels)")
     t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--batch-tokens", type=int, default=2048, help="loss rows an optimizer step (about)")
+    t.add_argument("--batch-tokens", type=int, default=512,
+                   help="completion rows an optimizer step, about (whole sequences: as many as make it on average)")
     t.add_argument("--holdout-every", type=int, default=20, help="prompt indices divisible by it are held out")
     t.add_argument("--limit", type=int, default=0, help="train on the first N sequences only (0: all)")
     t.add_argument("--eval-every", type=int, default=0, help="held-out report every N optimizer steps (0: at the end)")
@@ -563,7 +564,8 @@ def fit(a, data: Prepared, out: Path, name: str = "") -> tuple[TrainHead, torch.
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     weights = [0.8 ** k for k in range(a.ttt_steps)]
     loss_rows = sum(len(s.ids) - s.start for s in seqs)
-    total_steps = max(1, int(a.epochs * loss_rows / a.batch_tokens))
+    batch_seqs = max(1, round(a.batch_tokens * len(seqs) / max(loss_rows, 1)))  # sequences a step: ~batch_tokens rows
+    total_steps = max(1, math.ceil(a.epochs * len(seqs) / batch_seqs))
     warmup = min(50, total_steps // 10)
 
     def lr_at(step):
@@ -604,7 +606,7 @@ def fit(a, data: Prepared, out: Path, name: str = "") -> tuple[TrainHead, torch.
     while step < total_steps:
         batch_rows, batch_loss, loss_rows_seen = 0, 0.0, 0
         opt.zero_grad(set_to_none=True)
-        while batch_rows < a.batch_tokens:
+        for _ in range(batch_seqs):
             epoch, pos = divmod(cursor, per_epoch)
             if epoch not in orders:
                 orders[epoch] = order(epoch)
@@ -615,7 +617,7 @@ def fit(a, data: Prepared, out: Path, name: str = "") -> tuple[TrainHead, torch.
             if rows == 0:
                 continue
             (loss / a.batch_tokens).backward()
-            batch_rows += rows // a.ttt_steps
+            batch_rows += len(seq.ids) - seq.start
             batch_loss += float(loss)
             loss_rows_seen += rows
             for k, right, count in stats:

@@ -289,3 +289,14 @@ def test_save_sharded_writes_index(tmp_path: Path) -> None:
     single.mkdir()
     assert ms._save_sharded(sd, single) == ["model.safetensors"]
     assert not (single / "model.safetensors.index.json").exists()
+
+
+def test_a_head_shipped_in_the_package_resolves_by_name_and_alias(tmp_path: Path, monkeypatch) -> None:
+    from specdec_tools.testing.tiny_models import build_head_dir
+
+    monkeypatch.setattr(ms, "HEADS_DIR", tmp_path / "heads")
+    assert ms.shipped_head(ms.DEFAULT_HEAD) is None  # none there: the name means nothing
+    head = build_head_dir(tmp_path / "heads" / ms.DEFAULT_HEAD, target_hidden=64, target_vocab=300, seed=1)
+    assert ms.shipped_head(ms.DEFAULT_HEAD) == head == ms.shipped_head("default-head")
+    assert resolve_model("default-head", cache_dir=tmp_path / "cache") == head  # no download, no conversion
+    assert ms.shipped_head("../heads/" + ms.DEFAULT_HEAD) is None  # names only, never paths
