@@ -50,7 +50,6 @@ import torch.nn.functional as F
 from torch import nn
 
 DATA_DIR = Path(__file__).parent / "head_data"
-MODES = {"greedy": 0.0, "sampled": None}  # sampled: at --temperature
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def data_path(a) -> Path:
     from specdec.model_store import MODEL_ALIASES
 
-    name = MODEL_ALIASES.get(a.target, a.target) if isinstance(MODEL_ALIASES, dict) else a.target
+    name = MODEL_ALIASES.get(a.target, a.target)
     return Path(a.data) if a.data else DATA_DIR / f"{Path(name).name}.completions.jsonl.gz"
 
 
@@ -151,7 +150,8 @@ def cmd_generate(a) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = PROMPTS[: a.prompts] if a.prompts else PROMPTS
     records = read_completions(path)
-    write_completions(path, records) if records else None  # a cut-short tail dropped before appending
+    if records:
+        write_completions(path, records)  # a tail cut short is dropped before appending
     done = {(r["prompt"], r["mode"]) for r in records}
     jobs = [(i, "greedy") for i in range(len(prompts))]
     jobs += [(i, "sampled") for i in range(len(prompts)) if i % a.sampled_every == 0]
