@@ -479,9 +479,8 @@ class GammaPolicy:
         stays its upper bound; exploring drafts only the requests whose draft is nearly in step.
         load: the requests on the target, those still prefilling included (default: the step's),
         which picks the load level whose arms decide."""
-        caps = [r.cap for r in requests]
         if not self.adaptive:
-            return caps
+            return [r.cap for r in requests]
         with self._lock:
             costs = self._step_costs(target, requests)
             level = self.arms.level(target, max(load or 0, len(requests)))
@@ -489,6 +488,13 @@ class GammaPolicy:
             # one else: a level of one whose drafting measured worse on a noisy second otherwise never
             # drafted again, as its later requests' drafts open lazily and lag by their prompt
             alone = max(load or 0, len(requests)) == 1
+            if not costs.target.known and not alone:
+                # nothing priced yet (a fresh orchestrator: every pass so far ran prefills too): a draft
+                # that must first take in a whole prompt (opened lazily) waits for measured passes. A
+                # fresh stack's first wave of eight new requests drafted through eight prompts' catch-up
+                # (two steps of 0.9-1.1 s where a plain step takes 85 ms): 0.75x of gamma 0's wave
+                requests = [replace(r, cap=0) if r.lag > CATCH_UP_LAG else r for r in requests]
+            caps = [r.cap for r in requests]
             # where measurement chose plain the model's arm is not asked (its search: ~2 ms at 32 requests)
             model = None if level.measured and level.running == PLAIN else \
                 best_step_gammas(self._catch_ups_charged(level, alone, requests), costs)

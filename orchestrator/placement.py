@@ -55,6 +55,7 @@ class Placement:
         # catch-up, and never happens for a request that a loaded target serves at gamma 0.
         self.lazy_draft = prefill_pool is None
         self.draft_synced = 0  # tokens the draft's session holds validly, set when it opens
+        self.draft_prefilled = 0  # of them, those its model took in (not lazily opened, not a fork's copy)
         # a feature head drafts (specdec/eagle3.py): the target layers its features come from; the
         # target's session returns them, and the head's opens on one token (its catch-up brings them)
         self.feature_layers: tuple[int, ...] = ()
@@ -125,6 +126,7 @@ class Placement:
         self._open.append(member)
         if member is self.draft:
             self.draft_synced = len(tokens)
+            self.draft_prefilled = len(tokens) if fork_of is None and len(tokens) > 1 else 0
         else:
             self.cached_tokens = cached
         return None

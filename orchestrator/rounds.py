@@ -86,6 +86,8 @@ class RequestState:
         if self.synthetic_acceptance:  # requests differ, each reproducibly
             self.coin = random.Random(hash(tuple(self.tokens)))
         self.draft_synced = self.placement.draft_synced if self.placement.draft is not None else 0
+        if self.placement.draft is not None:  # the prompt taken in at the start (else lazily: draft_call)
+            self.stats.draft_prefill_tokens += self.placement.draft_prefilled
         self.proposer = proposer_for(self.placement)
 
     @property
@@ -148,6 +150,7 @@ def draft_call(req: RequestState, rnd: Round) -> ProposeCall:
     """The round's Propose (its proposer's); draws its seed from the request's generator (before
     any sampling)."""
     seed = int(torch.randint(0, 2**63 - 1, (), generator=req.generator))
+    req.stats.draft_prefill_tokens += max(len(req.tokens) - req.draft_synced - 1, 0)  # a catch-up
     return req.proposer.call(req, rnd, seed)
 
 

@@ -348,6 +348,7 @@ class GenerationStats:
     seed: int = 0  # the seed the request ran with, as an unsigned 64-bit integer
     suffix_drafted_tokens: int = 0  # of drafted_tokens, those of suffix drafts (orchestrator/proposers/suffix.py)
     suffix_accepted_tokens: int = 0  # of accepted_tokens, those of suffix drafts
+    draft_prefill_tokens: int = 0  # tokens the draft model took in beyond one a round (its prompt, catch-ups)
 
     def record_round(self, gamma: int, num_accepted: int, suffix: bool = False) -> None:
         if suffix:

@@ -1,7 +1,7 @@
 """`specdec bench-serve`: throughput and latency against concurrency, through the three services.
 
   specdec bench-serve [--target M --draft M | --tiny] [--concurrency 1,2,4,8,16] [--requests-per-level N]
-                      [--max-new-tokens 48] [--gamma on,off] [--temperature 0] [--prompts 8] [--out DIR]
+                      [--max-new-tokens 48] [--gamma on,off] [--users fresh,one] [--temperature 0] [--prompts 8] [--out DIR]
                       [--setups default,fixed-gamma,FLAG=VALUE+...] [--link-rtt-ms 0,1,10]
 
 Starts target, draft and orchestrator as processes on loopback (`specdec_tools.stack.ProcessStack`,
@@ -15,6 +15,10 @@ begun): c client threads,
 one `orchestrator.client.Client` each, take requests from a shared list (the chat-templated
 prompts of specdec_tools.bench.PROMPTS in turn, sent as a user message) until the level's
 --requests-per-level are done (default max(8, 2c)), each streamed so that the first token shows.
+Each request comes from a client of its own (a bearer token never sent before: --users fresh), so
+none finds another's prompt in the workers' prefix caches or its answer in the suffix cache, both
+on as served: what a new request costs. --users one sends all of a mode's requests as one client
+(<mode>-one-user), whose prompts, sent before by earlier levels and modes, are then found cached.
 The c clients start together (their requests then end and join in waves), or, with --arrivals
 staggered, client k once the first request has k/c of its tokens (requests then end and join one
 at a time, as a server's users do).
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import os
@@ -80,9 +85,10 @@ SETUPS = {
 
 @dataclass(frozen=True)
 class Mode:
-    name: str  # "on", "off" or "gamma<N>"; "<mode>-<draft>" through --second-draft's
+    name: str  # "on", "off" or "gamma<N>"; "<mode>-<draft>" through --second-draft's; "<mode>-one-user" (--users)
     gamma: int | None  # the request's gamma; None = unset, the server's default
     server: str | None = None  # another orchestrator than the setup's (--second-draft's)
+    users: str = "fresh"  # fresh: each request a client (bearer token) of its own; one: all the run's one client
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -104,6 +110,19 @@ def parse_modes(text: str) -> list[Mode]:
     if not modes:
         raise argparse.ArgumentTypeError("--gamma: no mode given")
     return modes
+
+
+def parse_users(text: str) -> list[str]:
+    kinds = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    if not kinds or any(k not in ("fresh", "one") for k in kinds):
+        raise argparse.ArgumentTypeError(f"--users: '{text}' is not fresh, one or fresh,one")
+    return kinds
+
+
+def with_users(modes: list[Mode], kinds: list[str]) -> list[Mode]:
+    """The modes once per --users kind: those of one client named <mode>-one-user."""
+    return [m if kind == "fresh" else Mode(f"{m.name}-one-user", m.gamma, m.server, "one")
+            for kind in kinds for m in modes]
 
 
 def setup_flags(name: str) -> tuple[str, ...]:
@@ -205,17 +224,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rounds, and 'vs off by round' gives the ratio of each round's pair: its spread and a 95%% "
                         "interval (a few points between identical modes here: one round of a level is ~15 s) "
                         "(default 1)")
-    p.add_argument("--prefix-cache", choices=["on", "off"], default="off",
-                   help="the workers' prefix cache (--prefix-cache-tokens): off by default, since every level and "
-                        "mode sends the same prompts and would find them cached after the first")
+    p.add_argument("--users", type=parse_users, default=["fresh"],
+                   help="fresh: every request comes from a client of its own (a bearer token never sent before), so "
+                        "no request finds another's prompt or answer cached, as for new users; one: all requests "
+                        "from one client, so a prompt sent before (by another level or mode) is found in the "
+                        "workers' prefix caches and its answer drafts from the suffix cache (the modes run again as "
+                        "<mode>-one-user, compared with off-one-user); fresh,one runs both (default fresh)")
+    p.add_argument("--prefix-cache", choices=["on", "off"], default="on",
+                   help="the workers' prefix cache (--prefix-cache-tokens), on as served (default on)")
     p.add_argument("--warm-up", choices=["auto", "off", "short", "full"], default="auto",
                    help="before each mode's timed level: short, c requests of 8 tokens at once (warms a GPU's "
                         "shapes); full, the whole level once untimed (the gamma policy's measurements of that load "
                         "begin first: its steady state, not its cold start); auto: short on CUDA, else off")
-    p.add_argument("--suffix-cache", choices=["on", "off"], default="off",
-                   help="suffix drafts from ended requests (the orchestrator's --suffix-cache-tokens): off by default, "
-                        "since every level and mode sends the same prompts, whose greedy outputs would then be drafted "
-                        "from the earlier identical ones (a request's own tokens are searched either way)")
+    p.add_argument("--suffix-cache", choices=["on", "off"], default="on",
+                   help="suffix drafts from ended requests of the same client (the orchestrator's "
+                        "--suffix-cache-tokens), on as served (default on; a request's own tokens are searched either way)")
     p.add_argument("--pass-lock", choices=["on", "off"], default="on",
                    help="the workers' passes take turns on the shared cores (--pass-lock); off: the ablation")
     p.add_argument("--gamma", type=parse_modes, default=parse_modes("on,off"),
@@ -231,7 +254,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fresh: code written from scratch (specdec_tools.bench.FRESH); edit: code edits whose answers "
                         "re-use the prompt's code (EDIT, 6 prompts); similar: a batch job, four kinds of code each "
                         "request for another name (SIMILAR; no two requests of the run alike, so greedy outputs are "
-                        "not compared; pair with --suffix-cache on); long: each edit below the code of all six "
+                        "not compared; pair with --users one); long: each edit below the code of all six "
                         "(LONG, ~600 tokens: prefills that take seconds on a CPU while other requests decode)")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
                    help=f"the first N of specdec_tools.bench.PROMPTS, or comma-separated indices "
@@ -271,6 +294,9 @@ class RequestRecord:
     accepted_tokens: int = 0
     suffix_drafted_tokens: int = 0  # of drafted_tokens, suffix drafts' (no draft pass)
     suffix_accepted_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of them, those the target found in its prefix cache
+    draft_prefill_tokens: int = 0  # tokens the draft model took in beyond one a round (its prompt, catch-ups)
     rounds: int = 0
     gamma: int | None = None  # as the server's stats report it
     server_total_s: float = 0.0
@@ -332,6 +358,11 @@ def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
         "suffix_acceptance": _round(sum(r.suffix_accepted_tokens for r in ok) /
                                     max(sum(r.suffix_drafted_tokens for r in ok), 1)
                                     if any(r.suffix_drafted_tokens for r in ok) else None, 3),
+        # the draft's prompt work beside the target's: tokens it took in (its prompts, catch-ups) per
+        # prompt token the target prefilled (0: no draft prefilled anything)
+        "draft_prefill_share": _round(sum(r.draft_prefill_tokens for r in ok) /
+                                      max(sum(r.prompt_tokens - r.cached_tokens for r in ok), 1), 3),
+        "cached_share": _round(sum(r.cached_tokens for r in ok) / max(sum(r.prompt_tokens for r in ok), 1), 3),
         "ms_per_token_p50": _round(percentile([r.ms_per_token for r in ok if r.ms_per_token is not None], 50), 2),
         # each request's longest wait between two tokens, p95 over the requests: the stalls a user sees
         "longest_gap_p95_s": _round(percentile([r.longest_gap_s for r in ok if r.longest_gap_s is not None], 95)),
@@ -403,7 +434,8 @@ def add_ratios(rows: list[dict], off_mode: str = "off") -> list[dict]:
 
     for r in rows:
         r["vs_c1"] = ratio(r, by_key.get((group(r), r["mode"], 1)))
-        off = None if r["mode"] == off_mode else by_key.get((group(r), off_mode, r["concurrency"]))
+        off_name = off_mode if r.get("users", "fresh") == "fresh" else f"{off_mode}-one-user"  # --users one
+        off = None if r["mode"] == off_name else by_key.get((group(r), off_name, r["concurrency"]))
         r["vs_off"] = ratio(r, off)
         r["vs_off_rounds"] = round_ratios(r.get("round_tok_s"), off.get("round_tok_s") if off else None)
     return rows
@@ -476,7 +508,10 @@ TABLE_COLUMNS = [
     ("longest_gap_p95_s", "longest gap p95 s", "{:.3f}"),
     ("acceptance_rate", "acceptance", "{:.3f}"),
     ("mean_gamma", "gamma", "{:g}"), ("suffix_share", "suffix share of drafts", "{:.2f}"),
-    ("suffix_acceptance", "suffix acceptance", "{:.3f}"), ("rpcs_per_token", "RPCs/token", "{:.2f}"),
+    ("suffix_acceptance", "suffix acceptance", "{:.3f}"), ("cached_share", "prompt cached", "{:.2f}"),
+    ("draft_prefill_share", "draft prefill / target's", "{:.2f}"),
+    ("cpu_target_ms_per_token", "CPU ms/token target", "{:.1f}"), ("cpu_draft_ms_per_token", "draft", "{:.1f}"),
+    ("cpu_orchestrator_ms_per_token", "orchestrator", "{:.1f}"), ("rpcs_per_token", "RPCs/token", "{:.2f}"),
     ("rpcs_per_round", "RPCs/round", "{:.2f}"), ("bytes_per_token", "bytes/token", "{:,.0f}"),
     ("outputs_differ", "differ from c=1", "{}"), ("errors", "errors", "{}"),
 ]
@@ -501,17 +536,18 @@ def format_table(rows: list[dict]) -> str:
 # running
 
 
-def _one_request(client, mode: Mode, prompt: str, a: argparse.Namespace, seed: int, progress=None):
-    """Streams one request; returns (latency_s, ttft_s, token_ids, finish_reason, stats,
-    longest_gap_s: the longest wait between two chunks with tokens, None for fewer than two).
-    progress: called with the tokens received so far, after each chunk that brings some."""
+def _one_request(client, mode: Mode, prompt: str, a: argparse.Namespace, seed: int, progress=None, token=None):
+    """Streams one request as the client `token` (its bearer token); returns (latency_s, ttft_s,
+    token_ids, finish_reason, stats, longest_gap_s: the longest wait between two chunks with
+    tokens, None for fewer than two). progress: called with the tokens received so far, after each
+    chunk that brings some."""
     kwargs = dict(messages=[{"role": "user", "content": prompt}], max_new_tokens=a.max_new_tokens,
                   temperature=a.temperature, gamma=mode.gamma)
     if a.temperature > 0:
         kwargs["seed"] = seed
     token_ids, ttft, finish, stats, gaps = [], None, "", {}, _Gaps()
     t0 = time.perf_counter()
-    for chunk in client.stream(**kwargs):
+    for chunk in client.stream(token=token, **kwargs):
         if chunk.token_ids:
             gaps.tick()
             if ttft is None:
@@ -547,12 +583,13 @@ class HttpClient:
         self.base, self.http = base, httpx.Client(timeout=timeout_s)
         self.model = self.http.get(base + "/v1/models").json()["data"][0]["id"]
 
-    def stream(self, messages, max_new_tokens: int, temperature: float, gamma=None, seed=None):
-        """Yields (text, finish_reason, usage) per event."""
+    def stream(self, messages, max_new_tokens: int, temperature: float, gamma=None, seed=None, token=None):
+        """Yields (text, finish_reason, usage) per event; token: the request's bearer token."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_new_tokens, "temperature": temperature,
                 "stream": True, "stream_options": {"include_usage": True}}
         body.update({k: v for k, v in (("gamma", gamma), ("seed", seed)) if v is not None})
-        with self.http.stream("POST", self.base + "/v1/chat/completions", json=body) as r:
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        with self.http.stream("POST", self.base + "/v1/chat/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 r.read()
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
@@ -568,13 +605,14 @@ class HttpClient:
 
 
 def _one_http_request(client: HttpClient, mode: Mode, prompt: str, a: argparse.Namespace, seed: int,
-                      progress=None):
+                      progress=None, token=None):
     """As _one_request, over HTTP: (latency_s, ttft_s, [], finish_reason, stats with the token count,
     longest_gap_s); progress counts events with text (a step's tokens each)."""
     ttft, finish, stats, events, gaps = None, "", {}, 0, _Gaps()
     t0 = time.perf_counter()
     for text, finish_reason, usage in client.stream([{"role": "user", "content": prompt}], a.max_new_tokens,
-                                                    a.temperature, mode.gamma, seed if a.temperature > 0 else None):
+                                                    a.temperature, mode.gamma, seed if a.temperature > 0 else None,
+                                                    token):
         if text:
             gaps.tick()
         if text and ttft is None:
@@ -587,6 +625,16 @@ def _one_http_request(client: HttpClient, mode: Mode, prompt: str, a: argparse.N
         if usage:
             stats = {"generated_tokens": usage["completion_tokens"]}
     return time.perf_counter() - t0, ttft, [], finish, stats, gaps.longest
+
+
+RUN = f"bench-{os.getpid()}-{time.time_ns()}"  # this run's clients' bearer tokens begin so
+_fresh_clients = itertools.count()
+
+
+def client_token(mode: Mode) -> str:
+    """The bearer token of a request of `mode`: one never sent before (--users fresh), or the
+    run's one client's."""
+    return f"{RUN}-one" if mode.users == "one" else f"{RUN}-{next(_fresh_clients)}"
 
 
 def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: argparse.Namespace,
@@ -643,7 +691,8 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
             rec = RequestRecord(mode.name, level, i, p, thread, round(t_start, 4), 0.0, None, 0, 0.0)
             try:
                 latency, ttft, ids, finish, stats, rec.longest_gap_s = one(
-                    clients[thread], mode, text, a, seed=p + 1, progress=lead_progress if first else None)
+                    clients[thread], mode, text, a, seed=p + 1, progress=lead_progress if first else None,
+                    token=client_token(mode))
                 rec.latency_s, rec.ttft_s, rec.token_ids, rec.finish_reason = latency, ttft, ids, finish
                 rec.generated_tokens = stats.get("generated_tokens", len(ids))
                 rec.tokens_per_s = rec.generated_tokens / latency if latency > 0 else 0.0
@@ -653,6 +702,8 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
                 rec.accepted_tokens = stats.get("accepted_tokens", 0)
                 rec.suffix_drafted_tokens = stats.get("suffix_drafted_tokens", 0)
                 rec.suffix_accepted_tokens = stats.get("suffix_accepted_tokens", 0)
+                for k in ("prompt_tokens", "cached_tokens", "draft_prefill_tokens"):
+                    setattr(rec, k, stats.get(k, 0))
                 rec.rounds = stats.get("rounds", 0)
                 rec.gamma = stats.get("mean_gamma", stats.get("gamma"))  # as the gamma policy chose it
                 rec.server_total_s = stats.get("total_s", 0.0)
@@ -713,6 +764,12 @@ def _link_counts(pair):
         c = link.snapshot()
         total = LinkCounts(total.rpcs + c.rpcs, total.bytes_up + c.bytes_up, total.bytes_down + c.bytes_down)
     return total
+
+
+def cpu_per_token(cpu: dict[str, float], tokens: int) -> dict:
+    """Each role's CPU time (all its processes on this host, every thread) per generated token,
+    in ms: where a mode's work goes beside its wall time (a draft that never drafts should cost ~0)."""
+    return {f"cpu_{role}_ms_per_token": round(1e3 * s / tokens, 2) for role, s in cpu.items() if tokens}
 
 
 def link_rates(counts, records: list[RequestRecord]) -> dict:
@@ -878,6 +935,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                 name = "head" if _is_head_dir(spec) else Path(spec).name
                 modes = [*modes, *(Mode(f"{m.name}-{name}", m.gamma, second) for m in modes if m.gamma != 0)]
                 models["second_draft"] = a.second_draft
+            modes = with_users(modes, a.users)
             stack.start(stdout=subprocess.DEVNULL)
             stack.wait_until_ready(a.startup_timeout)
             log(f"all SERVING after {time.monotonic() - t0:.1f} s ({len(servers)} setups)")
@@ -905,14 +963,17 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                             elif warm_up == "full":  # the whole level once, untimed: the gamma policy's
                                 # measurements of this load start before the timed run (its steady state)
                                 run_level(mode.server or address, mode, level, prompt_ids, a, lambda *args: None, api)
-                            before = _link_counts(links.get(rtt))
+                            before, cpu = _link_counts(links.get(rtt)), stack.cpu_seconds()
                             recs, wall = run_level(mode.server or address, mode, level, prompt_ids, a, log, api)
+                            cpu = {role: s - cpu.get(role, 0.0) for role, s in stack.cpu_seconds().items()}
                             for r in recs:
                                 r.setup, r.link_rtt_ms, r.api, r.round = setup, rtt, api, turn
                             records += recs
                             tok_s = summarize_level(recs, wall)["aggregate_tok_s"]
-                            run = runs.setdefault(mode.name, {"recs": [], "walls": [], "tok_s": [], "moved": []})
+                            run = runs.setdefault(mode.name, {"recs": [], "walls": [], "tok_s": [], "moved": [], "cpu": {}})
                             run["recs"] += recs
+                            for role, used in cpu.items():
+                                run["cpu"][role] = run["cpu"].get(role, 0.0) + used
                             run["walls"].append(wall)
                             run["tok_s"].append(tok_s)
                             if rtt is not None:
@@ -924,11 +985,12 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                     for mode in modes:
                         run = runs[mode.name]
                         recs, walls = run["recs"], run["walls"]
-                        row = {"api": api, "setup": setup, "link_rtt_ms": rtt, "mode": mode.name,
+                        row = {"api": api, "setup": setup, "link_rtt_ms": rtt, "mode": mode.name, "users": mode.users,
                                "request_gamma": "server default" if mode.gamma is None else mode.gamma,
                                "concurrency": level, **summarize_level(recs, sum(walls))}
                         if a.rounds > 1:
                             row["round_tok_s"] = run["tok_s"]
+                        row.update(cpu_per_token(run["cpu"], row["generated_tokens"]))
                         if run["moved"]:
                             row.update(link_rates(sum(run["moved"], LinkCounts()), recs))
                         rows.append(row)
@@ -972,7 +1034,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                      "apis": a.api, "concurrency": levels, "requests_per_level": {str(c): requests_for_level(c, a.requests_per_level)
                                                                    for c in levels},
                      "max_new_tokens": a.max_new_tokens, "rounds": a.rounds, "modes": [asdict(m) for m in modes],
-                     "temperature": a.temperature, "prompts": prompt_ids},
+                     "temperature": a.temperature, "prompts": prompt_ids, "users": a.users,
+                     "prefix_cache": a.prefix_cache, "suffix_cache": a.suffix_cache},
         "outputs": comparison if greedy else "not compared (temperature > 0)" if a.temperature > 0
         else "not compared (no prompt is sent twice)",
     }

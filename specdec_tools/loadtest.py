@@ -8,7 +8,8 @@ quantization: greedy speculative output equals the target's own greedy output ex
 orchestrator as processes (logs in OUT/logs/), computes each prompt's greedy reference in this
 process with transformers, then runs --clients threads until --duration: mostly greedy requests
 (gamma 0..6), some sampled, some streamed, some cancelled mid-stream, some with a short deadline.
-Faults (times as fractions of the duration): 25% SIGKILL draft0, 40% restart it; 55% SIGKILL
+Every request comes from a client of its own (a bearer token never sent before; --users one: all from
+one), so no request finds another's prompt cached. Faults (times as fractions of the duration): 25% SIGKILL draft0, 40% restart it; 55% SIGKILL
 target0, 70% restart it; 85% SIGTERM draft1 (drain), restart it once it exits. Each step waits for
 the previous restart (a worker loads in 10-30 s on a busy 2-core machine): give it >= 120 s.
 Reported (stdout, OUT/report.json, OUT/report.md; RSS every 10 s in OUT/memory.csv): requests by
@@ -48,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True, help="kill/restart workers")
     p.add_argument("--out", default=None, help="output directory (default bench_results/loadtest-<time>)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--users", choices=["fresh", "one"], default="fresh",
+                   help="fresh: every request from a client of its own (a bearer token never sent before: nothing "
+                        "cached for it); one: all from one client, so repeated prompts are found cached (default fresh)")
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--leak-wait", type=float, default=10.0, help="seconds sessions get to close after the run")
 
@@ -155,10 +159,13 @@ def client_loop(i, address, prompts, refs, eos, a, stop, t0, records, lock):
 
     rng = random.Random(a.seed * 1000 + i)
     client = Client(address)
+    sent = 0
     while not stop.is_set():
         kind = rng.choices(list(KINDS), list(KINDS.values()))[0]
         p, n, gamma = rng.randrange(len(prompts)), rng.choice(MAX_NEW), rng.randint(0, 6)
-        kw = dict(prompt=prompts[p], max_new_tokens=n, gamma=gamma, temperature=0.0)
+        sent += 1
+        kw = dict(prompt=prompts[p], max_new_tokens=n, gamma=gamma, temperature=0.0,
+                  token="loadtest" if getattr(a, "users", "fresh") == "one" else f"loadtest-{i}-{sent}")
         if kind == "sampled":
             kw.update(temperature=0.8, top_p=0.9, seed=rng.randrange(2**32))
         client.timeout_s = rng.uniform(0.05, 0.5) if kind == "deadline" else 120.0

@@ -14,9 +14,10 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 def _is_head_dir(path: str) -> bool:
     from specdec.eagle3 import is_head_dir  # torch: only where a stack starts
@@ -121,6 +122,21 @@ class ProcessStack:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.ports['orchestrator']}"
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, all threads) each role's processes have used so far: target,
+        draft and orchestrator, each summed over the stack's processes of that role (Linux /proc;
+        {} elsewhere)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        used: dict[str, float] = {}
+        for cmd, proc in zip(self.commands, self.procs):
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                return {}
+            role = cmd[0].removesuffix("_service")
+            used[role] = used.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return used
 
     def start(self, stdout=None) -> "ProcessStack":
         """Starts every process not started yet (orchestrators added after a start included)."""

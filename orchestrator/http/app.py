@@ -256,8 +256,8 @@ class FrontDoor:
         self._check_model(body.model)
         generation = body.to_generation()
         call = _Call()
-        token = bearer(dict(request.scope["headers"])) if self._tokens else None
-        if token:  # the workers reuse cached prompt prefixes within one bearer token's requests only
+        token = bearer(dict(request.scope["headers"]))
+        if token:  # the workers reuse cached prompt prefixes within one bearer token's requests only (as over gRPC)
             generation = replace(generation, cache_scope=client_key(token, ""))
         chunks = self._chunks(generation, call, client_key(token, f"http:{request.client.host if request.client else ''}"))
         params = body.openai_params()

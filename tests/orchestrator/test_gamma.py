@@ -246,6 +246,8 @@ def test_on_shared_cores_a_request_served_at_gamma_0_never_prefills_its_draft(st
         # (suffix drafts, which make no draft pass, may still ride in its verify passes)
         model_drafts = later.stats["drafted_tokens"] - later.stats["suffix_drafted_tokens"]
         assert model_drafts == 0 and draft_engine._batcher.passes == passes
+        # what the draft took in, in the stats: the first request's prompt (its catch-up), none for the later
+        assert first.stats["draft_prefill_tokens"] >= len(ids) - 1 and later.stats["draft_prefill_tokens"] == 0
         for r in (first, later):
             assert r.token_ids == reference(target_engine, ids, 30)
     finally:
@@ -417,3 +419,15 @@ def test_a_catch_up_is_spread_over_later_steps_only_where_drafting_is_establishe
         for _ in range(10):
             four.rates[arm].observe(rate, 1.0)
     assert min(established.choose_step("t", lagging)) > 0
+
+
+def test_before_any_pass_is_measured_no_draft_catches_up_under_load():
+    """A fresh orchestrator has measured no pass when its first wave of new requests steps (their
+    prefills overlapped every pass): requests whose drafts opened lazily (a whole prompt to take
+    in) do not draft then, unless one is alone on the target; drafts in step still do."""
+    lagging = StepRequest(4, "d", lag=55, remaining=48, explorable=False)
+    assert GammaPolicy().choose_step("t", [lagging] * 8) == [0] * 8
+    assert GammaPolicy().choose_step("t", [lagging] * 8, load=8) == [0] * 8
+    assert GammaPolicy().choose_step("t", [lagging], load=1) == [4]  # alone: nobody waits for its catch-up
+    in_step = StepRequest(4, "d", lag=1, remaining=48)
+    assert GammaPolicy().choose_step("t", [lagging, in_step]) == [0, 4]

@@ -232,9 +232,9 @@ def test_a_similar_batch_asks_for_another_name_every_request(tmp_path, capsys, m
     sent = []
     real = bench_serve._one_request
 
-    def recorded(client, mode, prompt, a, seed, progress=None):
+    def recorded(client, mode, prompt, a, seed, progress=None, token=None):
         sent.append(prompt)
-        return real(client, mode, prompt, a, seed, progress)
+        return real(client, mode, prompt, a, seed, progress, token)
 
     monkeypatch.setattr(bench_serve, "_one_request", recorded)
     out = tmp_path / "serve"
@@ -319,7 +319,7 @@ def test_staggered_arrivals_join_one_client_at_a_time(monkeypatch, arrivals):
 
     events, lock = [], threading.Lock()
 
-    def fake_request(client, mode, prompt, a, seed, progress=None):
+    def fake_request(client, mode, prompt, a, seed, progress=None, token=None):
         with lock:
             events.append(("start", seed))
         for n in range(1, a.max_new_tokens + 1):
@@ -346,3 +346,34 @@ def test_staggered_arrivals_join_one_client_at_a_time(monkeypatch, arrivals):
         at = events.index(("start", first[k]))
         lead_tokens = max([e[2] for e in events[:at] if e[0] == "token" and e[1] == first[0]], default=0)
         assert lead_tokens >= 2 * k, (k, lead_tokens)  # 8 tokens / 4 clients: client k joins at 2k
+
+
+def test_fresh_users_share_no_cache_and_one_user_finds_its_prompts_cached(tmp_path, capsys, monkeypatch):
+    """--users: by default every request comes as a client never seen before (its own bearer token),
+    so no prompt is found in the workers' prefix caches (on, as served) though every level and mode
+    sends the same prompts; `one` sends a mode's requests as one client, whose prompts sent by an
+    earlier level are found cached, reported as modes of their own and compared with their own off."""
+    from specdec_tools import bench_serve
+    from orchestrator.cli import main
+
+    tokens = []
+    real = bench_serve._one_request
+
+    def recorded(client, mode, prompt, a, seed, progress=None, token=None):
+        tokens.append((mode.name, token))
+        return real(client, mode, prompt, a, seed, progress, token)
+
+    monkeypatch.setattr(bench_serve, "_one_request", recorded)
+    out = tmp_path / "serve"
+    assert main(["bench-serve", "--tiny", "--users", "fresh,one", "--concurrency", "1,2", "--requests-per-level", "2",
+                 "--max-new-tokens", "3", "--out", str(out), "--startup-timeout", "240"]) == 0
+    capsys.readouterr()
+    fresh = [t for m, t in tokens if not m.endswith("-one-user")]
+    assert len(fresh) == 8 and len(set(fresh)) == 8  # on and off, 2 levels x 2 requests: a client each
+    assert len({t for m, t in tokens if m.endswith("-one-user")}) == 1
+    rows = {(r["mode"], r["concurrency"]): r for r in json.loads((out / "summary.json").read_text())["levels"]}
+    assert set(rows) == {(m, c) for m in ("on", "off", "on-one-user", "off-one-user") for c in (1, 2)}
+    assert all(rows[m, c]["cached_share"] == 0 for m in ("on", "off") for c in (1, 2))
+    assert rows["on-one-user", 2]["cached_share"] > 0 and rows["off-one-user", 2]["cached_share"] > 0
+    assert rows["on-one-user", 2]["vs_off"] == round(rows["on-one-user", 2]["aggregate_tok_s"] /
+                                                     rows["off-one-user", 2]["aggregate_tok_s"], 3)

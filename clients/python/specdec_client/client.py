@@ -118,6 +118,10 @@ def channel_options(*, retries: int = DEFAULT_RETRIES, load_balancing: str = "ro
             *options]
 
 
+def _bearer(token: str | None):
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
 def _error(err: grpc.RpcError) -> ServiceError:
     return ServiceError(err.details(), err.code(), param_of(err))
 
@@ -142,23 +146,25 @@ class Client:
         self.channel = open_channel(address, tls, channel_options(retries=retries, load_balancing=load_balancing,
                                                                   keepalive_s=keepalive_s, options=options))
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._metadata = _bearer(token)
 
-    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+    def generate(self, prompt: str | None = None, *, token: str | None = None, **kwargs) -> GenerationResult:
+        """token: this call's bearer token instead of the client's (a gateway forwarding its users')."""
         request = request_to_proto(prompt, **kwargs)
         try:
-            r = self.stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
+            r = self.stub.Generate(request, timeout=self.timeout_s, metadata=_bearer(token) or self._metadata)
         except grpc.RpcError as err:
             raise _error(err) from None
         return result_from_proto(r)
 
-    def stream(self, prompt: str | None = None, **kwargs) -> Iterator[GenerationChunk]:
+    def stream(self, prompt: str | None = None, *, token: str | None = None, **kwargs) -> Iterator[GenerationChunk]:
         """Yields chunks as rounds complete; the last has finish_reason and stats (a dict). A
-        stream that fails after its first chunk raises ServiceError (it is never restarted)."""
+        stream that fails after its first chunk raises ServiceError (it is never restarted).
+        token: as for generate."""
         request = request_to_proto(prompt, **kwargs)
         call = None
         try:
-            call = self.stub.GenerateStream(request, timeout=self.timeout_s, metadata=self._metadata)
+            call = self.stub.GenerateStream(request, timeout=self.timeout_s, metadata=_bearer(token) or self._metadata)
             for c in call:
                 yield chunk_from_proto(c)
         except grpc.RpcError as err:
@@ -220,20 +226,23 @@ class AsyncClient:
         self.channel = open_aio_channel(address, tls, channel_options(retries=retries, load_balancing=load_balancing,
                                                                       keepalive_s=keepalive_s, options=options))
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._metadata = _bearer(token)
 
-    async def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+    async def generate(self, prompt: str | None = None, *, token: str | None = None, **kwargs) -> GenerationResult:
+        """token: this call's bearer token instead of the client's (a gateway forwarding its users')."""
         request = request_to_proto(prompt, **kwargs)
         try:
-            r = await self.stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
+            r = await self.stub.Generate(request, timeout=self.timeout_s, metadata=_bearer(token) or self._metadata)
         except grpc.RpcError as err:
             raise _error(err) from None
         return result_from_proto(r)
 
-    async def stream(self, prompt: str | None = None, **kwargs) -> AsyncIterator[GenerationChunk]:
-        """Yields chunks as rounds complete; the last has finish_reason and stats (a dict)."""
+    async def stream(self, prompt: str | None = None, *, token: str | None = None,
+                     **kwargs) -> AsyncIterator[GenerationChunk]:
+        """Yields chunks as rounds complete; the last has finish_reason and stats (a dict). token:
+        as for generate."""
         call = self.stub.GenerateStream(request_to_proto(prompt, **kwargs), timeout=self.timeout_s,
-                                        metadata=self._metadata)
+                                        metadata=_bearer(token) or self._metadata)
         try:
             async for c in call:
                 yield chunk_from_proto(c)

@@ -109,6 +109,38 @@ def test_through_the_services_usage_counts_the_reused_tokens(model_dirs, target_
         draft.close()
 
 
+def test_each_bearer_token_has_its_own_cache_over_grpc_and_http(model_dirs):
+    """A request finds only its own client's prompts cached (the bearer token it sent, with or
+    without --auth-token-file): over gRPC with a token per call (a gateway forwarding its users'),
+    and over the HTTP door."""
+    import httpx
+
+    from tests.support.servers import client_of, start_stack, stop_stack
+
+    target = TargetEngine(load_model(str(model_dirs["target"]), dtype="float64"), prefix_cache_tokens=1024)
+    draft = DraftEngine(load_model(str(model_dirs["draft"]), dtype="float64"), prefix_cache_tokens=1024)
+    stack = start_stack(target, draft, http_port=0)
+    try:
+        prompt = "You are a careful assistant. Answer in one line. " * 4 + "Name a colour."
+        with client_of(stack["address"]) as client:
+            cached = [client.generate(prompt=prompt, max_new_tokens=2, temperature=0, token=who).stats["cached_tokens"]
+                      for who in ("alice", "bob", "alice")]
+        assert cached[0] == 0 and cached[1] == 0 and cached[2] > 20
+        base = f"http://127.0.0.1:{stack['orchestrator'].http.port}/v1/completions"
+        model = stack["orchestrator"].slot.decoder.target_info.model_name
+
+        def over_http(who: str) -> int:
+            r = httpx.post(base, json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+                           headers={"authorization": f"Bearer {who}"}, timeout=60)
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert over_http("carol") == 0 and over_http("carol") > 20 and over_http("dave") == 0
+    finally:
+        stop_stack(stack)
+        target.close()
+        draft.close()
+
+
 def test_a_draft_catching_up_starts_from_a_cached_prefix(model_dirs, draft_engine):
     """The orchestrator opens a draft session on one token and its first Propose catches up the
     whole prompt: that catch-up copies a cached prefix too, and proposes what a fresh draft does."""
