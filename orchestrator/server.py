@@ -27,7 +27,7 @@ from orchestrator.remote import RemoteDraft, RemoteTarget
 from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.servicer import DecoderSlot, OrchestratorServicer
 from specdec.errors import FailedPrecondition, ServiceError
-from specdec.grammar import GrammarLimits
+from specdec.grammar import GrammarLimits, compiler_ready
 from specdec.grpc_server import HEALTH_RESERVE, ServerParts, build_server, serve_until_signalled
 from specdec.protocol import CLIENT_MAX_MESSAGE_BYTES, RequestLimits
 from specdec.security import BearerTokenInterceptor, TokenSet, read_tokens
@@ -95,6 +95,7 @@ def _pair_in_background(config: OrchestratorConfig, slot: DecoderSlot, parts: Se
                 slot.error = FailedPrecondition(f"cannot pair with the workers: {type(exc).__name__}: {exc}")
                 log.exception("refusing to serve")
                 return
+            compiler_ready(slot.decoder)  # SERVING means ready at full speed
             parts.set_serving(True)
             log.info("SERVING: target %s, draft %s", slot.decoder.target_info.model_name,
                      slot.decoder.draft_info.model_name if slot.decoder.draft_info else None)

@@ -413,3 +413,15 @@ def _add(logits: torch.Tensor, bias: np.ndarray) -> None:
         np.add(rows, bias, out=rows)
     else:
         logits.add_(torch.from_numpy(bias).to(logits.device))
+
+
+def compiler_ready(owner) -> None:
+    """Waits for the GrammarCompiler `owner` (a decoder or a worker engine) makes in the background
+    at start-up (~2 s of CPU for a 150k vocabulary), before its server says SERVING: a new server's
+    first wave of eight requests, sent at SERVING, ran at 0.89x of the next while the compiler's
+    thread took the cores and the interpreter from their passes. A compiler that cannot be made
+    is logged; grammar requests then report it, and the rest are unaffected."""
+    try:
+        owner.grammar_compiler()
+    except Exception:  # noqa: BLE001
+        logging.getLogger(__name__).warning("no grammar compiler: structured output will fail", exc_info=True)

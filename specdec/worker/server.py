@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec.errors import ServiceError, Unavailable
-from specdec.grammar import GrammarLimits
+from specdec.grammar import GrammarLimits, compiler_ready
 from specdec.grpc_server import ServerParts, build_server, serve_until_signalled
 from specdec.telemetry import Telemetry
 from specdec.v1 import common_pb2
@@ -161,6 +161,7 @@ def load_in_background(
         try:
             engine = make_engine(config)
             engine.instrument(parts.telemetry, config.role)
+            compiler_ready(engine)  # SERVING means ready at full speed
             slot.set(engine)
         except Exception as exc:  # noqa: BLE001 - reported through health and UNAVAILABLE
             slot.error = f"{type(exc).__name__}: {exc}"
