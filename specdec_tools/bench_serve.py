@@ -340,6 +340,7 @@ def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
     gammas = [r.gamma for r in ok if r.gamma is not None]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     lat = [r.latency_s for r in ok]
+    prompted = sum(r.prompt_tokens for r in ok)
     return {
         "requests": len(records),
         "errors": len(records) - len(ok),
@@ -359,10 +360,11 @@ def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
                                     max(sum(r.suffix_drafted_tokens for r in ok), 1)
                                     if any(r.suffix_drafted_tokens for r in ok) else None, 3),
         # the draft's prompt work beside the target's: tokens it took in (its prompts, catch-ups) per
-        # prompt token the target prefilled (0: no draft prefilled anything)
+        # prompt token the target prefilled (0: no draft prefilled anything); None where the stats
+        # carry no prompt counts (the HTTP door's usage)
         "draft_prefill_share": _round(sum(r.draft_prefill_tokens for r in ok) /
-                                      max(sum(r.prompt_tokens - r.cached_tokens for r in ok), 1), 3),
-        "cached_share": _round(sum(r.cached_tokens for r in ok) / max(sum(r.prompt_tokens for r in ok), 1), 3),
+                                      max(sum(r.prompt_tokens - r.cached_tokens for r in ok), 1), 3) if prompted else None,
+        "cached_share": _round(sum(r.cached_tokens for r in ok) / prompted, 3) if prompted else None,
         "ms_per_token_p50": _round(percentile([r.ms_per_token for r in ok if r.ms_per_token is not None], 50), 2),
         # each request's longest wait between two tokens, p95 over the requests: the stalls a user sees
         "longest_gap_p95_s": _round(percentile([r.longest_gap_s for r in ok if r.longest_gap_s is not None], 95)),

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 def _is_head_dir(path: str) -> bool:
     from specdec.eagle3 import is_head_dir  # torch: only where a stack starts
 
