@@ -59,8 +59,12 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--draft-ahead", int, 0, "tokens a model draft keeps drafting past each round's drafts while the target "
          "verifies; the next round takes them when the round kept every draft. Pays only where the draft has "
          "cores (or a GPU) of its own (0: off)"),
-    Flag("--worker-timeout", float, 120.0, "deadline of each call to a worker (prefill, verify, ...)",
+    Flag("--worker-timeout", float, 120.0, "the longest any call to a worker may take; each call's own deadline is "
+         "20x what its rows should cost at the worker's measured pace, at least 10 s, until measured this",
          field="worker_timeout_s"),
+    Flag("--worker-keepalive", float, 2.0, "seconds between pings on each worker connection; a worker that does not "
+         "answer one within twice this (a cut link, a frozen host) is cut off and its requests move to another "
+         "worker, as are those of a worker that does not answer a --poll-interval poll within 2 s (0: off)", field="worker_keepalive_s"),
     Flag("--draft-timeout", float, 10.0,
          "deadline of one round's Propose; a slower draft is replaced (or dropped) for the request",
          field="draft_timeout_s"),
@@ -133,6 +137,7 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
     draft_forced_tokens: bool = FLAGS.default("draft_forced_tokens")
     synthetic_acceptance: float = 0.0  # benchmarks only: greedy drafts kept w.p. this, whatever the target says
     worker_timeout_s: float = FLAGS.default("worker_timeout_s")
+    worker_keepalive_s: float = FLAGS.default("worker_keepalive_s")
     draft_timeout_s: float = FLAGS.default("draft_timeout_s")
     startup_timeout_s: float = FLAGS.default("startup_timeout_s")
     torch_threads: int = FLAGS.default("torch_threads")

@@ -188,6 +188,7 @@ class WorkerPool:
                 if m.state != state:  # a worker still starting is news, not a warning
                     level = logging.WARNING if m.state == SERVING or state == REFUSED else logging.INFO
                     log.log(level, "%s pool: %s is %s %s", self.role, m.address, state, message)
+                stopped = m.state in (SERVING, DRAINING) and state == UNAVAILABLE
                 if m.state == REFUSED and state != SERVING:
                     state, message = REFUSED, m.message  # stays refused until it serves an accepted model
                 m.state, m.message = state, message
@@ -195,6 +196,19 @@ class WorkerPool:
                     m.info = info
                     m.others = max(0, info.open_sessions - m.active)
                 self._changed.notify_all()
+            if stopped:
+                self._abandon_calls(m)
+
+    def _abandon_calls(self, m: Member) -> None:
+        """The member stopped answering (its poll timed out or its connection broke: a cut link, a
+        frozen host, a dead process): the calls waiting on it fail now and their requests move to
+        another worker (placement.py), instead of each waiting out its deadline."""
+        abandon = getattr(m.worker, "abandon_calls", None)
+        if abandon is None:
+            return
+        cancelled = abandon(f"stopped answering ({m.message})")
+        if cancelled:
+            log.warning("%s pool: cancelled %d call(s) waiting on %s", self.role, cancelled, m.address)
 
     def start(self) -> None:
         """Resolves the entries and starts the monitor thread."""

@@ -7,6 +7,7 @@ ServiceError an in-process worker raises.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Iterator
 
@@ -27,6 +28,52 @@ GRPC_PREFIX_BYTES = 5  # each gRPC message is framed by a flag byte and a 4-byte
 DESCRIBE_TIMEOUT_S = 2.0
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                      ("grpc.max_reconnect_backoff_ms", 2000)]
+KEEPALIVE_S = 2.0  # the default ping interval on a worker connection (--worker-keepalive)
+# a call's deadline: what it should cost (rows at the worker's measured pace) times this, at least
+# DEADLINE_FLOOR_S and at most the --worker-timeout: a stalled 1-row verify is given up on in
+# seconds, a 4,000-token prefill on a slow CPU still gets its minutes
+DEADLINE_SLACK = 20.0
+DEADLINE_FLOOR_S = 10.0
+SMALL_PASS_ROWS = 16  # a pass of at most this many rows teaches the fixed cost of a pass; bigger ones the cost per row
+
+
+def keepalive_options(ping_s: float) -> list[tuple[str, int]]:
+    """Client keepalive for a worker connection: a ping every ping_s seconds, calls or not; a
+    worker that does not answer one within 2 * ping_s (a cut link, a frozen host: nothing resets
+    the connection) is cut off, and the calls waiting on it fail UNAVAILABLE at once, to move to
+    another worker. The workers' servers accept pings this often (specdec.grpc_server.PING_MIN_S).
+    0: off (the kernel's TCP timeouts only: minutes)."""
+    if ping_s <= 0:
+        return []
+    return [("grpc.keepalive_time_ms", int(ping_s * 1000)), ("grpc.keepalive_timeout_ms", int(2 * ping_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+
+
+class PassClock:
+    """A worker's pace, from the passes it reports: a small pass's seconds and a big pass's
+    seconds per row (moving averages). deadline(rows) is what a call of that many rows should
+    cost, times DEADLINE_SLACK, clamped to [DEADLINE_FLOOR_S, ceiling]; the ceiling until it has
+    seen both kinds of pass."""
+
+    def __init__(self, ceiling_s: float):
+        self.ceiling_s = ceiling_s
+        self.pass_s: float | None = None
+        self.row_s: float | None = None
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        if rows <= SMALL_PASS_ROWS:
+            self.pass_s = seconds if self.pass_s is None else 0.8 * self.pass_s + 0.2 * seconds
+        else:
+            per_row = seconds / rows
+            self.row_s = per_row if self.row_s is None else 0.8 * self.row_s + 0.2 * per_row
+
+    def deadline(self, rows: int) -> float:
+        if self.pass_s is None or (rows > SMALL_PASS_ROWS and self.row_s is None):
+            return self.ceiling_s
+        expected = self.pass_s + rows * (self.row_s or 0.0)
+        return min(self.ceiling_s, max(DEADLINE_FLOOR_S, DEADLINE_SLACK * expected))
 
 
 def _wire(*messages) -> int:
@@ -37,11 +84,13 @@ class _RemoteWorker:
     role = "worker"
 
     def __init__(self, address: str, *, timeout_s: float = 60.0, telemetry: Telemetry | None = None,
-                 tls: ClientTls | None = None, server_name: str | None = None):
+                 tls: ClientTls | None = None, server_name: str | None = None, keepalive_s: float = KEEPALIVE_S):
         self.address = address
         self.timeout_s = timeout_s
-        self._raw_channel = open_channel(address, tls, message_options(WORKER_MAX_MESSAGE_BYTES) + RECONNECT_OPTIONS,
-                                         server_name)
+        self.clock = PassClock(timeout_s)
+        self._raw_channel = open_channel(
+            address, tls, message_options(WORKER_MAX_MESSAGE_BYTES) + RECONNECT_OPTIONS + keepalive_options(keepalive_s),
+            server_name)
         # with tracing on: a client span per call, and the trace context in the call's metadata
         self.channel = telemetry.instrument_channel(self._raw_channel) if telemetry else self._raw_channel
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -49,16 +98,43 @@ class _RemoteWorker:
         self.vocab_size = 0
         self._secrets: dict[str, bytes] = {}  # session id -> the secret its OpenSession returned
         self._opened: dict[str, Features] = {}  # session id -> its prefill's features, until taken
+        self._lock = threading.Lock()
+        self._calls: set = set()  # unary calls in flight (grpc futures)
+        self._abandoned: dict = {}  # call -> why abandon_calls cancelled it
 
     @property
     def peer(self) -> str:
         return f"{self.role} worker at {self.address}"
 
     def _call(self, method, request, timeout: float | None = None):
+        call = method.future(request, timeout=timeout or self.timeout_s)
+        with self._lock:
+            self._calls.add(call)
         try:
-            return method(request, timeout=timeout or self.timeout_s)
-        except grpc.RpcError as err:
+            return call.result()
+        except (grpc.FutureCancelledError, grpc.RpcError) as err:
+            with self._lock:
+                why = self._abandoned.pop(call, None)
+            if why is not None:
+                raise Unavailable(f"{self.peer} {why}") from None
+            if isinstance(err, grpc.FutureCancelledError):
+                raise Unavailable(f"{self.peer}: the call was cancelled") from None
             raise from_rpc_error(err, self.peer) from None
+        finally:
+            with self._lock:
+                self._calls.discard(call)
+                self._abandoned.pop(call, None)
+
+    def abandon_calls(self, why: str) -> int:
+        """Cancels every call in flight here: each fails UNAVAILABLE ("<peer> <why>") now instead of
+        at its deadline, and its request moves to another worker (the pool calls this when the
+        worker stops answering). Returns how many there were."""
+        with self._lock:
+            calls = list(self._calls)
+            self._abandoned.update((c, why) for c in calls)
+        for call in calls:
+            call.cancel()
+        return len(calls)
 
     def _batch(self, method, request, calls: list, convert, timeout: float | None = None) -> list:
         """A batched RPC (request.calls answered by response.results, each with a CallStatus):
@@ -111,7 +187,9 @@ class _RemoteWorker:
     def open_session(self, session_id: str, token_ids: list[int], scope: str = "", *,
                      feature_layers: tuple[int, ...] = ()) -> tuple[int, float, int]:
         r = self._call(self._stub.OpenSession, common_pb2.OpenSessionRequest(
-            session_id=session_id, token_ids=token_ids, prefix_scope=scope, feature_layers=feature_layers))
+            session_id=session_id, token_ids=token_ids, prefix_scope=scope, feature_layers=feature_layers),
+            self.clock.deadline(len(token_ids)))
+        self.clock.observe(r.length - r.cached_tokens, r.compute_s)
         self._secrets[session_id] = r.session_secret
         features = Features.from_proto(r.features)
         if features is not None:
@@ -124,7 +202,8 @@ class _RemoteWorker:
 
     def fork_session(self, session_id: str, parent_id: str, token_ids: list[int]) -> tuple[int, float, int]:
         r = self._call(self._stub.OpenSession, common_pb2.OpenSessionRequest(
-            session_id=session_id, token_ids=token_ids, fork_of=parent_id, fork_secret=self.secret(parent_id)))
+            session_id=session_id, token_ids=token_ids, fork_of=parent_id, fork_secret=self.secret(parent_id)),
+            self.clock.deadline(len(token_ids)))
         self._secrets[session_id] = r.session_secret
         return r.length, r.compute_s, r.cached_tokens
 
@@ -133,12 +212,12 @@ class _RemoteWorker:
 
     def truncate(self, session_id: str, length: int) -> int:
         return self._call(self._stub.Truncate, common_pb2.TruncateRequest(
-            session_id=session_id, length=length, session_secret=self.secret(session_id))).length
+            session_id=session_id, length=length, session_secret=self.secret(session_id)), self.clock.deadline(0)).length
 
     def close_session(self, session_id: str) -> None:
         try:
             self._call(self._stub.CloseSession, common_pb2.CloseSessionRequest(
-                session_id=session_id, session_secret=self.secret(session_id)))
+                session_id=session_id, session_secret=self.secret(session_id)), self.clock.deadline(0))
         finally:
             self._secrets.pop(session_id, None)
             self._opened.pop(session_id, None)
@@ -241,15 +320,23 @@ class RemoteTarget(_RemoteWorker):
     ) -> Verification:
         call = VerifyCall(session_id, start, token_ids, draft_token_ids, params, top_logprobs)
         request = self._request(call)
-        r = self._call(self._stub.Verify, request)
+        r = self._call(self._stub.Verify, request, self.clock.deadline(len(token_ids) + len(draft_token_ids)))
+        self.clock.observe(r.batch_rows, r.pass_s)
         return self._verification(r, call, _wire(request, r))
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | ServiceError]:
         """One VerifyBatch RPC for all the calls (one step's verify pass); per call, its
         Verification or its error (see _RemoteWorker._batch)."""
         request = target_pb2.VerifyBatchRequest(calls=[self._request(c) for c in calls])
-        return self._batch(self._stub.VerifyBatch, request, calls,
-                           lambda call, result, wire: self._verification(result.response, call, wire))
+        rows = sum(len(c.token_ids) + len(c.draft_token_ids) for c in calls)
+        out = self._batch(self._stub.VerifyBatch, request, calls,
+                          lambda call, result, wire: self._verification(result.response, call, wire),
+                          timeout=self.clock.deadline(rows))
+        done = [v for v in out if not isinstance(v, ServiceError)]
+        if done:  # the calls shared one pass (or rode along in a few): the widest saw it whole
+            widest = max(done, key=lambda v: v.batch_rows)
+            self.clock.observe(widest.batch_rows, widest.pass_s)
+        return out
 
     def tokenizer_files(self) -> dict[str, bytes]:
         files: dict[str, bytearray] = {}

@@ -42,7 +42,8 @@ def build_pools(config: OrchestratorConfig, telemetry: Telemetry) -> tuple[Worke
     """The target and draft pools, paired and monitoring (they connect lazily, so this never blocks)."""
     def connect(cls, **kwargs):
         return lambda address, server_name=None: cls(address, timeout_s=config.worker_timeout_s, telemetry=telemetry,
-                                                     tls=config.worker_tls, server_name=server_name, **kwargs)
+                                                     tls=config.worker_tls, server_name=server_name,
+                                                     keepalive_s=config.worker_keepalive_s, **kwargs)
 
     targets = WorkerPool("target", parse_entries(config.target), connect=connect(RemoteTarget),
                          poll_s=config.poll_s, resolve_s=config.resolve_s)

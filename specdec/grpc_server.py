@@ -27,19 +27,22 @@ log = logging.getLogger(__name__)
 
 HEALTH_RESERVE = 4  # handler threads kept free of long calls
 KEEPALIVE_TIMEOUT_S = 20.0
+# a client may ping this often, calls or not, and is never told off for it: the orchestrator pings
+# its workers every --worker-keepalive seconds (2 s by default) to find a cut link in seconds
+PING_MIN_S = 1.0
 
 
 def connection_options(keepalive_s: float, max_age_s: float, max_age_grace_s: float) -> list[tuple[str, int]]:
-    """gRPC server options: ping idle connections and drop peers that do not answer (a client
-    that vanished without closing stops holding its calls), and ask clients to reconnect after
-    max_age_s, so a long-lived client moves to new replicas. 0 turns either off."""
-    options = []
+    """gRPC server options: let clients ping every PING_MIN_S; ping idle connections every
+    keepalive_s and drop peers that do not answer (a client that vanished without closing stops
+    holding its calls), and ask clients to reconnect after max_age_s, so a long-lived client moves
+    to new replicas. 0 turns either off."""
+    options = [("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.min_recv_ping_interval_without_data_ms", int(PING_MIN_S * 1000)),
+               ("grpc.http2.max_ping_strikes", 0)]
     if keepalive_s > 0:
         options += [("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
-                    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
-                    ("grpc.keepalive_permit_without_calls", 1),
-                    # clients may ping us as often as every 10 s without being told off
-                    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000)]
+                    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000))]
     if max_age_s > 0:
         options += [("grpc.max_connection_age_ms", int(max_age_s * 1000)),
                     ("grpc.max_connection_age_grace_ms", int(max_age_grace_s * 1000))]

@@ -236,12 +236,12 @@ def test_the_service_config_and_keepalive_given_to_grpc():
     assert policy["maxAttempts"] == 4 and policy["retryableStatusCodes"] == ["UNAVAILABLE"]
     assert float(policy["initialBackoff"].rstrip("s")) > 0 and policy["backoffMultiplier"] > 1
     assert config["retryThrottling"]["maxTokens"] > 0
-    # keepalive within what the servers permit (specdec/grpc_server.py lets clients ping every 10 s)
+    # keepalive within what the servers permit (specdec/grpc_server.py lets clients ping every second)
     from specdec.grpc_server import connection_options
 
     server = dict(connection_options(60.0, 0, 0))
     assert options["grpc.keepalive_time_ms"] >= server["grpc.http2.min_recv_ping_interval_without_data_ms"]
-    assert MIN_KEEPALIVE_S * 1000 == server["grpc.http2.min_recv_ping_interval_without_data_ms"]
+    assert MIN_KEEPALIVE_S * 1000 >= server["grpc.http2.min_recv_ping_interval_without_data_ms"]
     assert options["grpc.keepalive_timeout_ms"] == server["grpc.keepalive_timeout_ms"]
     assert options["grpc.keepalive_permit_without_calls"] == 0
 

@@ -19,12 +19,10 @@ import pytest
 from orchestrator.client import Client
 from specdec.errors import ServiceError
 from specdec_tools.stack import free_port
-from tests.orchestrator.test_greedy_equivalence import reference
+from tests.orchestrator.conftest import LONG
 from tests.support.processes import WorkerProcess
-from tests.support.servers import ADMIN_TOKEN, start_orchestrator
+from tests.support.servers import ADMIN_TOKEN, Streamed, start_orchestrator
 from tests.support.servers import paced, wait_for as _eventually
-
-LONG = 300  # tokens: enough rounds that a kill after the first chunk lands mid-request
 
 
 @pytest.fixture
@@ -70,18 +68,6 @@ def kill_mid_request(client, ids, role, workers_by_address, sig=signal.SIGKILL, 
         tokens.extend(chunk.token_ids)
         last = chunk
     return tokens, last.stats, victim
-
-
-@pytest.fixture(scope="module")
-def prompt(target_engine):
-    return target_engine.tokenizer("The quick brown fox").input_ids  # no EOS within LONG tokens
-
-
-@pytest.fixture(scope="module")
-def expected(target_engine, prompt):
-    out = reference(target_engine, prompt, LONG)
-    assert len(out) == LONG, "the reference must not stop early, or the kill may come after the end"
-    return out
 
 
 def test_draft_killed_mid_request_moves_to_the_other_draft(workers, prompt, expected):
@@ -154,6 +140,34 @@ def test_target_killed_mid_request_moves_to_the_other_target(workers, prompt, ex
         survivor = next(t for t in targets if t is not victim)
         assert survivor.open_sessions() == 0 and draft.open_sessions() == 0
     finally:
+        client.close()
+        parts.stop(None)
+
+
+def test_frozen_target_mid_request_moves_within_seconds_not_the_deadline(workers, prompt, expected):
+    """A frozen host (SIGSTOP: its kernel keeps the connection open, nothing answers): the pool's
+    poll or the keepalive finds it in seconds and the request moves, with the 120 s default
+    --worker-timeout and the default 1 s polls."""
+    targets = [workers("target"), workers("target")]
+    draft = workers("draft")
+    for w in (*targets, draft):
+        w.wait_serving()
+    parts, address = start_orchestrator([w.address for w in targets], [draft.address])
+    client = Client(address, timeout_s=300, token=ADMIN_TOKEN)
+    victim = None
+    try:
+        request = Streamed(client, prompt, LONG)
+        request.start()
+        assert request.first.wait(60)
+        victim = {t.address: t for t in targets}[holder(client, "target")]
+        victim.kill(signal.SIGSTOP)
+        tokens, stats, stall = request.result()
+        assert tokens == expected
+        assert stats["target_failovers"] == 1
+        assert stall < 10, f"the request stalled {stall:.1f} s (the worker's deadline, not its keepalive)"
+    finally:
+        if victim is not None:
+            victim.proc.send_signal(signal.SIGCONT)
         client.close()
         parts.stop(None)
 

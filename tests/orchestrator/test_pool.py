@@ -179,3 +179,95 @@ def test_stack_gives_each_process_its_own_metrics_port(monkeypatch):
     ports = {m: child_env(m)["OTEL_EXPORTER_PROMETHEUS_PORT"] for m in ("orchestrator", "target_service", "draft_service")}
     assert ports == {"orchestrator": "9500", "target_service": "9501", "draft_service": "9502"}
     assert child_env("draft_service")["OTEL_SERVICE_NAME"] == "demo-draft"
+
+
+# ---- a worker that stops answering -----------------------------------------------------------
+
+
+def test_call_deadlines_follow_the_workers_measured_pace():
+    from orchestrator.remote import DEADLINE_FLOOR_S, DEADLINE_SLACK, PassClock
+
+    clock = PassClock(ceiling_s=120.0)
+    assert clock.deadline(1) == clock.deadline(4000) == 120.0, "nothing measured: the ceiling"
+    clock.observe(4, 0.05)  # a decoding pass: 50 ms
+    assert clock.deadline(4) == DEADLINE_FLOOR_S, "a small call gets the floor"
+    assert clock.deadline(4000) == 120.0, "a prefill's pace is not known yet"
+    clock.observe(2000, 2.0)  # a prefill: 1 ms a row
+    assert clock.deadline(4000) == pytest.approx(DEADLINE_SLACK * (0.05 + 4000 * 0.001))
+    assert clock.deadline(100_000) == 120.0, "never beyond the ceiling (--worker-timeout)"
+
+
+class _Stalled:
+    """A worker whose polls fail from some point on (as a cut link's do), counting abandon_calls."""
+
+    def __init__(self):
+        self.answering, self.abandoned = True, []
+
+    def describe(self):
+        from specdec.wire import ModelInfo
+
+        if not self.answering:
+            from specdec.errors import Unavailable
+            raise Unavailable("target worker at x:1: Deadline Exceeded")
+        return ModelInfo("m", 8, "f", (0,), 0, 0, 64, "cpu", "float32")
+
+    def abandon_calls(self, why):
+        self.abandoned.append(why)
+        return 2
+
+
+def test_the_pool_cancels_the_calls_of_a_member_that_stops_answering():
+    worker = _Stalled()
+    pool = WorkerPool.fixed("target", [worker])
+    pool.poll()
+    assert [m.state for m in pool.members()] == [SERVING] and worker.abandoned == []
+    worker.answering = False
+    pool.poll()
+    assert [m.state for m in pool.members()] == ["unavailable"]
+    assert len(worker.abandoned) == 1 and "Deadline Exceeded" in worker.abandoned[0]
+    pool.poll()  # still down: its calls were cancelled once, when it stopped answering
+    assert len(worker.abandoned) == 1
+
+
+def test_abandoned_calls_fail_unavailable_at_once(workers):
+    """A call waiting on a worker (here its prefill, held by the test) fails UNAVAILABLE when
+    abandoned, naming the worker and why, long before its deadline; the worker stays usable."""
+    import threading
+    import time
+
+    server = workers["target"][0]
+    engine, gate = server["engine"], threading.Event()
+    original = engine.open_session
+
+    def held(*args, **kwargs):
+        gate.wait(30)
+        return original(*args, **kwargs)
+
+    engine.open_session = held
+    worker = RemoteTarget(server["address"], timeout_s=60)
+    outcome = {}
+
+    def call():
+        started = time.monotonic()
+        try:
+            worker.open_session("abandoned-1", [1, 2, 3])
+        except ServiceError as exc:
+            outcome["error"] = exc
+        outcome["s"] = time.monotonic() - started
+
+    try:
+        thread = threading.Thread(target=call)
+        thread.start()
+        _wait_for(lambda: worker._calls, what="the call in flight")
+        assert worker.abandon_calls("stopped answering (test)") == 1
+        thread.join(10)
+        error = outcome["error"]
+        assert error.code == grpc.StatusCode.UNAVAILABLE
+        assert server["address"] in error.message and "stopped answering (test)" in error.message
+        assert outcome["s"] < 30, "it ended at the cancel, not the gate or the deadline"
+    finally:
+        gate.set()
+        engine.open_session = original
+    assert worker.open_session("abandoned-2", [1, 2, 3])[0] == 3
+    worker.close_session("abandoned-2")
+    worker.close()

@@ -12,11 +12,15 @@ from specdec_tools.stack import free_port
 
 
 class WorkerProcess:
-    def __init__(self, role: str, model_dir, *extra: str):
+    def __init__(self, role: str, model_dir, *extra: str, netns=None):
+        """netns: a tests.support.netns.Netns to run in, reached at its address only."""
         self.role, self.port = role, free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", f"{role}_service", "--model", str(model_dir), "--host", "127.0.0.1",
+        host = netns.address if netns is not None else "127.0.0.1"
+        self.address = f"{host}:{self.port}"
+        self.args = [sys.executable, "-m", f"{role}_service", "--model", str(model_dir), "--host", host,
                      "--port", str(self.port), "--dtype", "float64", "--quantize", "none", *extra]
+        if netns is not None:
+            self.args = netns.command(self.args)
         self.proc = None
         self.start()
 

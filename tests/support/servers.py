@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -97,3 +98,40 @@ def paced(generate_stream, between):
             stream.close()
 
     return wrapped
+
+
+class Streamed(threading.Thread):
+    """A greedy request streamed on a thread: its tokens, final stats, error, and the longest
+    gap between two of its chunks (the stall a fault caused)."""
+
+    def __init__(self, client, ids, max_new_tokens, **kwargs):
+        super().__init__(daemon=True)
+        self.chunks = client.stream(token_ids=ids, max_new_tokens=max_new_tokens, temperature=0, gamma=3, **kwargs)
+        self.tokens: list[int] = []
+        self.stats: dict = {}
+        self.error: BaseException | None = None
+        self.gaps: list[float] = []
+        self.first = threading.Event()
+
+    def run(self):
+        try:
+            last = time.monotonic()
+            for chunk in self.chunks:
+                now = time.monotonic()
+                if self.tokens:
+                    self.gaps.append(now - last)
+                last = now
+                self.tokens.extend(chunk.token_ids)
+                self.stats = chunk.stats or self.stats
+                self.first.set()
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            self.error = exc
+        finally:
+            self.first.set()
+
+    def result(self, timeout_s=240):
+        self.join(timeout_s)
+        assert not self.is_alive(), "the request never ended"
+        if self.error is not None:
+            raise self.error
+        return self.tokens, self.stats, max(self.gaps, default=0.0)
