@@ -64,7 +64,7 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          field="worker_timeout_s"),
     Flag("--worker-keepalive", float, 2.0, "seconds between pings on each worker connection; a worker that does not "
          "answer one within twice this (a cut link, a frozen host) is cut off and its requests move to another "
-         "worker, as are those of a worker that does not answer a --poll-interval poll within 2 s (0: off)", field="worker_keepalive_s"),
+         "worker, as are those of a worker that leaves two polls in a row (--poll-interval) unanswered for 2 s (0: off)", field="worker_keepalive_s"),
     Flag("--draft-timeout", float, 10.0,
          "deadline of one round's Propose; a slower draft is replaced (or dropped) for the request",
          field="draft_timeout_s"),

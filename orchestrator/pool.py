@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import grpc
+
 from orchestrator.workers import check_pair
 from specdec.errors import FailedPrecondition, ServiceError, Unavailable
 from specdec.wire import ModelInfo
@@ -83,6 +85,7 @@ class Member:
     active: int = 0  # sessions of this orchestrator there now (exact)
     others: int = 0  # sessions of other orchestrators there, as of the last poll
     placed: int = 0  # sessions this orchestrator has placed there in total
+    missed: int = 0  # polls in a row it did not answer
 
     @property
     def load(self) -> int:
@@ -173,6 +176,7 @@ class WorkerPool:
         with self._lock:
             members = [m for m in self._members.values() if m.state != GONE]
         for m in members:
+            broken = False
             try:
                 info = m.worker.describe()
                 if (m.state in (JOINING, UNAVAILABLE) or m.info is None) and self.accept is not None:
@@ -182,13 +186,17 @@ class WorkerPool:
                 info, state, message = None, REFUSED, exc.message
             except ServiceError as exc:
                 info, state, message = None, UNAVAILABLE, exc.message
+                broken = exc.code == grpc.StatusCode.UNAVAILABLE  # no connection (refused, reset, keepalive)
             except Exception as exc:  # noqa: BLE001 - a member must never take the pool down
                 info, state, message = None, UNAVAILABLE, f"{type(exc).__name__}: {exc}"
             with self._lock:
                 if m.state != state:  # a worker still starting is news, not a warning
                     level = logging.WARNING if m.state == SERVING or state == REFUSED else logging.INFO
                     log.log(level, "%s pool: %s is %s %s", self.role, m.address, state, message)
-                stopped = m.state in (SERVING, DRAINING) and state == UNAVAILABLE
+                # its calls in flight are given up on once it surely stopped answering: its connection
+                # is gone, or it missed two polls in a row (one late answer on a busy host is no fault)
+                m.missed = m.missed + 1 if state == UNAVAILABLE else 0
+                stopped = state == UNAVAILABLE and (m.missed == 2 or (broken and m.missed == 1))
                 if m.state == REFUSED and state != SERVING:
                     state, message = REFUSED, m.message  # stays refused until it serves an accepted model
                 m.state, m.message = state, message

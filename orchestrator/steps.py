@@ -153,6 +153,7 @@ class StepLoop:
         self._wake = threading.Condition()
         self._closed = False
         self.steps = 0
+        self._faulted = False
         self._loads: collections.deque[tuple[float, int]] = collections.deque()  # (time, requests) of recent steps
         self._thread = threading.Thread(target=self._run, name=f"steps-{address}", daemon=True)
         self._thread.start()
@@ -204,6 +205,7 @@ class StepLoop:
         started = time.perf_counter()
         quiet = self.loops.quiet_since()
         self.steps += 1
+        self._faulted = False  # a worker call of the step failed (_draft, _verify): its time is no arm's rate
         states = [tk.state for tk in tickets]
         caps = [gamma_cap(s) for s in states]
         # a draft session's catch-up (a whole prompt, when it opened lazily) waits: for a step without
@@ -252,13 +254,13 @@ class StepLoop:
             else:
                 staying.append(ticket)
         alone = quiet is not None and self.loops.quiet_since() == quiet  # no prefill overlapped the step
-        self._learn(started, draft_end, target_pass, drafts, alone)
+        self._learn(started, draft_end, target_pass, drafts, alone and not self._faulted)
         seconds = time.perf_counter() - started
         # a target pass that also ran other work (prefill chunks of joining requests, another
         # orchestrator's sessions) says nothing of this step's arm: its time counts, its rate not
         rows, _, own_rows = target_pass
         outcome = self.loops.policy.observe_outcome(self.address, tokens, seconds,
-                                                    measured=alone and 0 < rows <= own_rows)
+                                                    measured=alone and 0 < rows <= own_rows and not self._faulted)
         if outcome is not None:
             self.loops.metrics.record_step(*outcome[:2], seconds, outcome[2])
         if log.isEnabledFor(logging.DEBUG):
@@ -336,6 +338,7 @@ class StepLoop:
                 try:
                     with trace.use_span(phases[i], end_on_exit=True):
                         if isinstance(outcome, ServiceError):
+                            self._faulted = True  # the wait for it (a stalled draft's seconds) is no step's cost
                             draft_failed(state, rnd, outcome)
                         else:
                             take_proposals(state, rnd, outcome)
@@ -388,6 +391,7 @@ class StepLoop:
             state, rnd = states[i], rounds[i]
             try:
                 if isinstance(outcome, ServiceError):
+                    self._faulted = True
                     phases[i].set_status(trace.Status(trace.StatusCode.ERROR, str(outcome)))
                     phases[i].end()
                     target_failed(state, outcome)  # moves the session (or raises)

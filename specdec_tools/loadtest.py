@@ -12,9 +12,17 @@ Every request comes from a client of its own (a bearer token never sent before; 
 one), so no request finds another's prompt cached. Faults (times as fractions of the duration): 25% SIGKILL draft0, 40% restart it; 55% SIGKILL
 target0, 70% restart it; 85% SIGTERM draft1 (drain), restart it once it exits. Each step waits for
 the previous restart (a worker loads in 10-30 s on a busy 2-core machine): give it >= 120 s.
+With --partitions the faults are cut links instead (root only): every worker runs in a network
+namespace of its own, reached over a veth link (specdec_tools/netns.py), and the plan is: 20% cut
+target0's link, 40% heal it; 55% cut draft0's, 70% heal it; 80% cut target1's and draft1's, 90%
+heal both. A cut link resets nothing (packets vanish): only the orchestrator's keepalive pings and
+polls find it, in seconds.
 Reported (stdout, OUT/report.json, OUT/report.md; RSS every 10 s in OUT/memory.csv): requests by
-kind and status, greedy outputs equal to the reference, failovers, latency, tokens/s, sessions
-left open after the run, RSS of each process at start and end, the fault timeline.
+kind and status (completed, and lost: any status the kind does not expect), greedy outputs equal
+to the reference, failovers, latency (p50/p95/p99), the longest stall (the longest wait between
+two chunks of a streamed request), tokens/s, sessions left open after the run, RSS of each
+process at start and end, the fault timeline with the seconds each healed or restarted worker
+took to serve in its pool again.
 Exit 0 only if no greedy output differs, no session leaked and every status is an expected one
 (OK; CANCELLED/DEADLINE_EXCEEDED for the requests the client cut short).
 """
@@ -47,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=300.0, help="seconds of load")
     p.add_argument("--clients", type=int, default=16, help="concurrent client threads")
     p.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True, help="kill/restart workers")
+    p.add_argument("--partitions", action="store_true",
+                   help="the faults cut and heal workers' network links instead (each worker in a network namespace "
+                        "of its own; needs root)")
     p.add_argument("--out", default=None, help="output directory (default bench_results/loadtest-<time>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--users", choices=["fresh", "one"], default="fresh",
@@ -69,15 +80,18 @@ def rss_kb(pid: int | None) -> int | None:
 class Proc:
     """One service process; restartable on the same port, its output appended to a log file."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path, port: int):
-        self.name, self.args, self.port = name, args, port
-        self.address, self.log_path, self.popen = f"127.0.0.1:{port}", log_dir / f"{name}.log", None
+    def __init__(self, name: str, args: list[str], log_dir: Path, port: int, host: str = "127.0.0.1", netns=None):
+        """netns: the specdec_tools.netns.Netns it runs in (host: its address there)."""
+        self.name, self.args, self.port, self.netns = name, args, port, netns
+        self.address, self.log_path, self.popen = f"{host}:{port}", log_dir / f"{name}.log", None
 
     def start(self) -> "Proc":
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "-m", *self.args]
+        if self.netns is not None:
+            argv = self.netns.command(argv)
         with open(self.log_path, "ab") as log:  # own session: Ctrl-C reaches only us
-            self.popen = subprocess.Popen([sys.executable, "-m", *self.args], stdout=log, stderr=subprocess.STDOUT,
-                                          env=env, start_new_session=True)
+            self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self
 
     def remote(self):
@@ -174,7 +188,11 @@ def client_loop(i, address, prompts, refs, eos, a, stop, t0, records, lock):
         try:
             if kind in ("stream", "cancel"):
                 chunks, cut = client.stream(**kw), (rng.randint(1, 2) if kind == "cancel" else None)
+                last, gap = None, 0.0
                 for k, c in enumerate(chunks, 1):
+                    now = time.monotonic()
+                    gap, last = max(gap, now - last) if last is not None else gap, now
+                    rec["stall"] = round(gap, 3)
                     tokens += c.token_ids
                     if c.stats is not None:
                         finish, stats = c.finish_reason, c.stats
@@ -240,6 +258,26 @@ def run_faults(procs, client, duration, t0, stop, events):
     log("fault plan complete")
 
 
+def run_partitions(procs, client, duration, t0, stop, events):
+    """The --partitions plan: cut and heal the workers' links (see the module's docstring)."""
+    def log(what, **detail):
+        events.append(dict(t=round(time.monotonic() - t0, 2), event=what, **detail))
+        print(f"[loadtest] t={events[-1]['t']:7.2f}s {what} {detail}", file=sys.stderr, flush=True)
+
+    plan = [(0.20, "cut", ("target0",)), (0.40, "heal", ("target0",)), (0.55, "cut", ("draft0",)),
+            (0.70, "heal", ("draft0",)), (0.80, "cut", ("target1", "draft1")), (0.90, "heal", ("target1", "draft1"))]
+    for frac, action, names in plan:
+        if stop.wait(max(0.0, t0 + frac * duration - time.monotonic())):
+            return
+        for name in names:
+            getattr(procs[name].netns, action)()
+            log(f"{action} {name}'s link")
+        if action == "heal":
+            for name in names:
+                log(f"{name} picked up by the orchestrator", after_s=wait_picked_up(client, procs[name].address))
+    log("fault plan complete")
+
+
 def memory_sampler(procs, path: Path, t0, stop, peaks: dict):
     with open(path, "w") as f:
         f.write("t_s,process,pid,rss_kb\n")
@@ -277,7 +315,10 @@ def summarize(records, a, seconds, events, leaks, rss_start, rss_end, peaks, wor
         draft_failovers=sum(r["draft_failovers"] for r in records),
         latency_s={k: dict(p50=pct(v, 0.5), p95=pct(v, 0.95)) for k in KINDS
                    if (v := [r["latency"] for r in ok if r["kind"] == k])},
-        latency_all_ok_s=dict(p50=pct([r["latency"] for r in ok], 0.5), p95=pct([r["latency"] for r in ok], 0.95)),
+        latency_all_ok_s=dict(p50=pct([r["latency"] for r in ok], 0.5), p95=pct([r["latency"] for r in ok], 0.95),
+                              p99=pct([r["latency"] for r in ok], 0.99)),
+        completed=len(ok), lost=len(unexpected), longest_stall_s=max((r.get("stall", 0.0) for r in records), default=0.0),
+        recovered_after_s=[e["after_s"] for e in events if "after_s" in e],
         tokens_ok=sum(r["tokens"] for r in ok), tokens_per_s=round(sum(r["tokens"] for r in ok) / seconds, 1),
         sessions_leaked=leaks, sessions_leaked_total=sum(v or 0 for v in leaks.values()),
         rss_start=rss_start, rss_end=rss_end, rss_peak_mb=peaks, workers_end=workers, faults_timeline=events,
@@ -286,15 +327,19 @@ def summarize(records, a, seconds, events, leaks, rss_start, rss_end, peaks, wor
 
 def markdown(s: dict) -> str:
     lat = s["latency_all_ok_s"]
-    lines = [f"# Load test: {s['clients']} clients, {s['duration_s']} s, faults {'on' if s['faults'] else 'off'}", "",
+    faults = ("cut links" if s.get("partitions") else "on") if s["faults"] else "off"
+    lines = [f"# Load test: {s['clients']} clients, {s['duration_s']} s, faults {faults}", "",
              f"- requests: {s['requests']} by kind {s['by_kind']}", f"- status: {s['status']}",
-             f"- unexpected status: {s['unexpected_status']}",
+             f"- completed {s['completed']}, lost {s['lost']} (unexpected status)",
              f"- greedy outputs checked: {s['greedy_checked']} ({s['greedy_complete_checked']} complete, "
              f"{s['greedy_eos_checked']} ending at EOS); equal {s['greedy_equal']}, differ {s['greedy_differ']}",
              f"- failovers: target {s['target_failovers']} ({s['requests_with_target_failover']} requests), "
              f"draft {s['draft_failovers']} ({s['requests_with_draft_failover']} requests)",
-             f"- latency of OK requests, p50/p95 s: all {lat['p50'] or 0:.2f}/{lat['p95'] or 0:.2f}; "
+             f"- latency of OK requests, p50/p95 s: all {lat['p50'] or 0:.2f}/{lat['p95'] or 0:.2f} "
+             f"(p99 {lat['p99'] or 0:.2f}); "
              + ", ".join(f"{k} {v['p50']:.2f}/{v['p95']:.2f}" for k, v in s["latency_s"].items()),
+             f"- longest stall (between two chunks of a streamed request): {s['longest_stall_s']:.2f} s",
+             f"- a healed or restarted worker serving in its pool again after (s): {s['recovered_after_s']}",
              f"- tokens/s (OK requests, aggregate): {s['tokens_per_s']}",
              f"- sessions leaked: {s['sessions_leaked_total']} {s['sessions_leaked']}", "",
              "| process | pid start | RSS start MB | pid end | RSS end MB | peak MB (10 s samples) |",
@@ -313,6 +358,12 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
     from orchestrator.client import Client
     from specdec_tools.stack import free_port
 
+    if a.partitions:
+        from specdec_tools.netns import unavailable
+
+        if unavailable():
+            print(f"[loadtest] --partitions: {unavailable()}", file=sys.stderr)
+            return 2
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     out = Path(a.out or f"bench_results/loadtest-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -323,13 +374,20 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
     # all five processes share this host's cores: the workers' passes take turns, the draft
     # sessions open lazily (--prefill sequential), as on the one-host stack
     pass_lock = str(tmp / "passes.lock")
+    namespaces = []
     for role, model in (("target", target_dir), ("draft", draft_dir)):
         for k in range(2):
-            port = free_port()
-            procs[f"{role}{k}"] = Proc(f"{role}{k}", [f"{role}_service", "--model", model, "--host", "127.0.0.1",
+            port, netns = free_port(), None
+            if a.partitions:
+                from specdec_tools.netns import Netns
+
+                netns = Netns()
+                namespaces.append(netns)
+            host = netns.address if netns is not None else "127.0.0.1"
+            procs[f"{role}{k}"] = Proc(f"{role}{k}", [f"{role}_service", "--model", model, "--host", host,
                                                       "--port", str(port), "--dtype", "float64", "--quantize", "none",
                                                       "--session-ttl", "30", "--pass-lock", pass_lock],
-                                  out / "logs", port)
+                                       out / "logs", port, host, netns)
     port = free_port()
     admin = secrets.token_hex(16)  # the monitor reads the workers' addresses: an admin's right
     (out / "admin-token").write_text(admin + "\n")
@@ -363,7 +421,8 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
         helpers = [threading.Thread(target=memory_sampler, args=(procs, out / "memory.csv", t0, stop, peaks),
                                     daemon=True)]
         if a.faults:
-            helpers.append(threading.Thread(target=run_faults, args=(procs, client, a.duration, t0, stop, events),
+            plan = run_partitions if a.partitions else run_faults
+            helpers.append(threading.Thread(target=plan, args=(procs, client, a.duration, t0, stop, events),
                                             daemon=True))
         for th in threads + helpers:
             th.start()
@@ -388,6 +447,7 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
                 break
             time.sleep(0.5)
         s = summarize(records, a, seconds, events, leaks, rss_start, rss_snapshot(procs), peaks, workers)
+        s["partitions"] = a.partitions
         s["failures"] = [why for bad, why in [
             (s["greedy_differ"], f"{s['greedy_differ']} greedy outputs differ from the reference"),
             (s["sessions_leaked_total"], f"{s['sessions_leaked_total']} sessions leaked"),
@@ -411,6 +471,8 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
         for th in threads:
             th.join(5)
         stop_all(list(reversed(procs.values())))  # the orchestrator first
+        for netns in namespaces:
+            netns.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from orchestrator.client import Client
 from tests.orchestrator.conftest import LONG
-from tests.support.netns import Netns, unavailable
+from specdec_tools.netns import Netns, unavailable
 from tests.support.processes import WorkerProcess
 from tests.support.servers import ADMIN_TOKEN, Streamed, start_orchestrator, wait_for
 

@@ -198,17 +198,16 @@ def test_call_deadlines_follow_the_workers_measured_pace():
 
 
 class _Stalled:
-    """A worker whose polls fail from some point on (as a cut link's do), counting abandon_calls."""
+    """A worker whose polls fail from some point on, with `error`, counting abandon_calls."""
 
     def __init__(self):
-        self.answering, self.abandoned = True, []
+        self.error, self.abandoned = None, []
 
     def describe(self):
         from specdec.wire import ModelInfo
 
-        if not self.answering:
-            from specdec.errors import Unavailable
-            raise Unavailable("target worker at x:1: Deadline Exceeded")
+        if self.error is not None:
+            raise self.error
         return ModelInfo("m", 8, "f", (0,), 0, 0, 64, "cpu", "float32")
 
     def abandon_calls(self, why):
@@ -217,16 +216,27 @@ class _Stalled:
 
 
 def test_the_pool_cancels_the_calls_of_a_member_that_stops_answering():
+    from specdec.errors import DeadlineExceeded, Unavailable
+
     worker = _Stalled()
     pool = WorkerPool.fixed("target", [worker])
     pool.poll()
     assert [m.state for m in pool.members()] == [SERVING] and worker.abandoned == []
-    worker.answering = False
+    # a poll answered late (a cut link, or a busy host): no new sessions, calls still waited for ...
+    worker.error = DeadlineExceeded("target worker at x:1: Deadline Exceeded")
     pool.poll()
-    assert [m.state for m in pool.members()] == ["unavailable"]
+    assert [m.state for m in pool.members()] == ["unavailable"] and worker.abandoned == []
+    # ... a second one in a row: it stopped answering, its calls are given up on
+    pool.poll()
     assert len(worker.abandoned) == 1 and "Deadline Exceeded" in worker.abandoned[0]
-    pool.poll()  # still down: its calls were cancelled once, when it stopped answering
+    pool.poll()  # still down: they were cancelled once
     assert len(worker.abandoned) == 1
+    # back, then its connection breaks (refused, reset, a keepalive unanswered): at the first poll
+    worker.error = None
+    pool.poll()
+    worker.error = Unavailable("target worker at x:1: failed to connect")
+    pool.poll()
+    assert len(worker.abandoned) == 2 and "failed to connect" in worker.abandoned[1]
 
 
 def test_abandoned_calls_fail_unavailable_at_once(workers):

@@ -321,6 +321,54 @@ def test_a_step_a_prefill_overlapped_teaches_no_step_overhead(target_engine, dra
         decoder.close()
 
 
+def test_a_step_whose_draft_failed_teaches_no_rate_and_no_costs(target_engine, draft_engine):
+    """A draft that stalls and then fails (a cut link, found by the keepalive in seconds) holds its
+    step for the stall: that step's seconds are no arm's rate and no step's cost, or one stall
+    would make drafting look seconds slower than it is."""
+    from specdec.errors import Unavailable
+
+    class Stalling:
+        def __init__(self, engine):
+            self.engine, self.calls = engine, 0
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def propose_batch(self, calls):
+            self.calls += 1
+            if self.calls == 3:
+                time.sleep(0.3)
+                return [Unavailable("draft worker at x:1 stopped answering")] * len(calls)
+            return self.engine.propose_batch(calls)
+
+    policy = GammaPolicy(adaptive=False)
+    outcomes: list[tuple[float, bool]] = []
+    overheads: list = []
+    observe_outcome, observe_step = policy.observe_outcome, policy.observe_step
+
+    def spy_outcome(target, tokens, seconds, measured=True):
+        outcomes.append((seconds, measured))
+        return observe_outcome(target, tokens, seconds, measured=measured)
+
+    policy.observe_outcome = spy_outcome
+    policy.observe_step = lambda target, overhead_s, drafts: (overheads.append(overhead_s),
+                                                              observe_step(target, overhead_s, drafts))
+    draft = Stalling(draft_engine)
+    decoder = SpeculativeDecoder(target_engine, draft, gamma_policy=policy)
+    request = GenerationRequest(token_ids=[5, 6, 7, 8], max_new_tokens=24, temperature=0, gamma=2)
+    try:
+        result = decoder.generate(request)
+        alone = decoder.generate(GenerationRequest(token_ids=[5, 6, 7, 8], max_new_tokens=24, temperature=0, gamma=0))
+    finally:
+        decoder.close()
+    assert result.token_ids == alone.token_ids and result.stats["draft_failovers"] == 1
+    stalled = [i for i, (seconds, _) in enumerate(outcomes) if seconds >= 0.3]
+    assert len(stalled) == 1 and draft.calls == 3
+    assert outcomes[stalled[0]][1] is False, "the stalled step was measured as an arm's rate"
+    assert overheads[stalled[0]] is None, "the stalled step taught the policy a step overhead"
+    assert any(measured for _, measured in outcomes), "the other steps are measured as usual"
+
+
 def test_the_step_debug_line_is_what_the_step_log_summary_reads(target_engine, draft_engine, caplog):
     """--log-level debug logs every step (requests, gammas, suffix drafts, rows, times);
     scripts/step_log_summary.py turns a run's lines into where its time went. Their format must agree."""

@@ -13,7 +13,7 @@ from specdec_tools.stack import free_port
 
 class WorkerProcess:
     def __init__(self, role: str, model_dir, *extra: str, netns=None):
-        """netns: a tests.support.netns.Netns to run in, reached at its address only."""
+        """netns: a specdec_tools.netns.Netns to run in, reached at its address only."""
         self.role, self.port = role, free_port()
         host = netns.address if netns is not None else "127.0.0.1"
         self.address = f"{host}:{self.port}"

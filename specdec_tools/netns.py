@@ -1,11 +1,11 @@
-"""Network namespaces for partition tests: a worker on a host of its own, reached over a real link
-that a test can cut.
+"""Network namespaces for partition tests (tests/orchestrator/test_partitions.py, `specdec loadtest
+--partitions`): a worker on a host of its own, reached over a real link that can be cut.
 
 Each Netns is a separate network stack (`ip netns`) joined to this one by a veth pair, an
 address at each end of a /30. `cut()` takes the link down at the namespace's end: packets in
 flight and sent later vanish and nothing resets a connection, as when a switch dies or a
 security group changes; `heal()` brings it back. Needs root and a kernel with network
-namespaces (CI's machine has both); `unavailable()` says why not, for a skip.
+namespaces (CI's machine has both); `unavailable()` says why not.
 """
 
 from __future__ import annotations
