@@ -31,9 +31,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
     p.add_argument("--top-p", type=float, default=None, help="1 = off (default)")
     p.add_argument("--seed", type=int, default=None, help="sampled output is a fixed function of it (coupled "
-                   "sampling: the same tokens whatever gamma or load)")
+                   "sampling: the same tokens whatever gamma or load); default: drawn by the server, in the stats")
     p.add_argument("--sampling-mode", default=None, choices=["coupled", "rejection"],
-                   help="how a sampled request draws; default: coupled with --seed, rejection without")
+                   help="how a sampled request draws; default: the server's (--sampling, coupled unless changed)")
     p.add_argument("--gamma", type=int, default=None, help="drafts per round, 0 = target only; default 4")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 

@@ -43,10 +43,12 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          help="goodput: each step drafts the gamma (up to each request's) that maximizes measured goodput, "
               "fewer as the target's batch grows (all drafting requests share the draft and target passes); "
               "fixed: always the request's gamma"),
-    Flag("--seeded-sampling", default="coupled", choices=["coupled", "rejection"],
-         help="how a sampled request with a seed and no sampling_mode draws its tokens: coupled (Gumbel-max noise "
-              "keyed by the seed and the position: the same output for any gamma, batch, draft or failover) or "
-              "rejection (rejection sampling: higher acceptance, output that depends on every round's gamma)"),
+    Flag("--sampling", default="coupled", choices=["coupled", "rejection"],
+         help="how a sampled request that names no sampling_mode draws its tokens: coupled (random noise fixed by "
+              "the request's seed and each position; the server draws a seed when the request has none and reports "
+              "it; rounds carry token ids only, and the same seed gives the same output whatever the gamma, load, "
+              "draft or failover) or rejection (rejection sampling: slightly more drafts kept, but every round "
+              "carries both models' probabilities, up to megabytes, and the output depends on every round's gamma)"),
     Flag("--draft-p-min", float, 0.0, "a draft stops proposing after a token it gave less than this probability "
          "(0: never stops before gamma)"),
     Flag("--draft-min", int, 1, "drafts a round makes before --draft-p-min may stop it", field="draft_min"),
@@ -127,7 +129,7 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
     max_per_client: int = FLAGS.default("max_per_client")
     request_timeout_s: float = FLAGS.default("request_timeout_s")
     gamma_policy: str = FLAGS.default("gamma_policy")
-    seeded_sampling: str = FLAGS.default("seeded_sampling")
+    sampling: str = FLAGS.default("sampling")
     draft_p_min: float = FLAGS.default("draft_p_min")
     draft_min: int = FLAGS.default("draft_min")
     draft_lookup: int = FLAGS.default("draft_lookup")

@@ -76,7 +76,7 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetWorker | WorkerPool, draft: DraftWorker | WorkerPool | None = None,
                  tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
                  limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None,
-                 draft_options: DraftOptions = DraftOptions(), seeded_sampling: str = "coupled",
+                 draft_options: DraftOptions = DraftOptions(), sampling: str = "coupled",
                  grammar_limits=None, synthetic_acceptance: float = 0.0, suffix_cache_tokens: int = 0):
         self.limits = limits
         # benchmarks only (--synthetic-acceptance): greedy rounds keep drafts by a coin, not by the target
@@ -84,8 +84,8 @@ class SpeculativeDecoder:
         if synthetic_acceptance:
             log.warning("--synthetic-acceptance %.3f: greedy output is NOT the target's (benchmarks only)",
                         synthetic_acceptance)
-        # how a sampled request with a seed and no sampling_mode draws its tokens (--seeded-sampling)
-        self.seeded_sampling = seeded_sampling
+        # how a sampled request that names no sampling_mode draws its tokens (--sampling)
+        self.sampling = sampling
         self.targets = target if isinstance(target, WorkerPool) else WorkerPool.fixed("target", [target])
         self.drafts = draft if isinstance(draft, WorkerPool) or draft is None else WorkerPool.fixed("draft", [draft])
         if self.targets.accept is None:  # fixed pools: pair them and describe their members now
@@ -276,14 +276,16 @@ class SpeculativeDecoder:
             return self._grammars
 
     def sampling_mode(self, request: GenerationRequest) -> str:
-        """"greedy", or how a sampled request draws: coupled (Gumbel-max keyed by its seed: the
-        same tokens for any gamma, batch or draft) or rejection (Leviathan et al.: the best
-        acceptance; the draws depend on every round). Unasked, coupled when it has a seed."""
+        """"greedy", or how a sampled request draws: coupled (Gumbel-max keyed by its seed, drawn
+        by the server when the request has none: the same tokens for any gamma, batch or draft,
+        token ids alone on the wire) or rejection (Leviathan et al.: the best acceptance; the
+        draws depend on every round, and each round carries distributions). Unasked: --sampling's
+        (coupled), with a seed or without."""
         if request.sampling.greedy:
             return "greedy"
         if request.sampling_mode is not None:
             return request.sampling_mode
-        return self.seeded_sampling if request.seed is not None else "rejection"
+        return self.sampling
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         """The whole answer; with n > 1, choice 0's, with every choice in `choices`."""
@@ -326,7 +328,7 @@ class SpeculativeDecoder:
                                                                      self.max_context - len(prompt))))
             params = self.validate(request, len(prompt))
             span.set_attribute(t.GEN_AI_MAX_TOKENS, request.max_new_tokens)
-            seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            seed = request.seed if request.seed is not None else draw_seed()
             mode = self.sampling_mode(request)
             # an attribute is a signed 64-bit integer: a seed past 2**63 - 1 shows as the same 64 bits, signed
             span.set_attributes({t.SESSION_ID: placements[0].session_id,
@@ -420,6 +422,12 @@ class SpeculativeDecoder:
         yield from self.steps.join(state, ctx)  # leaving it (done, failed, cancelled) waits for the step
         if state.finish is not None:  # ended whole: later requests may draft from it (here, not in the step loop)
             self.steps.suffix.add(placement.scope, state.tokens)
+
+
+def draw_seed() -> int:
+    """The seed of a sampled request that brought none: 63 random bits (it goes back in
+    stats.seed, and re-sent with the request it reproduces the answer)."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 def choice_seed(seed: int, index: int) -> int:

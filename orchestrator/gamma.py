@@ -33,8 +33,9 @@ as the rows observed spread.
 
 The choice depends only on the past (earlier rounds' timings and acceptance), never on the draws
 of the round it is made for, so every round's tokens still follow the target's distribution
-exactly. With the fixed policy a seeded sampled request is reproducible; with this one its gammas,
-and so which random draws it makes, depend on timing.
+exactly. A coupled request (the default) gives its seed's tokens under either policy; a
+rejection-sampled one with a seed is reproducible under the fixed policy, while under this one its
+gammas, and so which random draws it makes, depend on timing.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry)
     return SpeculativeDecoder(targets, drafts, parallel_prefill=config.parallel_prefill, telemetry=telemetry,
                               gamma_policy=GammaPolicy(adaptive=config.gamma_policy != "fixed"),
                               limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens),
-                              draft_options=config.draft_options, seeded_sampling=config.seeded_sampling,
+                              draft_options=config.draft_options, sampling=config.sampling,
                               synthetic_acceptance=config.synthetic_acceptance,
                               suffix_cache_tokens=config.suffix_cache_tokens,
                               grammar_limits=GrammarLimits.from_config(config))

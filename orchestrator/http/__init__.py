@@ -22,8 +22,9 @@ Mapping to the decoder (orchestrator/decoder.py): max_tokens / max_completion_to
 max_new_tokens (completions default to 16 as OpenAI's do; chat to as many as fit the context and
 --max-new-tokens); temperature, top_p, seed, stop as they are; extensions, e.g. the openai SDK's
 `extra_body`: `top_k` (0 or -1: off), `gamma` (drafts per round; 0 = the target alone) and
-`sampling_mode` ("coupled", the default with a `seed`: the same answer for a seed whatever the
-load or gamma; "rejection").
+`sampling_mode` ("coupled", the server's default unless --sampling says otherwise: the same answer
+for a seed whatever the load or gamma, the seed drawn by the server and reported when the request
+has none; "rejection").
 Every answer carries the speculative statistics in the extension field `specdec` (the last
 chunk of a stream). Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 """

@@ -100,7 +100,7 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     gamma: int | None = Field(None, ge=0, le=MAX_GAMMA)  # extension: drafts per round (0 = the target alone)
-    sampling_mode: Literal["coupled", "rejection"] | None = None  # extension: how a seed's tokens are drawn
+    sampling_mode: Literal["coupled", "rejection"] | None = None  # extension: how a sampled request draws its tokens
     # decoding controls, exact under speculation (specdec/sampling.py: apply_controls): OpenAI's
     # fields, then vLLM's extensions with vLLM's semantics
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

@@ -8,6 +8,8 @@ distribution and the seed's noise give the token, one forward pass per token, no
 
 from __future__ import annotations
 
+import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -115,20 +117,23 @@ def test_logprobs_are_the_seeds_whatever_gamma(decoder):
     assert all(lp.logprob < 0 for lp in runs[0].logprobs)
 
 
-def test_the_mode_follows_the_seed_the_request_and_the_flag(target_engine, draft_engine, decoder):
+def test_the_mode_follows_the_request_and_the_flag(target_engine, draft_engine, decoder):
+    """Unasked, a sampled request draws coupled, with a seed or without; sampling_mode chooses per
+    request, and --sampling (SpeculativeDecoder's sampling) sets what an unasked request gets."""
     params = SETTINGS[0]
     assert decoder.generate(request(params, 5, 2)).stats["sampling"] == "coupled"
     unseeded = decoder.generate(GenerationRequest(token_ids=PROMPT, max_new_tokens=4, temperature=0.9, gamma=2))
-    assert unseeded.stats["sampling"] == "rejection"
-    asked = decoder.generate(GenerationRequest(token_ids=PROMPT, max_new_tokens=NEW, temperature=0.9, gamma=2,
-                                               sampling_mode="coupled"))
-    # without a seed the server draws one and says which: replaying it gives the same answer
-    assert asked.stats["sampling"] == "coupled"
-    assert asked.token_ids == reference(target_engine, PROMPT, params, asked.stats["seed"])
+    assert unseeded.stats["sampling"] == "coupled"
+    asked = decoder.generate(GenerationRequest(token_ids=PROMPT, max_new_tokens=4, temperature=0.9, gamma=2,
+                                               sampling_mode="rejection"))
+    assert asked.stats["sampling"] == "rejection"
     greedy = decoder.generate(GenerationRequest(token_ids=PROMPT, max_new_tokens=4, temperature=0, seed=1))
     assert greedy.stats["sampling"] == "greedy"
-    flagged = SpeculativeDecoder(target_engine, draft_engine, target_engine.tokenizer, seeded_sampling="rejection")
+    flagged = SpeculativeDecoder(target_engine, draft_engine, target_engine.tokenizer, sampling="rejection")
     assert flagged.generate(request(params, 5, 2)).stats["sampling"] == "rejection"
+    assert flagged.generate(GenerationRequest(token_ids=PROMPT, max_new_tokens=4, temperature=0.9,
+                                              gamma=2)).stats["sampling"] == "rejection"
+    assert flagged.generate(request(params, 5, 2, sampling_mode="coupled")).stats["sampling"] == "coupled"
     with pytest.raises(ServiceError) as err:
         decoder.generate(request(params, 5, 2, sampling_mode="gumbel"))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sampling_mode" in err.value.message
@@ -146,3 +151,79 @@ def test_coupled_sampling_follows_the_target_distribution_over_grpc(client, targ
     with pytest.raises(AssertionError, match="p-value"):
         assert_matches(exact_distribution(target_engine, params=P(temperature=1.0, top_k=6)), results)
     assert_matches(exact_distribution(target_engine, params=PARAMS), sample(client, PARAMS, sampling_mode="coupled"))
+
+
+# ---- a sampled request with no seed and no sampling_mode: coupled, under a seed the server draws --
+
+
+def unseeded(params: SamplingParams, new: int = NEW, **kw) -> GenerationRequest:
+    """The default path: a sampled request that names neither a seed nor a sampling_mode."""
+    return GenerationRequest(token_ids=PROMPT, max_new_tokens=new, temperature=params.temperature, top_k=params.top_k,
+                             top_p=params.top_p, **kw)
+
+
+def test_unseeded_requests_draw_coupled_and_follow_the_target_distribution(decoder, target_engine, monkeypatch):
+    """Thousands of requests with no seed through the decoder and a draft that differs from the
+    target (gamma 2, so drafts are kept and rejected): each draws coupled, under a seed of its own
+    that its stats report, and the 3-token continuations follow the target's exact distribution
+    (chi-square); against the wrong distribution the same test fails. The server draws its seeds
+    from os.urandom (decoder.draw_seed); here they come from a fixed generator, so every run tests
+    the same requests."""
+    import orchestrator.decoder as decoder_module
+    from tests.orchestrator.test_sampled_distribution import NEW_TOKENS, REQUESTS, TUNED
+
+    rng, lock = random.Random(50), threading.Lock()
+
+    def draw_seed() -> int:
+        with lock:
+            return rng.getrandbits(63)
+
+    monkeypatch.setattr(decoder_module, "draw_seed", draw_seed)
+
+    def one(_):
+        r = decoder.generate(unseeded(TUNED, NEW_TOKENS, gamma=2))
+        return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"], r.stats["sampling"], \
+            r.stats["seed"]
+
+    with ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(one, range(REQUESTS)))
+    assert {run[3] for run in runs} == {"coupled"}
+    assert len({run[4] for run in runs}) == REQUESTS  # a seed of its own each, as drawn
+    results = [run[:3] for run in runs]
+    assert_matches(exact_distribution(target_engine, params=TUNED), results)
+    with pytest.raises(AssertionError, match="p-value"):
+        assert_matches(exact_distribution(target_engine, params=SamplingParams(temperature=1.0, top_k=6)), results)
+
+
+@pytest.mark.parametrize("params", SETTINGS[:2], ids=["T0.9", "T0.7-k6-p0.8"])
+def test_an_unseeded_answer_comes_back_with_its_reported_seed(decoder, client, target_engine, params):
+    """The seed the server drew is in stats.seed: sent again with it (at any gamma) the request
+    gets the same tokens, which are plain target decoding with that seed; over gRPC as in-process."""
+    first = decoder.generate(unseeded(params, gamma=3))
+    seed = first.stats["seed"]
+    assert first.stats["sampling"] == "coupled"
+    assert first.token_ids == reference(target_engine, PROMPT, params, seed)
+    for gamma in (0, 5):
+        again = decoder.generate(request(params, seed, gamma))
+        assert again.token_ids == first.token_ids and again.stats["seed"] == seed, gamma
+    kw = dict(token_ids=PROMPT, max_new_tokens=NEW, temperature=params.temperature, top_k=params.top_k,
+              top_p=params.top_p)
+    drawn = [client.generate(gamma=4, **kw) for _ in range(2)]
+    assert drawn[0].stats["seed"] != drawn[1].stats["seed"]
+    for r in drawn:
+        assert r.stats["sampling"] == "coupled"
+        assert client.generate(gamma=1, seed=r.stats["seed"], **kw).token_ids == r.token_ids
+
+
+def test_an_unseeded_sampled_round_carries_token_ids_only_over_grpc(client):
+    """At temperature 1 with no top-k or top-p (dense distributions), a request with no seed and
+    no sampling_mode costs on the wire about what a greedy round costs; asked for rejection
+    sampling, the same request's rounds carry both models' distributions."""
+    kw = dict(token_ids=PROMPT, max_new_tokens=NEW, gamma=4)
+    greedy = client.generate(temperature=0, **kw).stats
+    sampled = [client.generate(temperature=1.0, **kw).stats for _ in range(3)]
+    rejection = client.generate(temperature=1.0, sampling_mode="rejection", **kw).stats
+    assert {s["sampling"] for s in sampled} == {"coupled"} and rejection["sampling"] == "rejection"
+    per_round = max(s["wire_bytes_per_round"] for s in sampled)
+    assert per_round < 1.5 * greedy["wire_bytes_per_round"]
+    assert 10 * per_round < rejection["wire_bytes_per_round"]

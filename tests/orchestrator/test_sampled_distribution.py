@@ -50,8 +50,9 @@ def exact_distribution(engine, prompt=PROMPT, new_tokens=NEW_TOKENS, params=PARA
 
 def sample(client, params: SamplingParams, requests: int = REQUESTS,
            sampling_mode: str = "rejection", **controls) -> list[tuple[tuple[int, ...], int, int]]:
-    """Seeds 0..requests-1, rejection sampling unless asked (a seeded request is coupled by
-    default: tests/orchestrator/test_coupled_sampling.py); controls: more request fields."""
+    """Seeds 0..requests-1, rejection sampling unless asked (a request that names no
+    sampling_mode is coupled: tests/orchestrator/test_coupled_sampling.py); controls: more
+    request fields."""
     def one(seed):
         r = client.generate(token_ids=PROMPT, max_new_tokens=NEW_TOKENS, temperature=params.temperature,
                             top_k=params.top_k, top_p=params.top_p, gamma=2, seed=seed, sampling_mode=sampling_mode,
