@@ -1,7 +1,8 @@
 """`specdec bench-serve`: throughput and latency against concurrency, through the three services.
 
   specdec bench-serve [--target M --draft M | --tiny] [--concurrency 1,2,4,8,16] [--requests-per-level N]
-                      [--max-new-tokens 48] [--gamma on,off] [--users fresh,one] [--temperature 0] [--prompts 8] [--out DIR]
+                      [--max-new-tokens 48] [--gamma on,off] [--users fresh,one] [--temperature 0,0.7,1.0]
+                      [--sampling-mode default|coupled|rejection|both] [--prompts 8] [--out DIR]
                       [--setups default,fixed-gamma,FLAG=VALUE+...] [--link-rtt-ms 0,1,10]
 
 Starts target, draft and orchestrator as processes on loopback (`specdec_tools.stack.ProcessStack`,
@@ -27,7 +28,13 @@ generated tokens and tok/s (generated / latency), the server's acceptance counts
 Per mode and level: aggregate tok/s (all generated tokens / the level's wall time), mean
 per-request tok/s, TTFT and latency p50/p95, acceptance rate (sum accepted / sum drafted),
 mean gamma, the ratio of aggregate tok/s to the same mode's concurrency 1, and the ratio of
-each mode to `off` at the same level. Greedy runs (--temperature 0) also check that every
+each mode to `off` at the same level, and the bytes that crossed between the orchestrator and
+its workers a round (the server's wire_bytes over its rounds: token ids for greedy and coupled
+rounds, both models' distributions for rejection-sampled ones). --temperature takes a list: the
+modes run at each temperature, side by side in every level, and at a temperature above 0 once
+per --sampling-mode (default: the request names none and the server chooses; coupled,
+rejection, or both), each sampled request seeded by its prompt; a row's ratios are to the `off`
+row of the same temperature and sampling mode. Greedy rows (temperature 0) also check that every
 output at concurrency > 1 equals the concurrency-1 output of the same prompt and mode: batching
 across sessions must not change what a request gets (the count and the list are printed).
 --api grpc,http runs the stack's own orchestrator's levels through its OpenAI-compatible door too
@@ -64,7 +71,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specdec_tools import can_plot
@@ -89,6 +96,8 @@ class Mode:
     gamma: int | None  # the request's gamma; None = unset, the server's default
     server: str | None = None  # another orchestrator than the setup's (--second-draft's)
     users: str = "fresh"  # fresh: each request a client (bearer token) of its own; one: all the run's one client
+    temperature: float = 0.0  # --temperature: 0 = greedy
+    sampling: str | None = None  # --sampling-mode: the request's sampling_mode (None: it names none)
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -123,6 +132,41 @@ def with_users(modes: list[Mode], kinds: list[str]) -> list[Mode]:
     """The modes once per --users kind: those of one client named <mode>-one-user."""
     return [m if kind == "fresh" else Mode(f"{m.name}-one-user", m.gamma, m.server, "one")
             for kind in kinds for m in modes]
+
+
+def parse_temperatures(text: str) -> list[float]:
+    """'0,0.7,1.0' -> [0.0, 0.7, 1.0] (each once, in the order given)."""
+    try:
+        temperatures = list(dict.fromkeys(float(s) for s in text.split(",") if s.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature: '{text}' is not a list of numbers") from None
+    if not temperatures or any(not 0 <= t < math.inf for t in temperatures):
+        raise argparse.ArgumentTypeError("--temperature: give one or more temperatures >= 0")
+    return temperatures
+
+
+SAMPLING_MODES = ("default", "coupled", "rejection")  # default: the request names none, the server chooses
+
+
+def parse_sampling_modes(text: str) -> list[str]:
+    """'both' -> ['coupled', 'rejection']; else a list of SAMPLING_MODES."""
+    names = [s.strip().lower() for s in text.split(",") if s.strip()]
+    names = list(dict.fromkeys(n for name in names for n in (("coupled", "rejection") if name == "both" else (name,))))
+    if not names or set(names) - set(SAMPLING_MODES):
+        raise argparse.ArgumentTypeError(f"--sampling-mode: '{text}' is not default, coupled, rejection or both")
+    return names
+
+
+def with_sampling(modes: list[Mode], temperatures: list[float], sampling_modes: list[str]) -> list[Mode]:
+    """The modes once per temperature, and at a temperature above 0 once per sampling mode (a
+    greedy request has but one way to draw)."""
+    return [replace(m, temperature=t, sampling=None if s == "default" else s) for t in temperatures
+            for s in (("default",) if t == 0 else sampling_modes) for m in modes]
+
+
+def mode_label(mode: Mode) -> str:
+    """The mode's name, and how it samples where it does: 'on', 'on T0.7 rejection'."""
+    return mode.name if mode.temperature == 0 else f"{mode.name} T{mode.temperature:g} {mode.sampling or 'default'}"
 
 
 def setup_flags(name: str) -> tuple[str, ...]:
@@ -249,7 +293,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="together: the c clients' first requests at once (then requests end and join in waves of "
                         "about c); staggered: client k sends its first request once the first client's first request "
                         "has k/c of --max-new-tokens, so requests end and join one at a time (default together)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs are compared)")
+    p.add_argument("--temperature", type=parse_temperatures, default=[0.0], metavar="T,...",
+                   help="comma-separated temperatures, each a row of its own (0 = greedy: outputs are compared) "
+                        "(default 0)")
+    p.add_argument("--sampling-mode", type=parse_sampling_modes, default=["default"],
+                   help="how sampled requests (temperature > 0) draw: default (the request names no sampling_mode, "
+                        "the server's choice), coupled, rejection, or both (coupled,rejection: rows side by side) "
+                        "(default default)")
     p.add_argument("--prompt-set", default="fresh", choices=["fresh", "edit", "similar", "long"],
                    help="fresh: code written from scratch (specdec_tools.bench.FRESH); edit: code edits whose answers "
                         "re-use the prompt's code (EDIT, 6 prompts); similar: a batch job, four kinds of code each "
@@ -315,6 +365,9 @@ class RequestRecord:
     ms_per_token: float | None = None  # (latency - TTFT) / (tokens after the first): the gap between tokens
     longest_gap_s: float | None = None  # the longest wait between two streamed tokens (a stall)
     round: int = 0  # --rounds: which of the level's rounds
+    temperature: float = 0.0  # the request's
+    sampling: str = ""  # how it drew, as the server's stats say (greedy, coupled, rejection)
+    wire_bytes: int = 0  # bytes between the orchestrator and its workers (the server's stats)
     token_ids: list[int] = field(default_factory=list, repr=False)
 
 
@@ -354,6 +407,10 @@ def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
         "latency_p95_s": _round(percentile(lat, 95)),
         "acceptance_rate": _round(accepted / drafted if drafted else None),
         "mean_gamma": _round(sum(gammas) / len(gammas) if gammas else None, 3),
+        # bytes between the orchestrator and its workers (both ways, both workers) a round; None
+        # where the stats carry none (the HTTP door's)
+        "wire_bytes_per_round": _round(sum(r.wire_bytes for r in ok) / sum(r.rounds for r in ok), 1)
+        if any(r.wire_bytes for r in ok) and sum(r.rounds for r in ok) else None,
         # of the drafted tokens, those of suffix drafts, and of those the share kept
         "suffix_share": _round(sum(r.suffix_drafted_tokens for r in ok) / drafted if drafted else None, 3),
         "suffix_acceptance": _round(sum(r.suffix_accepted_tokens for r in ok) /
@@ -409,13 +466,18 @@ def round_split(records: list[RequestRecord]) -> dict:
 
 
 def format_split(rows: list[dict]) -> str:
-    """The time split of a round (round_split), a row per mode and level."""
+    """The time split of a round (round_split), a row per mode and level (and temperature and
+    sampling mode where some row samples)."""
     setups = any(r.get("setup", "default") != "default" for r in rows)
-    lines = ["| " + "setup | " * setups + "mode | clients | " + " | ".join(title for _, title, _ in SPLIT_COLUMNS) + " |",
-             "|" + "---|" * (2 + setups + len(SPLIT_COLUMNS))]
+    sampled = any(r.get("temperature") for r in rows)
+    lines = ["| " + "setup | " * setups + "temperature | sampling | " * sampled + "mode | clients | "
+             + " | ".join(title for _, title, _ in SPLIT_COLUMNS) + " |",
+             "|" + "---|" * (2 + setups + 2 * sampled + len(SPLIT_COLUMNS))]
     for r in rows:
         if "split_tokens" in r:
-            lines.append("| " + f"{r.get('setup', 'default')} | " * setups + f"{r['mode']} | {r['concurrency']} | "
+            lines.append("| " + f"{r.get('setup', 'default')} | " * setups
+                         + f"{r.get('temperature', 0.0):g} | {r.get('sampling', '')} | " * sampled
+                         + f"{r['mode']} | {r['concurrency']} | "
                          + " | ".join(fmt.format(r[key]) for key, _, fmt in SPLIT_COLUMNS) + " |")
     return "\n".join(lines)
 
@@ -424,8 +486,9 @@ def add_ratios(rows: list[dict], off_mode: str = "off") -> list[dict]:
     """Sets, on each row (keys mode, concurrency, aggregate_tok_s), vs_c1: aggregate tok/s over the
     same mode's concurrency-1 aggregate, and vs_off: over the `off_mode` row at the same level
     (None where that row is missing, or for the off mode itself). Returns rows."""
-    def group(r):  # ratios stay within one setup, link and API
-        return r.get("setup", "default"), r.get("link_rtt_ms"), r.get("api", "grpc")
+    def group(r):  # ratios stay within one setup, link, API, temperature and sampling mode
+        return (r.get("setup", "default"), r.get("link_rtt_ms"), r.get("api", "grpc"), r.get("temperature", 0.0),
+                r.get("sampling_mode", "default"))
 
     by_key = {(group(r), r["mode"], r["concurrency"]): r for r in rows}
 
@@ -470,9 +533,11 @@ def format_rounds(value: dict) -> str:
 def compare_outputs(records: list[RequestRecord]) -> dict:
     """Greedy outputs at concurrency > 1 against the concurrency-1 output of the same mode and
     prompt (its first, if it ran more than once; from any setup and link: they must all agree). Sets each record's same_as_c1 (None: no
-    reference) and returns {"checked", "differ": [{mode, concurrency, request, prompt}], "unchecked"}."""
+    reference) and returns {"checked", "differ": [{mode, concurrency, request, prompt}], "unchecked"}.
+    Sampled records (temperature > 0) are left out."""
     reference: dict[tuple[str, int], list[int]] = {}
-    records = [r for r in records if r.api == "grpc"]  # HTTP answers carry text, not token ids
+    # HTTP answers carry text, not token ids
+    records = [r for r in records if r.api == "grpc" and r.temperature == 0]
     for r in records:
         if r.concurrency == 1 and not r.error:
             reference.setdefault((r.mode, r.prompt), r.token_ids)
@@ -494,14 +559,16 @@ def compare_outputs(records: list[RequestRecord]) -> dict:
 
 def level_differences(records: list[RequestRecord], mode: str, level: int, setup: str = "default",
                       link_rtt_ms: float | None = None) -> str:
-    """'differing/checked' for one setup x link x mode x level ('' where nothing was compared)."""
+    """'differing/checked' for one setup x link x greedy mode x level ('' where nothing was compared)."""
     rs = [r for r in records if (r.mode, r.concurrency, r.setup, r.link_rtt_ms) == (mode, level, setup, link_rtt_ms)
-          and r.api == "grpc" and r.same_as_c1 is not None]
+          and r.api == "grpc" and r.temperature == 0 and r.same_as_c1 is not None]
     return f"{sum(not r.same_as_c1 for r in rs)}/{len(rs)}" if rs else ""
 
 
 TABLE_COLUMNS = [
-    ("api", "API", "{}"), ("setup", "setup", "{}"), ("link_rtt_ms", "link RTT ms", "{:g}"), ("mode", "mode", "{}"), ("concurrency", "clients", "{}"), ("requests", "requests", "{}"),
+    ("api", "API", "{}"), ("setup", "setup", "{}"), ("link_rtt_ms", "link RTT ms", "{:g}"),
+    ("temperature", "temperature", "{:g}"), ("sampling", "sampling", "{}"),
+    ("mode", "mode", "{}"), ("concurrency", "clients", "{}"), ("requests", "requests", "{}"),
     ("aggregate_tok_s", "aggregate tok/s", "{:.2f}"), ("vs_c1", "vs c=1", "{:.2f}x"), ("vs_off", "vs off", "{:.2f}x"),
     ("vs_off_rounds", "vs off by round", format_rounds),
     ("mean_request_tok_s", "tok/s per request", "{:.2f}"), ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
@@ -509,7 +576,8 @@ TABLE_COLUMNS = [
     ("latency_p95_s", "latency p95 s", "{:.3f}"), ("ms_per_token_p50", "ms/token after the first p50", "{:.1f}"),
     ("longest_gap_p95_s", "longest gap p95 s", "{:.3f}"),
     ("acceptance_rate", "acceptance", "{:.3f}"),
-    ("mean_gamma", "gamma", "{:g}"), ("suffix_share", "suffix share of drafts", "{:.2f}"),
+    ("mean_gamma", "gamma", "{:g}"), ("wire_bytes_per_round", "wire B/round", "{:,.0f}"),
+    ("suffix_share", "suffix share of drafts", "{:.2f}"),
     ("suffix_acceptance", "suffix acceptance", "{:.3f}"), ("cached_share", "prompt cached", "{:.2f}"),
     ("draft_prefill_share", "draft prefill / target's", "{:.2f}"),
     ("cpu_target_ms_per_token", "CPU ms/token target", "{:.1f}"), ("cpu_draft_ms_per_token", "draft", "{:.1f}"),
@@ -521,10 +589,12 @@ TABLE_COLUMNS = [
 
 def format_table(rows: list[dict]) -> str:
     """The markdown table; columns no row fills (setup and link when not compared, link counts
-    without --link-rtt-ms) are left out."""
+    without --link-rtt-ms, temperature and sampling when every row is greedy) are left out."""
     optional = {"api", "setup", "link_rtt_ms", "rpcs_per_token", "rpcs_per_round", "bytes_per_token", "vs_off_rounds"}
+    sampled = any(r.get("temperature") for r in rows)
     columns = [(key, title, fmt) for key, title, fmt in TABLE_COLUMNS
-               if key not in optional or any(r.get(key) not in (None, "default", "grpc") for r in rows)]
+               if (sampled if key in ("temperature", "sampling") else
+                   key not in optional or any(r.get(key) not in (None, "default", "grpc") for r in rows))]
     head = "| " + " | ".join(title for _, title, _ in columns) + " |"
     lines = [head, "|" + "---|" * len(columns)]
     for r in rows:
@@ -544,9 +614,11 @@ def _one_request(client, mode: Mode, prompt: str, a: argparse.Namespace, seed: i
     tokens, None for fewer than two). progress: called with the tokens received so far, after each
     chunk that brings some."""
     kwargs = dict(messages=[{"role": "user", "content": prompt}], max_new_tokens=a.max_new_tokens,
-                  temperature=a.temperature, gamma=mode.gamma)
-    if a.temperature > 0:
+                  temperature=mode.temperature, gamma=mode.gamma)
+    if mode.temperature > 0:
         kwargs["seed"] = seed
+        if mode.sampling:
+            kwargs["sampling_mode"] = mode.sampling
     token_ids, ttft, finish, stats, gaps = [], None, "", {}, _Gaps()
     t0 = time.perf_counter()
     for chunk in client.stream(token=token, **kwargs):
@@ -585,11 +657,13 @@ class HttpClient:
         self.base, self.http = base, httpx.Client(timeout=timeout_s)
         self.model = self.http.get(base + "/v1/models").json()["data"][0]["id"]
 
-    def stream(self, messages, max_new_tokens: int, temperature: float, gamma=None, seed=None, token=None):
+    def stream(self, messages, max_new_tokens: int, temperature: float, gamma=None, seed=None, token=None,
+               sampling_mode=None):
         """Yields (text, finish_reason, usage) per event; token: the request's bearer token."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_new_tokens, "temperature": temperature,
                 "stream": True, "stream_options": {"include_usage": True}}
-        body.update({k: v for k, v in (("gamma", gamma), ("seed", seed)) if v is not None})
+        body.update({k: v for k, v in (("gamma", gamma), ("seed", seed), ("sampling_mode", sampling_mode))
+                     if v is not None})
         headers = {"authorization": f"Bearer {token}"} if token else None
         with self.http.stream("POST", self.base + "/v1/chat/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
@@ -612,9 +686,10 @@ def _one_http_request(client: HttpClient, mode: Mode, prompt: str, a: argparse.N
     longest_gap_s); progress counts events with text (a step's tokens each)."""
     ttft, finish, stats, events, gaps = None, "", {}, 0, _Gaps()
     t0 = time.perf_counter()
+    sampled = mode.temperature > 0
     for text, finish_reason, usage in client.stream([{"role": "user", "content": prompt}], a.max_new_tokens,
-                                                    a.temperature, mode.gamma, seed if a.temperature > 0 else None,
-                                                    token):
+                                                    mode.temperature, mode.gamma, seed if sampled else None,
+                                                    token, mode.sampling if sampled else None):
         if text:
             gaps.tick()
         if text and ttft is None:
@@ -690,7 +765,8 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
                 release_all()
                 return
             t_start = time.perf_counter() - t_level[0]
-            rec = RequestRecord(mode.name, level, i, p, thread, round(t_start, 4), 0.0, None, 0, 0.0)
+            rec = RequestRecord(mode.name, level, i, p, thread, round(t_start, 4), 0.0, None, 0, 0.0,
+                                temperature=mode.temperature)
             try:
                 latency, ttft, ids, finish, stats, rec.longest_gap_s = one(
                     clients[thread], mode, text, a, seed=p + 1, progress=lead_progress if first else None,
@@ -707,6 +783,7 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
                 for k in ("prompt_tokens", "cached_tokens", "draft_prefill_tokens"):
                     setattr(rec, k, stats.get(k, 0))
                 rec.rounds = stats.get("rounds", 0)
+                rec.sampling, rec.wire_bytes = stats.get("sampling", ""), stats.get("wire_bytes", 0)
                 rec.gamma = stats.get("mean_gamma", stats.get("gamma"))  # as the gamma policy chose it
                 rec.server_total_s = stats.get("total_s", 0.0)
                 for k in ("prefill_s", "draft_s", "verify_s", "draft_compute_s", "verify_compute_s"):
@@ -734,6 +811,15 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
         c.close()
     records.sort(key=lambda r: r.request)
     return records, wall
+
+
+def row_sampling(mode: Mode, records: list[RequestRecord]) -> str:
+    """How a row's requests drew: greedy at temperature 0, else as the server's stats say (what
+    the requests asked for where the stats say nothing: the HTTP door's)."""
+    if mode.temperature == 0:
+        return "greedy"
+    said = sorted({r.sampling for r in records if r.sampling and not r.error})
+    return ",".join(said) if said else mode.sampling or "default"
 
 
 def _servers(stack, a: argparse.Namespace, links: dict) -> list[tuple[str, float | None, str]]:
@@ -857,13 +943,17 @@ def plot(rows: list[dict], path: Path, title: str = "") -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     def line(r):
-        return r.get("api", "grpc"), r.get("setup", "default"), r.get("link_rtt_ms"), r["mode"]
+        return (r.get("api", "grpc"), r.get("setup", "default"), r.get("link_rtt_ms"), r["mode"],
+                r.get("temperature", 0.0), r.get("sampling", ""))
 
     lines = list(dict.fromkeys(map(line, rows)))
     levels = sorted({r["concurrency"] for r in rows})
-    for api, setup, rtt, mode in lines:
-        rs = sorted((r for r in rows if line(r) == (api, setup, rtt, mode)), key=lambda r: r["concurrency"])
+    for api, setup, rtt, mode, temperature, sampling in lines:
+        rs = sorted((r for r in rows if line(r) == (api, setup, rtt, mode, temperature, sampling)),
+                    key=lambda r: r["concurrency"])
         label = "speculation on (server gamma)" if mode == "on" else "off (gamma 0)" if mode == "off" else mode
+        if temperature:
+            label += f", T {temperature:g} {sampling}"
         if setup != "default" or rtt is not None or api != "grpc":
             label += f" [{api} {setup}{'' if rtt is None else f', {rtt:g} ms RTT'}]"
         left.plot([r["concurrency"] for r in rs], [r["aggregate_tok_s"] for r in rs], "o-", label=label)
@@ -937,22 +1027,22 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                 name = "head" if _is_head_dir(spec) else Path(spec).name
                 modes = [*modes, *(Mode(f"{m.name}-{name}", m.gamma, second) for m in modes if m.gamma != 0)]
                 models["second_draft"] = a.second_draft
-            modes = with_users(modes, a.users)
+            modes = with_sampling(with_users(modes, a.users), a.temperature, a.sampling_mode)
             stack.start(stdout=subprocess.DEVNULL)
             stack.wait_until_ready(a.startup_timeout)
             log(f"all SERVING after {time.monotonic() - t0:.1f} s ({len(servers)} setups)")
             from orchestrator.client import Client
 
             for setup, rtt, address, api in servers:
-                for mode in modes:
-                    with Client(mode.server or (stack.address if api == "http" else address),
+                for server, gamma in dict.fromkeys((m.server, m.gamma) for m in modes):  # one warm-up each
+                    with Client(server or (stack.address if api == "http" else address),
                                 timeout_s=a.request_timeout) as client:
                         client.generate(messages=[{"role": "user", "content": "warm up"}], max_new_tokens=4,
-                                        temperature=0.0, gamma=mode.gamma)  # warm-up
+                                        temperature=0.0, gamma=gamma)  # warm-up
                 # the modes of a level side by side, in turn first and last (A B, B A, ...): the
                 # machine warming up (or drifting) over the run weighs on each mode alike
                 for i, level in enumerate(levels):
-                    runs: dict[str, dict[str, list]] = {}  # mode -> its rounds' records, walls, tok/s, link counts
+                    runs: dict[Mode, dict[str, list]] = {}  # mode -> its rounds' records, walls, tok/s, link counts
                     for turn in range(a.rounds):
                         for mode in (modes if (i + turn) % 2 == 0 else modes[::-1]):
                             warm_up = a.warm_up if a.warm_up != "auto" else "short" if a.device.startswith("cuda") else "off"
@@ -972,7 +1062,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                                 r.setup, r.link_rtt_ms, r.api, r.round = setup, rtt, api, turn
                             records += recs
                             tok_s = summarize_level(recs, wall)["aggregate_tok_s"]
-                            run = runs.setdefault(mode.name, {"recs": [], "walls": [], "tok_s": [], "moved": [], "cpu": {}})
+                            run = runs.setdefault(mode, {"recs": [], "walls": [], "tok_s": [], "moved": [], "cpu": {}})
                             run["recs"] += recs
                             for role, used in cpu.items():
                                 run["cpu"][role] = run["cpu"].get(role, 0.0) + used
@@ -982,13 +1072,16 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                                 run["moved"].append(_link_counts(links[rtt]) - before)
                             where = "" if setup == "default" and rtt is None and api == "grpc" else \
                                 f"[{api} {setup}{'' if rtt is None else f', link {rtt:g} ms'}] "
-                            log(f"{where}{mode.name:>4} c={level:<3}{f' round {turn + 1}' if a.rounds > 1 else ''} "
+                            log(f"{where}{mode_label(mode):>4} c={level:<3}"
+                                f"{f' round {turn + 1}' if a.rounds > 1 else ''} "
                                 f"{len(recs)} requests in {wall:.1f} s: {tok_s:.2f} tok/s aggregate")
                     for mode in modes:
-                        run = runs[mode.name]
+                        run = runs[mode]
                         recs, walls = run["recs"], run["walls"]
                         row = {"api": api, "setup": setup, "link_rtt_ms": rtt, "mode": mode.name, "users": mode.users,
                                "request_gamma": "server default" if mode.gamma is None else mode.gamma,
+                               "temperature": mode.temperature, "sampling_mode": mode.sampling or "default",
+                               "sampling": row_sampling(mode, recs),
                                "concurrency": level, **summarize_level(recs, sum(walls))}
                         if a.rounds > 1:
                             row["round_tok_s"] = run["tok_s"]
@@ -996,15 +1089,21 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                         if run["moved"]:
                             row.update(link_rates(sum(run["moved"], LinkCounts()), recs))
                         rows.append(row)
-                        log(f"{where}{mode.name:>4} c={level:<3} {row['requests']} requests in {sum(walls):.1f} s: "
+                        log(f"{where}{mode_label(mode):>4} c={level:<3} {row['requests']} requests in "
+                            f"{sum(walls):.1f} s: "
                             f"{row['aggregate_tok_s']:.2f} tok/s aggregate, latency p95 "
                             f"{row['latency_p95_s'] or 0:.3f} s, TTFT p95 {row['ttft_p95_s'] or 0:.3f} s"
                             + (f", {row['rpcs_per_token']:.2f} RPCs/token" if "rpcs_per_token" in row else "")
+                            + (f", {row['wire_bytes_per_round']:,.0f} wire B/round"
+                               if row["wire_bytes_per_round"] is not None else "")
                             + (f", {row['errors']} errors" if row["errors"] else ""))
             order = {(setup, rtt, api): i for i, (setup, rtt, _, api) in enumerate(servers)}
             names = [m.name for m in modes]
-            rows.sort(key=lambda r: (order[(r["setup"], r["link_rtt_ms"], r["api"])], names.index(r["mode"]),
-                                     levels.index(r["concurrency"])))  # the tables' order: by mode, then level
+            draws = ["default", *a.sampling_mode]  # greedy rows' sampling_mode is default
+            # the tables' order: by temperature, sampling mode and mode, then level
+            rows.sort(key=lambda r: (order[(r["setup"], r["link_rtt_ms"], r["api"])],
+                                     a.temperature.index(r["temperature"]), draws.index(r["sampling_mode"]),
+                                     names.index(r["mode"]), levels.index(r["concurrency"])))
         except KeyboardInterrupt:
             log("interrupted; stopping the services")
             return 130
@@ -1018,11 +1117,11 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 
     add_ratios(rows)
     # greedy outputs are compared where the same prompt is sent again (similar sends each one once)
-    greedy = a.temperature == 0 and a.prompt_set != "similar"
+    greedy = 0 in a.temperature and a.prompt_set != "similar"
     comparison = compare_outputs(records) if greedy else None
     for row in rows:
         row["outputs_differ"] = level_differences(records, row["mode"], row["concurrency"], row["setup"],
-                                                  row["link_rtt_ms"]) if greedy else ""
+                                                  row["link_rtt_ms"]) if greedy and row["temperature"] == 0 else ""
     meta = {
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
                     "python": platform.python_version(), "device": a.device, "accelerator": _accelerator(a.device)},
@@ -1036,13 +1135,16 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                      "apis": a.api, "concurrency": levels, "requests_per_level": {str(c): requests_for_level(c, a.requests_per_level)
                                                                    for c in levels},
                      "max_new_tokens": a.max_new_tokens, "rounds": a.rounds, "modes": [asdict(m) for m in modes],
-                     "temperature": a.temperature, "prompts": prompt_ids, "users": a.users,
+                     "temperature": a.temperature, "sampling_mode": a.sampling_mode, "prompts": prompt_ids,
+                     "users": a.users,
                      "prefix_cache": a.prefix_cache, "suffix_cache": a.suffix_cache},
-        "outputs": comparison if greedy else "not compared (temperature > 0)" if a.temperature > 0
+        "outputs": comparison if greedy else "not compared (temperature > 0)" if 0 not in a.temperature
         else "not compared (no prompt is sent twice)",
     }
     if greedy:
         meta["outputs"]["identical"] = not comparison["differ"]
+        if any(a.temperature):
+            meta["outputs"]["compared"] = "greedy rows only (temperature 0)"
     table = write_outputs(out, records, rows, meta)
     print(table)
     errors = sum(r["errors"] for r in rows)

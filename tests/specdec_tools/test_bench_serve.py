@@ -377,3 +377,99 @@ def test_fresh_users_share_no_cache_and_one_user_finds_its_prompts_cached(tmp_pa
     assert rows["on-one-user", 2]["cached_share"] > 0 and rows["off-one-user", 2]["cached_share"] > 0
     assert rows["on-one-user", 2]["vs_off"] == round(rows["on-one-user", 2]["aggregate_tok_s"] /
                                                      rows["off-one-user", 2]["aggregate_tok_s"], 3)
+
+
+def test_temperatures_and_sampling_modes_multiply_the_modes():
+    assert bs.parse_temperatures("0,0.7, 1.0,0.7") == [0.0, 0.7, 1.0]
+    for bad in ("", "hot", "-1", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bs.parse_temperatures(bad)
+    assert bs.parse_sampling_modes("both") == ["coupled", "rejection"]
+    assert bs.parse_sampling_modes("default,rejection,coupled,both") == ["default", "rejection", "coupled"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        bs.parse_sampling_modes("gumbel")
+    modes = bs.with_sampling(bs.parse_modes("on,off"), [0.0, 0.7], ["coupled", "rejection"])
+    # greedy once (it has one way to draw), each sampled temperature once per sampling mode
+    assert [(m.name, m.temperature, m.sampling) for m in modes] == [
+        ("on", 0.0, None), ("off", 0.0, None), ("on", 0.7, "coupled"), ("off", 0.7, "coupled"),
+        ("on", 0.7, "rejection"), ("off", 0.7, "rejection")]
+    assert [bs.mode_label(m) for m in modes[:3]] == ["on", "off", "on T0.7 coupled"]
+    assert bs.with_sampling([bs.Mode("on", None)], [1.0], ["default"]) == [bs.Mode("on", None, temperature=1.0)]
+
+
+def test_wire_bytes_a_round_and_sampled_rows():
+    records = [rec(request=0, tokens=10), rec(request=1, tokens=20), rec(request=2, error="UNAVAILABLE: gone")]
+    for r, (rounds, wire) in zip(records, [(4, 1000), (6, 2000), (9, 10**6)]):
+        r.rounds, r.wire_bytes = rounds, wire
+    assert bs.summarize_level(records, wall_s=1.0)["wire_bytes_per_round"] == 300.0  # 3000 B / 10 rounds
+    assert bs.summarize_level([rec()], wall_s=1.0)["wire_bytes_per_round"] is None  # no stats (HTTP): none
+    base = {"concurrency": 1, "requests": 2, "aggregate_tok_s": 10.0, "acceptance_rate": 0.5}
+    greedy = {**base, "mode": "on", "temperature": 0.0, "sampling": "greedy", "wire_bytes_per_round": 250.4}
+    lines = bs.format_table([greedy]).splitlines()
+    assert "wire B/round" in lines[0] and "temperature" not in lines[0] and "| 250 |" in lines[2]
+    assert lines[2].startswith("| on | 1 | 2 |")  # greedy tables keep their columns
+    sampled = {**base, "mode": "on", "temperature": 0.7, "sampling": "rejection", "wire_bytes_per_round": 3161254.0}
+    lines = bs.format_table([greedy, sampled]).splitlines()
+    assert "| temperature | sampling | mode |" in lines[0]
+    assert lines[2].startswith("| 0 | greedy | on | 1 |") and lines[3].startswith("| 0.7 | rejection | on | 1 |")
+    assert "| 3,161,254 |" in lines[3]
+    split = {"split_tokens": 2.0, **{key: 1.0 for key, _, _ in bs.SPLIT_COLUMNS[1:]}}
+    lines = bs.format_split([{**greedy, **split}, {**sampled, **split}]).splitlines()
+    assert lines[0].startswith("| temperature | sampling | mode | clients |")
+    assert lines[3].startswith("| 0.7 | rejection | on | 1 | 2.00 |")
+    # ratios stay within a temperature and a sampling mode
+    rows = [{"mode": m, "concurrency": 1, "aggregate_tok_s": v, "temperature": t, "sampling_mode": s}
+            for m, v, t, s in [("on", 12.0, 0.0, "default"), ("off", 10.0, 0.0, "default"),
+                               ("on", 9.0, 0.7, "rejection"), ("off", 6.0, 0.7, "rejection"),
+                               ("on", 11.0, 0.7, "coupled"), ("off", 10.0, 0.7, "coupled")]]
+    assert [r["vs_off"] for r in bs.add_ratios(rows)] == [1.2, None, 1.5, None, 1.1, None]
+    # only greedy outputs are compared
+    records = [rec("on", 1, 0, ids=[1, 2]), rec("on", 2, 0, ids=[1, 2]), rec("on", 1, 0, ids=[5]),
+               rec("on", 2, 0, ids=[6])]
+    records[2].temperature = records[3].temperature = 0.7
+    assert bs.compare_outputs(records) == {"checked": 1, "differ": [], "unchecked": 0}
+    assert records[3].same_as_c1 is None and bs.level_differences(records, "on", 2) == "0/1"
+    assert bs.row_sampling(bs.Mode("on", None), records) == "greedy"
+    records[3].sampling = "coupled"
+    assert bs.row_sampling(bs.Mode("on", None, temperature=0.7), records[2:]) == "coupled"  # as the server said
+    assert bs.row_sampling(bs.Mode("on", None, temperature=0.7, sampling="rejection"), records[:1]) == "rejection"
+
+
+def test_smoke_temperatures_and_both_sampling_modes(tmp_path, capsys, monkeypatch):
+    """--temperature 0,1.0 --sampling-mode both: greedy rows, and at temperature 1 a coupled and a
+    rejection row per mode, side by side; each request asks as its row says, the wire bytes a
+    round show the difference (token ids against dense distributions) and only greedy outputs are
+    compared."""
+    from specdec_tools import bench_serve
+    from orchestrator.cli import main
+
+    asked = []
+    real = bench_serve._one_request
+
+    def recorded(client, mode, prompt, a, seed, progress=None, token=None):
+        out = real(client, mode, prompt, a, seed, progress, token)
+        asked.append((mode.temperature, mode.sampling, out[4]["sampling"]))
+        return out
+
+    monkeypatch.setattr(bench_serve, "_one_request", recorded)
+    out = tmp_path / "serve"
+    assert main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
+                 "--temperature", "0,1.0", "--sampling-mode", "both", "--out", str(out),
+                 "--startup-timeout", "240"]) == 0
+    printed = capsys.readouterr().out
+    assert set(asked) == {(0.0, None, "greedy"), (1.0, "coupled", "coupled"), (1.0, "rejection", "rejection")}
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {(r["temperature"], r["sampling"], r["mode"], r["concurrency"]): r for r in summary["levels"]}
+    assert set(rows) == {(t, s, m, c) for t, s in ((0.0, "greedy"), (1.0, "coupled"), (1.0, "rejection"))
+                         for m in ("on", "off") for c in (1, 2)}
+    for (t, s, m, c), row in rows.items():
+        assert row["errors"] == 0 and row["wire_bytes_per_round"] > 0, row
+        assert (row["outputs_differ"] != "") == (t == 0 and c == 2), row
+        if m == "on":
+            assert row["vs_off"] == round(row["aggregate_tok_s"] / rows[t, s, "off", c]["aggregate_tok_s"], 3)
+    for c in (1, 2):
+        greedy, coupled, rejection = (rows[t, s, "on", c]["wire_bytes_per_round"] for t, s in (
+            (0.0, "greedy"), (1.0, "coupled"), (1.0, "rejection")))
+        assert coupled < 1.5 * greedy and 10 * coupled < rejection, (greedy, coupled, rejection)
+    assert summary["outputs"]["checked"] == 4 and summary["outputs"]["identical"]  # greedy: 2 requests x 2 modes
+    assert "| 1 | rejection | on | 2 |" in printed and "| 0 | greedy | off | 1 |" in printed
