@@ -1,5 +1,5 @@
 """The draft worker: a small causal LM that proposes gamma tokens per round over gRPC.
 
-engine.py does the model work, servicer.py maps gRPC to the engine, server.py builds and runs
-the server, __main__.py is `python -m draft_service`.
+`python -m draft_service` (__main__.py): role.py says what a draft worker is, specdec/worker/server.py
+serves it, servicer.py maps gRPC to engine.py, which does the model work.
 """

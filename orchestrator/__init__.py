@@ -1,8 +1,12 @@
-"""The client-facing orchestrator: runs the speculative loop and serves clients over gRPC.
+"""The client-facing orchestrator: serves clients over gRPC and HTTP and runs speculative decoding.
 
-Where a request goes: servicer.py (proto -> GenerationRequest) -> speculative.py
-(SpeculativeDecoder, the round loop) -> workers.py interface, implemented by remote.py (gRPC
-clients of the workers) or by the engines in-process (local.py) -> rejection_sampler.py for
-the accept/reject math -> detokenizer.py for text and stop strings. client.py is the Python
-client users import; server.py builds and runs the server.
+Where a request goes: servicer.py (gRPC; http/ for the OpenAI-compatible door) turns it into a
+GenerationRequest and admission.py gives it a turn; decoder.py (SpeculativeDecoder) validates it,
+places its sessions (placement.py, on the pools of pool.py) and hands it to the step loop of its
+target (steps.py). Each step the gamma policy (gamma.py, arms.py) chooses every request's drafts,
+the draft and the target are called once each for all requests (workers.py's interface: remote.py
+over gRPC, or the engines in-process), and rounds.py finishes each request's round: rejection
+sampling (rejection_sampler.py), rollback, stop strings and text (detokenizer.py). Model-free
+drafts are in proposers/. server.py builds the server, serve.py is `specdec serve`, cli.py the
+`specdec` command; client.py re-exports the Python client.
 """
