@@ -61,9 +61,15 @@ def connect(a: argparse.Namespace, timeout_s):
     return Client(a.server, timeout_s=timeout_s, tls=ClientTls(a.tls_ca, a.tls_cert, a.tls_key), token=a.token)
 
 
+# why an answer ended, in words (the stats line's first part)
+FINISH_WORDS = {"length": "cut at the token limit (--max-new-tokens)", "eos": "the model ended its answer",
+                "stop_string": "a stop string", "stop_token": "a stop token", "tool_calls": "tool calls"}
+
+
 def format_stats(finish_reason: str, s: dict) -> str:
     return (
-        f"[{finish_reason}] {s['generated_tokens']} tokens in {s['total_s']:.2f} s ({s['tokens_per_second']:.2f} tok/s), "
+        f"[ended: {FINISH_WORDS.get(finish_reason, finish_reason)}] {s['generated_tokens']} tokens in "
+        f"{s['total_s']:.2f} s ({s['tokens_per_second']:.2f} tok/s), "
         f"gamma {s['gamma']}, {s['rounds']} rounds, acceptance {s['acceptance_rate']:.1%} "
         f"({s['accepted_tokens']}/{s['drafted_tokens']}), {s['mean_accepted_length']:.2f} tokens/round, "
         f"{s['target_forward_passes']} target passes, {s['wire_bytes_per_round']:.0f} wire bytes/round"

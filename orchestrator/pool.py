@@ -190,12 +190,14 @@ class WorkerPool:
             except Exception as exc:  # noqa: BLE001 - a member must never take the pool down
                 info, state, message = None, UNAVAILABLE, f"{type(exc).__name__}: {exc}"
             with self._lock:
+                if m.state == JOINING and state == UNAVAILABLE:
+                    state = JOINING  # not up yet (a worker starting refuses connections a while): no news
                 if m.state != state:  # a worker still starting is news, not a warning
                     level = logging.WARNING if m.state == SERVING or state == REFUSED else logging.INFO
                     log.log(level, "%s pool: %s is %s %s", self.role, m.address, state, message)
                 # its calls in flight are given up on once it surely stopped answering: its connection
                 # is gone, or it missed two polls in a row (one late answer on a busy host is no fault)
-                m.missed = m.missed + 1 if state == UNAVAILABLE else 0
+                m.missed = m.missed + 1 if state in (UNAVAILABLE, JOINING) and info is None else 0
                 stopped = state == UNAVAILABLE and (m.missed == 2 or (broken and m.missed == 1))
                 if m.state == REFUSED and state != SERVING:
                     state, message = REFUSED, m.message  # stays refused until it serves an accepted model

@@ -281,3 +281,23 @@ def test_abandoned_calls_fail_unavailable_at_once(workers):
     assert worker.open_session("abandoned-2", [1, 2, 3])[0] == 3
     worker.close_session("abandoned-2")
     worker.close()
+
+
+def test_a_worker_still_starting_is_joining_and_no_news(caplog):
+    """A worker that has not come up yet refuses connections: that is no fault to log at every
+    start (it was an 'unavailable ... Connection refused' line between the progress bars)."""
+    import logging
+
+    from specdec.errors import Unavailable
+
+    worker = _Stalled()
+    worker.error = Unavailable("target worker at x:1: failed to connect to all addresses; Connection refused")
+    pool = WorkerPool.fixed("target", [worker])
+    with caplog.at_level(logging.INFO, logger="orchestrator.pool"):
+        pool.poll()
+        pool.poll()
+        assert [(m.state, "Connection refused" in m.message) for m in pool.members()] == [("joining", True)]
+        worker.error = None
+        pool.poll()
+    assert [m.state for m in pool.members()] == [SERVING]
+    assert [r.getMessage() for r in caplog.records] == ["target pool: in-process-target-0 is serving "]
