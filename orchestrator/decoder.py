@@ -41,7 +41,7 @@ from orchestrator.pool import WorkerPool, pair_pools
 from orchestrator.rounds import RequestState
 from orchestrator.steps import StepLoops
 from orchestrator.proposers.suffix import SuffixIndex
-from orchestrator import tools
+from orchestrator import tool_calls
 from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
 from specdec.errors import Cancelled, InvalidArgument, ServiceError
@@ -98,7 +98,7 @@ class SpeculativeDecoder:
         self.draft_info = self.drafts.wait_for_member(0).info if self.drafts is not None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_from(first_target.worker)
         self.eos = frozenset(self.target_info.eos_token_ids)
-        self._tool_tags = tools.tag_ids(self.tokenizer)  # <tool_call> as one token, where the model has one
+        self._tool_tags = tool_calls.tag_ids(self.tokenizer)  # <tool_call> as one token, where the model has one
         self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
         self.max_context = min(i.max_context for i in (self.target_info, self.draft_info) if i is not None)
         # prefilling both at once hides the draft's prefill when the workers have their own
@@ -167,7 +167,7 @@ class SpeculativeDecoder:
             self._check_text_fits(sum(len(str(m.get("content", ""))) + len(str(m.get("role", "")))
                                       for m in request.messages))
             try:
-                text = self.tokenizer.apply_chat_template(tools.template_messages(list(request.messages)),
+                text = self.tokenizer.apply_chat_template(tool_calls.template_messages(list(request.messages)),
                                                           tools=list(request.tools) or None, tokenize=False,
                                                           add_generation_prompt=True)
             except Exception as exc:  # jinja2 errors: e.g. a template that demands alternating roles
@@ -248,8 +248,8 @@ class SpeculativeDecoder:
         if request.tools or request.tool_choice is not None:
             if request.messages is None:
                 raise InvalidArgument("tools need a chat (messages), not a prompt", param="tools")
-            tools.check_tools(request.tools, request.tool_choice)
-            constraint = tools.grammar(request.tools, request.tool_choice, self._tool_tags,
+            tool_calls.check_tools(request.tools, request.tool_choice)
+            constraint = tool_calls.grammar(request.tools, request.tool_choice, self._tool_tags,
                                        parallel=request.parallel_tool_calls)
             if constraint is not None:
                 if params.grammar is not None:
@@ -359,7 +359,7 @@ class SpeculativeDecoder:
                 if calling:
                     text[chunk.index].append(chunk.text_delta)
                     if chunk.finish_reason is not None:
-                        calls = tools.parse("".join(text[chunk.index]), names)[1]
+                        calls = tool_calls.parse("".join(text[chunk.index]), names)[1]
                         if calls:
                             chunk.tool_calls = [c.as_openai() for c in calls]
                             chunk.finish_reason = "tool_calls"

@@ -284,7 +284,7 @@ class GenerationRequest:
     stop_token_ids: Sequence[int] = ()  # generation also ends after one of these (finish "stop_token")
     ignore_eos: bool = False  # generation does not end at EOS
     structured_output: GrammarSpec | None = None  # the output follows this grammar
-    # chat only: OpenAI-shaped function tools, shown by the chat template (orchestrator/tools.py)
+    # chat only: OpenAI-shaped function tools, shown by the chat template (orchestrator/tool_calls.py)
     tools: Sequence[dict] = ()
     tool_choice: str | dict | None = None  # "none", "auto" (the default with tools), "required" or a name
     parallel_tool_calls: bool = True  # False: tool_choice required makes exactly one call

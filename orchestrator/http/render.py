@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from orchestrator import tools
+from orchestrator import tool_calls
 from orchestrator.detokenizer import token_bytes
 from orchestrator.http.errors import OPENAI_PARAMS, from_service_error
 from specdec.errors import ServiceError
@@ -28,7 +28,7 @@ class Answer:
         calls); n: choices; params: the request's OpenAI names of fields (an error event names one)."""
         self.chat, self.model, self.tokenizer, self.n = chat, model, tokenizer, n
         self.params = params
-        self.held = {i: tools.HeldText(names) for i in range(n)} if calling else None
+        self.held = {i: tool_calls.HeldText(names) for i in range(n)} if calling else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._text_offset = 0  # completions' logprobs.text_offset, across chunks
@@ -87,7 +87,7 @@ class Answer:
                 message = {"role": "assistant", "content": text}
                 if last.tool_calls:  # the calls leave the content (OpenAI's shape)
                     names = {c["function"]["name"] for c in last.tool_calls}
-                    message = {"role": "assistant", "content": tools.parse(text, names)[0],
+                    message = {"role": "assistant", "content": tool_calls.parse(text, names)[0],
                                "tool_calls": last.tool_calls}
                 choices.append({"index": index, "message": message, "logprobs": self.logprobs(mine),
                                 "finish_reason": finish})

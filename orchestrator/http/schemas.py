@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validat
 
 from orchestrator.decoder import MAX_MESSAGES, MAX_N, MAX_STOP_STRINGS
 from orchestrator.http.errors import OPENAI_PARAMS, OpenAIError
-from orchestrator.tools import MAX_TOOLS
+from orchestrator.tool_calls import MAX_TOOLS
 from specdec.protocol import (MAX_GAMMA, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, GenerationRequest,
                               GrammarSpec)
 

@@ -104,10 +104,10 @@ def test_structured_output_by_every_name_clients_use(oai, grpc_client, http_stac
 def test_tool_calls_in_openais_shape_whole_and_streamed(oai, http_stack):
     """tools + tool_choice through the SDK: message.tool_calls with JSON arguments that validate,
     finish_reason tool_calls; streamed, the call comes as a tool_calls delta and no block leaks
-    into the content; a tool answer in the history is accepted (tests/orchestrator/test_tools.py
+    into the content; a tool answer in the history is accepted (tests/orchestrator/test_tool_calls.py
     has the exactness)."""
     import jsonschema
-    from tests.orchestrator.test_tools import TOOLS
+    from tests.orchestrator.test_tool_calls import TOOLS
 
     weather = TOOLS[0]["function"]
     r = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=200, temperature=0,

@@ -1,4 +1,4 @@
-"""Tool calls in chat (orchestrator/tools.py): tools reach the chat template, tool_choice required or
+"""Tool calls in chat (orchestrator/tool_calls.py): tools reach the chat template, tool_choice required or
 a named function constrains the output to calls whose arguments validate (exactly the target's
 output under that grammar, speculation on), auto parses the model's own <tool_call> blocks, and
 OpenAI's shapes come back over gRPC and HTTP, streamed too."""
@@ -11,7 +11,7 @@ import grpc
 import jsonschema
 import pytest
 
-from orchestrator import tools
+from orchestrator import tool_calls
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationRequest, SamplingParams
@@ -37,37 +37,37 @@ def call(text: str) -> str:
 def test_parse_takes_calls_out_of_the_text_and_leaves_the_rest():
     text = "Let me check." + call('{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}') + "\n" + \
         call('{"name": "get_time", "arguments": {"zone": "UTC"}}')
-    content, calls = tools.parse(text)
+    content, calls = tool_calls.parse(text)
     assert content == "Let me check." and [c.name for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0].arguments) == {"city": "Paris", "unit": "c"} and calls[0].id.startswith("call_")
-    assert tools.parse("no calls here") == ("no calls here", [])
-    assert tools.parse(call("not json"))[1] == []  # a block that is not a call stays text
+    assert tool_calls.parse("no calls here") == ("no calls here", [])
+    assert tool_calls.parse(call("not json"))[1] == []  # a block that is not a call stays text
     # what small models write instead of the tags (Qwen2.5-Coder-1.5B does, measured): a call as the
     # whole answer, bare or fenced, to one of the request's tools
     fenced = '```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```'
-    content, calls = tools.parse(fenced, {"get_time"})
+    content, calls = tool_calls.parse(fenced, {"get_time"})
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
-    assert tools.parse('[{"name": "get_time"}, {"name": "get_weather", "arguments": {}}]', {"get_time", "get_weather"})[1]
-    assert tools.parse(fenced, {"get_weather"})[1] == []  # not one of the tools: text
-    assert tools.parse(fenced)[1] == []  # no names given (tool_choice none): text
-    assert tools.parse('{"name": "get_time", "arguments": {}, "extra": 1}', {"get_time"})[1] == []
+    assert tool_calls.parse('[{"name": "get_time"}, {"name": "get_weather", "arguments": {}}]', {"get_time", "get_weather"})[1]
+    assert tool_calls.parse(fenced, {"get_weather"})[1] == []  # not one of the tools: text
+    assert tool_calls.parse(fenced)[1] == []  # no names given (tool_choice none): text
+    assert tool_calls.parse('{"name": "get_time", "arguments": {}, "extra": 1}', {"get_time"})[1] == []
 
 
 def test_held_text_streams_the_content_and_holds_back_the_blocks():
     text = "Sure. " + call('{"name": "get_time", "arguments": {"zone": "CET"}}')
     for size in (1, 3, 7, len(text)):
-        held = tools.HeldText()
+        held = tool_calls.HeldText()
         sent = "".join(held.add(text[i : i + size]) for i in range(0, len(text), size))
         rest, calls = held.finish()
         assert sent + rest == "Sure." or (sent + rest).rstrip() == "Sure.", (size, sent, rest)
         assert "<tool" not in sent and [c.name for c in calls] == ["get_time"]
     bare = '```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```'
     for text, content, n in ((bare, "", 1), ("{not a call}", "{not a call}", 0)):
-        held = tools.HeldText({"get_time"})  # auto: what may be a bare call waits for the end
+        held = tool_calls.HeldText({"get_time"})  # auto: what may be a bare call waits for the end
         sent = "".join(held.add(text[i : i + 5]) for i in range(0, len(text), 5))
         rest, calls = held.finish()
         assert sent == "" and rest == content and len(calls) == n
-    held = tools.HeldText()  # a tail that could begin a tag waits; one that never becomes one goes out at the end
+    held = tool_calls.HeldText()  # a tail that could begin a tag waits; one that never becomes one goes out at the end
     assert held.add("a <b") == "a <b" and held.add(" <tool") == " " and held.finish() == ("<tool", [])
 
 
@@ -79,7 +79,7 @@ def decoder(target_engine, draft_engine):
 @pytest.mark.parametrize("choice", ["required", "get_weather", {"type": "function", "function": {"name": "get_time"}}])
 def test_required_and_named_choices_give_valid_calls_exactly_the_targets(decoder, target_engine, choice):
     prompt = decoder.encode(GenerationRequest(messages=CHAT, tools=TOOLS))
-    spec = tools.grammar(TOOLS, choice)
+    spec = tool_calls.grammar(TOOLS, choice)
     expected = reference(target_engine, prompt, SamplingParams(0.0, output_start=len(prompt), grammar=spec), 160)
     for gamma in (0, 3, 6):
         r = decoder.generate(GenerationRequest(messages=CHAT, tools=TOOLS, tool_choice=choice, gamma=gamma,
@@ -94,9 +94,9 @@ def test_required_and_named_choices_give_valid_calls_exactly_the_targets(decoder
 
 
 def test_parallel_tool_calls_false_makes_required_one_call():
-    spec = tools.grammar(TOOLS, "required", parallel=False)
+    spec = tool_calls.grammar(TOOLS, "required", parallel=False)
     assert spec.text.startswith("start: call\n")
-    assert tools.grammar(TOOLS, "required").text.startswith('start: call ("\\n" call)*')
+    assert tool_calls.grammar(TOOLS, "required").text.startswith('start: call ("\\n" call)*')
 
 
 def test_auto_parses_the_models_own_blocks_over_grpc(client):
@@ -173,18 +173,18 @@ def test_a_tokenizer_with_tool_call_tokens_gets_them_in_the_grammar():
     from specdec_tools.testing.tiny_models import build_tokenizer
 
     tok = build_tokenizer()
-    tok.add_tokens([tools.OPEN, tools.CLOSE])
-    tags = tools.tag_ids(tok)
-    assert tags == (tok.convert_tokens_to_ids(tools.OPEN), tok.convert_tokens_to_ids(tools.CLOSE))
-    assert tools.tag_ids(build_tokenizer()) is None
+    tok.add_tokens([tool_calls.OPEN, tool_calls.CLOSE])
+    tags = tool_calls.tag_ids(tok)
+    assert tags == (tok.convert_tokens_to_ids(tool_calls.OPEN), tok.convert_tokens_to_ids(tool_calls.CLOSE))
+    assert tool_calls.tag_ids(build_tokenizer()) is None
     compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
-    by_id = compiler.matcher(tools.grammar(TOOLS, "get_time", tags))
+    by_id = compiler.matcher(tool_calls.grammar(TOOLS, "get_time", tags))
     assert by_id.forced_tokens()[0] == tags[0]
     ids = tok.encode(call('{"name": "get_time", "arguments": {"zone": "CET"}}'), add_special_tokens=False)
     assert ids[0] == tags[0] and ids[-1] == tags[1]
     by_id.consume(ids)
     assert by_id.is_accepting()
-    literal = compiler.matcher(tools.grammar(TOOLS, "get_time"))  # spelled out: the added token is not it
+    literal = compiler.matcher(tool_calls.grammar(TOOLS, "get_time"))  # spelled out: the added token is not it
     forced = literal.forced_tokens()
     literal.consume(forced)  # whatever it offers, it takes
     assert tags[0] not in forced
