@@ -109,6 +109,21 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          help="breaks exactness: greedy rounds keep each draft with this probability whatever the target says "
               "(then the target's token), so random-weight models run rounds shaped like a real pair's (as "
               "llama.cpp's --spec-synth-len); 0: off, the exact verification"),
+], groups=[
+    ("workers", ["--target", "--draft", "--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key",
+                 "--resolve-interval"]),
+    ("server", ["--host", "--port", "--log-level", "--reflection", "--keepalive", "--max-connection-age",
+                "--max-connection-age-grace"]),
+    ("security", ["--tls-cert", "--tls-key", "--tls-client-ca", "--auth-token-file", "--admin-token-file"]),
+    ("HTTP API (OpenAI-compatible)", ["--http-port", "--served-model-name", "--http-max-body", "--http-body-timeout",
+                                      "--http-head-timeout", "--http-max-connections"]),
+    ("limits", ["--max-workers", "--max-queued", "--max-per-client", "--request-timeout", "--max-new-tokens",
+                "--max-prompt-tokens"]),
+    ("drafting and sampling", ["--gamma-policy", "--sampling", "--draft-p-min", "--draft-min", "--draft-lookup",
+                               "--suffix-cache-tokens", "--draft-ahead", "--prefill", "--torch-threads"]),
+    ("timeouts and failover", ["--worker-timeout", "--worker-keepalive", "--draft-timeout", "--poll-interval",
+                               "--startup-timeout", "--drain-timeout"]),
+    ("structured output", [f.name for f in grammar_flags()]),
 ])
 
 

@@ -93,30 +93,38 @@ def _description(flag) -> str:
     return text
 
 
-def _flag_tables(table, roles: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """The operator rows and the experimental rows of one flag table."""
-    operator, experimental = [], []
-    for flag in table.flags:
+def _rows(table, flags, roles: tuple[str, ...]) -> list[str]:
+    rows = []
+    for flag in flags:
         has = [r for r in roles if flag.roles is None or r in flag.roles]
         if not has:
             continue
         env = ", ".join(f"`{table.env_name(flag, r)}`" for r in has)
         if len(roles) > 1:
-            row = f"| `{flag.name}` | {', '.join(has)} | {_default(flag)} | {env} | {_description(flag)} |"
+            rows.append(f"| `{flag.name}` | {', '.join(has)} | {_default(flag)} | {env} | {_description(flag)} |")
         else:
-            row = f"| `{flag.name}` | {_default(flag)} | {env} | {_description(flag)} |"
-        (experimental if flag.experimental else operator).append(row)
-    return operator, experimental
+            rows.append(f"| `{flag.name}` | {_default(flag)} | {env} | {_description(flag)} |")
+    return rows
 
 
 def _table_section(title: str, intro: list[str], table, roles: tuple[str, ...]) -> list[str]:
+    """The table's operator flags under a heading per group (as `--help` groups them), then the
+    experimental ones."""
     if len(roles) > 1:
         header = ["| flag | roles | default | environment variable | description |", "|---|---|---|---|---|"]
     else:
         header = ["| flag | default | environment variable | description |", "|---|---|---|---|"]
-    operator, experimental = _flag_tables(table, roles)
-    out = ["", f"## {title}", "", *intro, "", *header, *operator, "",
-           "### Experimental (benchmarks and ablations only)", ""]
+    by_name = {f.name: f for f in table.flags}
+    groups = [(name, [by_name[n] for n in names if n in by_name]) for name, names in table.groups]
+    grouped = {f.name for _, flags in groups for f in flags}
+    rest = [f for f in table.flags if not f.experimental and f.name not in grouped]  # FlagTable refuses these
+    if rest or not groups:
+        groups.append(("other" if groups else "", rest))
+    out = ["", f"## {title}", "", *intro]
+    for name, flags in groups:
+        out += ["", f"### {title}: {name}" if name else "", "", *header, *_rows(table, flags, roles)]
+    experimental = _rows(table, [f for f in table.flags if f.experimental], roles)
+    out += ["", f"### {title}: experimental (benchmarks and ablations only)", ""]
     if experimental:
         out += ["Never needed in production: `--help` leaves these out, `--help-experimental` lists them. Some "
                 "break exactness or cost speed, as each says.", "", *header, *experimental]

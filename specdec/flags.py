@@ -41,11 +41,29 @@ class Flag:
 
 
 class FlagTable:
-    def __init__(self, env_prefix: str, flags: Sequence[Flag]):
-        """env_prefix: e.g. "SPECDEC_ORCHESTRATOR"; a worker table's "{role}" is filled per role."""
+    def __init__(self, env_prefix: str, flags: Sequence[Flag], groups: Sequence[tuple[str, Sequence[str]]] = ()):
+        """env_prefix: e.g. "SPECDEC_ORCHESTRATOR"; a worker table's "{role}" is filled per role.
+        groups: (title, flag names) in the order `--help` and docs/configuration.md show them (as
+        vLLM groups its engine arguments); every flag an operator sets is in exactly one."""
         self.env_prefix = env_prefix
         self.flags = tuple(flags)
         self._by_key = {f.key: f for f in self.flags}
+        self.groups = tuple((title, tuple(names)) for title, names in groups)
+        if self.groups:
+            placed = [name for _, names in self.groups for name in names]
+            operator = {f.name for f in self.flags if not f.experimental}
+            twice = {n for n in placed if placed.count(n) > 1}
+            if set(placed) != operator or twice:
+                raise ValueError(f"{env_prefix}: flags in no group {sorted(operator - set(placed))}, in a group but "
+                                 f"no flag {sorted(set(placed) - operator)}, in two groups {sorted(twice)}")
+
+    def grouped(self, role: str = "") -> list[tuple[str, list[Flag]]]:
+        """The role's operator flags by group, in order (one untitled group when the table has none)."""
+        mine = {f.name: f for f in self.for_role(role) if not f.experimental}
+        if not self.groups:
+            return [("", list(mine.values()))]
+        return [(title, [mine[n] for n in names if n in mine]) for title, names in self.groups
+                if any(n in mine for n in names)]
 
     def default(self, key: str) -> Any:
         """The config default of a field (the default converted the way a parsed value is)."""
@@ -61,20 +79,27 @@ class FlagTable:
     def parser(self, prog: str, description: str, role: str = "") -> argparse.ArgumentParser:
         from specdec import __version__
 
-        p = argparse.ArgumentParser(prog=prog, description=description)
+        needed = " ".join(f"{f.name} {f.key.upper()}" for f in self.for_role(role) if f.required)
+        p = argparse.ArgumentParser(prog=prog, description=description,
+                                    usage=f"%(prog)s {needed + ' ' if needed else ''}[options]")
         p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
         experimental = argparse.ArgumentParser(
             prog=prog, add_help=False, usage=argparse.SUPPRESS,
             description="Experimental flags: for benchmarks and ablations only, never needed in production.")
+        sections = {}
+        for title, flags in self.grouped(role):
+            section = p.add_argument_group(title) if title else p
+            sections.update((f.name, section) for f in flags)
         for flag in self.for_role(role):
             env = self.env_name(flag, role)
             value = os.environ.get(env)
             default = flag.type(value) if value is not None else flag.default
             shown = "" if flag.default is None else f"; default {flag.default}"
             text = f"{flag.help} (env {env}{shown})".lstrip()
-            p.add_argument(flag.name, type=flag.type, default=default, choices=flag.choices,
-                           required=flag.required and value is None, dest=flag.key,
-                           help=argparse.SUPPRESS if flag.experimental else text)
+            sections.get(flag.name, p).add_argument(
+                flag.name, type=flag.type, default=default, choices=flag.choices,
+                required=flag.required and value is None, dest=flag.key,
+                help=argparse.SUPPRESS if flag.experimental else text)
             if flag.experimental:
                 experimental.add_argument(flag.name, type=flag.type, choices=flag.choices, help=text)
         p.add_argument("--help-experimental", action=_PrintHelp, parser=experimental,

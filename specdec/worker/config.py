@@ -61,6 +61,15 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     reflection_flag(),
     *connection_flags(),
     *tls_flags(),
+], groups=[
+    ("model and device", ["--model", "--device", "--dtype", "--device-map", "--quantize", "--cuda-graphs",
+                          "--target-model", "--draft-vocab"]),
+    ("server", ["--host", "--port", "--max-workers", "--drain-timeout", "--log-level", "--reflection", "--keepalive",
+                "--max-connection-age", "--max-connection-age-grace"]),
+    ("security", ["--tls-cert", "--tls-key", "--tls-client-ca"]),
+    ("sessions and memory", ["--max-sessions", "--max-cached-tokens", "--prefix-cache-tokens", "--session-ttl"]),
+    ("batching", ["--max-batch-tokens", "--max-prefill-tokens-while-decoding", "--pass-lock"]),
+    ("structured output", [f.name for f in grammar_flags()]),
 ])
 
 

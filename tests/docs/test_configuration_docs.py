@@ -60,7 +60,7 @@ def test_the_page_is_what_the_script_generates_now():
 ])
 def test_every_flag_of_every_table_is_on_the_page(title, table, roles):
     section = _section(DOC.read_text(), title)
-    operator, _, experimental = section.partition("### Experimental (benchmarks and ablations only)")
+    operator, _, experimental = section.partition(f"### {title}: experimental (benchmarks and ablations only)")
     for role in roles:
         for flag in table.for_role(role):
             rows = _rows(experimental if flag.experimental else operator)
@@ -73,9 +73,19 @@ def test_every_flag_of_every_table_is_on_the_page(title, table, roles):
     assert set(_rows(section)) == names
 
 
+@pytest.mark.parametrize("title,table", [("Orchestrator", ORCHESTRATOR_FLAGS), ("Workers", WORKER_FLAGS)])
+def test_the_flags_stand_in_their_groups_as_help_shows_them(title, table):
+    section = _section(DOC.read_text(), title)
+    assert table.groups, f"the {title} table groups its flags"
+    for name, flags in table.groups:
+        start = section.index(f"\n### {title}: {name}\n")
+        end = section.find("\n### ", start + 1)
+        assert set(_rows(section[start:end])) == set(flags), f"{title}: the group {name!r} is not what the table says"
+
+
 def test_experimental_flags_stand_apart_from_the_operator_flags():
     section = _section(DOC.read_text(), "Orchestrator")
-    operator, _, experimental = section.partition("### Experimental (benchmarks and ablations only)")
+    operator, _, experimental = section.partition("### Orchestrator: experimental (benchmarks and ablations only)")
     flags = [f for f in ORCHESTRATOR_FLAGS.flags if f.experimental]
     assert flags, "the orchestrator's table has experimental flags (e.g. --synthetic-acceptance)"
     for flag in flags:

@@ -100,7 +100,24 @@ def test_connection_flags_become_grpc_server_options():
     options = dict(config.connection)
     assert options["grpc.keepalive_time_ms"] == 30_000 and options["grpc.keepalive_timeout_ms"] == 20_000
     assert options["grpc.max_connection_age_ms"] == 600_000 and options["grpc.max_connection_age_grace_ms"] == 60_000
-    off = OrchestratorConfig.from_args(["--target", "t:1", "--keepalive", "0", "--max-connection-age", "0"])
-    assert off.connection == []
+    off = dict(OrchestratorConfig.from_args(["--target", "t:1", "--keepalive", "0", "--max-connection-age", "0"])
+               .connection)
+    assert "grpc.keepalive_time_ms" not in off and "grpc.max_connection_age_ms" not in off
+    # the orchestrator pings its workers every 2 s: every server accepts pings that often, either way
+    assert off["grpc.http2.min_recv_ping_interval_without_data_ms"] <= 1000
+    assert off["grpc.keepalive_permit_without_calls"] == 1 and off["grpc.http2.max_ping_strikes"] == 0
     default = dict(OrchestratorConfig(target="t:1").connection)
     assert default["grpc.keepalive_time_ms"] == 60_000 and default["grpc.max_connection_age_ms"] == 1_800_000
+
+
+def test_help_shows_the_flags_by_group_and_every_flag_has_one():
+    from specdec.flags import Flag, FlagTable
+
+    text = ORCHESTRATOR_FLAGS.parser("python -m orchestrator", "").format_help()
+    positions = [text.index(f"\n{title}:\n") for title, _ in ORCHESTRATOR_FLAGS.groups]
+    assert positions == sorted(positions), "the groups in their table's order"
+    timeouts = text[text.index("\ntimeouts and failover:\n"):]
+    assert timeouts.index("--worker-keepalive") < timeouts.index("\n\n", 2)
+    assert text.startswith("usage: python -m orchestrator --target TARGET [options]")
+    with pytest.raises(ValueError, match="in no group .'--b'"):
+        FlagTable("X", [Flag("--a"), Flag("--b")], groups=[("one", ["--a"])])
