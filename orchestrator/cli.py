@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
+from specdec import envs
 from specdec.errors import ServiceError
 
 SERVICE_COMMANDS = ("serve", "generate", "workers")
@@ -45,11 +45,11 @@ def request_kwargs(a: argparse.Namespace) -> dict:
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default="localhost:50050", help="orchestrator HOST:PORT")
-    p.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA"),
+    p.add_argument("--tls-ca", default=envs.get("SPECDEC_TLS_CA") or None,
                    help="the orchestrator speaks TLS: verify it against this PEM CA")
-    p.add_argument("--tls-cert", default=os.environ.get("SPECDEC_TLS_CERT"), help="mutual TLS: our PEM certificate")
-    p.add_argument("--tls-key", default=os.environ.get("SPECDEC_TLS_KEY"), help="mutual TLS: our PEM key")
-    p.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN"),
+    p.add_argument("--tls-cert", default=envs.get("SPECDEC_TLS_CERT") or None, help="mutual TLS: our PEM certificate")
+    p.add_argument("--tls-key", default=envs.get("SPECDEC_TLS_KEY") or None, help="mutual TLS: our PEM key")
+    p.add_argument("--token", default=envs.get("SPECDEC_TOKEN") or None,
                    help="bearer token for an orchestrator that requires one (default $SPECDEC_TOKEN)")
 
 

@@ -4,9 +4,9 @@ The tables are the one place a flag is defined (specdec/flags.py): orchestrator.
 (role "orchestrator") and specdec.worker.config.FLAGS (roles "target" and "draft"; `Flag.roles`
 says which roles have a flag). For each flag the page gives its name, default, environment
 variable (`FlagTable.env_name`) and help; flags marked `experimental` (benchmarks and ablations
-only) get a section of their own under each table. Written by hand here: `specdec serve`'s own
-flags (read from orchestrator.serve.add_arguments) with how it routes the rest, and the workers'
-environment switches that have no flag.
+only) get a section of their own under each table. `specdec serve`'s own flags are read from
+orchestrator.serve.add_arguments (how it routes the rest is written here), the environment
+variables that are no flag's from specdec/envs.py.
 
     .venv/bin/python scripts/gen_config_docs.py           # writes docs/configuration.md
     .venv/bin/python scripts/gen_config_docs.py --check   # exit 1 when docs/configuration.md is stale
@@ -28,41 +28,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 WORKER_ROLES = ("target", "draft")
-
-# Environment switches of the workers that have no flag (read once, when a worker loads its model).
-# Each is on by default; "=0" (or the value shown) is an ablation: the same output where noted, slower.
-ENV_SWITCHES = [
-    ("SPECDEC_CACHE", "a directory",
-     "The model cache (default `~/.cache/specdec`): downloaded and verified GGUF files, the converted "
-     "transformers directories, the draft's requantized Q4_K blocks (`q4k/`) and the compiled native "
-     "kernels (`kernels/`). `python -m specdec.model_store list` shows what it holds."),
-    ("SPECDEC_NATIVE_KERNELS", "0",
-     "Turns the native C kernels off: `int8-rows` runs on fbgemm, `int4-rows` and `q4k-rows` are refused, "
-     "and `--quantize auto` picks `int8-rows` for a target and fbgemm's `int8` for a draft (slower)."),
-    ("SPECDEC_NATIVE_ISA", "avx2",
-     "Keeps the native kernels on their AVX2 path on a CPU with AVX-512 VNNI (the same output bits, "
-     "slower with several rows a pass)."),
-    ("SPECDEC_HUGE_PAGES", "0",
-     "Keeps the native kernels' weights on ordinary 4 KiB pages instead of memory advised as transparent "
-     "huge pages (the same output bits, slower one-row passes)."),
-    ("SPECDEC_LEAN_FORWARD", "0",
-     "Runs transformers' own forward for every model instead of the lean Llama/Qwen2 forward "
-     "(`specdec/worker/forward.py`; it also turns the decoder layers in C off)."),
-    ("SPECDEC_NATIVE_FORWARD", "0",
-     "Runs the decoder layers with torch ops (the lean forward) instead of one call into "
-     "`specdec/csrc/decoder.c` a pass."),
-    ("SPECDEC_Q6K", "0",
-     "Runs the Linears the GGUF holds in Q6_K as `int8-rows` (requantized) instead of on their own Q6_K "
-     "blocks."),
-    ("CC", "a compiler",
-     "The C compiler that builds the native kernels at install, else on first use (default: `cc`, else `gcc`; it needs "
-     "`-mavx2` and `-fopenmp`)."),
-    ("GOMP_SPINCOUNT", "a count",
-     "Every entry point sets 200000 (idle OpenMP threads spin about a millisecond, then sleep) unless "
-     "`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is already set; a worker with cores of its own may use "
-     "`OMP_WAIT_POLICY=ACTIVE`."),
-]
-
 
 # What a flag whose table gives no help does (the table's help wins once it has some).
 UNSAID = {
@@ -166,17 +131,28 @@ def _serve_section() -> list[str]:
 
 
 def _env_section() -> list[str]:
-    rows = [f"| `{name}` | {value} | {_cell(text)} |" for name, value, text in ENV_SWITCHES]
+    from specdec import envs
+
+    def rows(reader):
+        return [f"| `{v.name}` | {v.shown} | {_cell(v.help)} |" for v in envs.VARIABLES if v.reader == reader]
+
     return [
         "",
         "## Environment switches of the workers",
         "",
-        "These have no flag; a worker reads them when it loads its model. The defaults are what",
-        "production wants; the values shown turn a technique off, for comparisons.",
+        "These have no flag (`specdec/envs.py` declares them); a worker reads them when it loads its",
+        "model. The defaults are what production wants; the values shown turn a technique off, for",
+        "comparisons.",
         "",
         "| variable | value | effect |",
         "|---|---|---|",
-        *rows,
+        *rows("worker"),
+        "",
+        "The client commands (`specdec generate`, `specdec workers`) read these where their flag is not given:",
+        "",
+        "| variable | value | effect |",
+        "|---|---|---|",
+        *rows("client"),
     ]
 
 

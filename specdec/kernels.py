@@ -54,12 +54,12 @@ import ctypes
 import functools
 import logging
 import mmap
-import os
 import threading
 import warnings
 
 import torch
 
+from specdec import envs
 from specdec import native_build
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def quantize_rows(rows: torch.Tensor, levels: float, out: torch.Tensor) -> torch
 
 def _native_wanted() -> bool:
     """Not turned off (SPECDEC_NATIVE_KERNELS=0: the fbgemm path, as before the native kernel)."""
-    return os.environ.get("SPECDEC_NATIVE_KERNELS", "1") != "0"
+    return envs.on("SPECDEC_NATIVE_KERNELS")
 
 
 @functools.cache
@@ -137,7 +137,7 @@ def native_library() -> ctypes._CFuncPtr | None:
     # SPECDEC_NATIVE_ISA=avx2 keeps the AVX2 path (the ablation; the tests compare the two)
     isa_names, wants = {1: "avx2", 2: "avx512-vnni"}, {"best": 0, "avx2": 1}
     fn.set_isa = lambda want: isa_names[lib.specdec_native_isa(wants[want])]  # the ISA now in use
-    fn.isa = fn.set_isa("avx2" if os.environ.get("SPECDEC_NATIVE_ISA", "").lower() == "avx2" else "best")
+    fn.isa = fn.set_isa("avx2" if envs.get("SPECDEC_NATIVE_ISA").lower() == "avx2" else "best")
     q4k = lib.specdec_q4k_rows_linear
     q4k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
@@ -341,7 +341,7 @@ HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 
 
 def _huge_pages_wanted() -> bool:
-    return os.environ.get("SPECDEC_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+    return envs.on("SPECDEC_HUGE_PAGES") and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 class WeightMemory:

@@ -72,6 +72,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from specdec import envs
+
 __all__ = [
     "DEFAULT_DRAFT",
     "DEFAULT_MODELS",
@@ -170,7 +172,7 @@ _PART_RE = re.compile(r"(?:^|/)data/part(\d+)\.bin$")
 
 def cache_root() -> Path:
     """Cache root: ``$SPECDEC_CACHE`` if set (and non-empty), else ``~/.cache/specdec``."""
-    env = os.environ.get("SPECDEC_CACHE")
+    env = envs.get("SPECDEC_CACHE")
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "specdec"

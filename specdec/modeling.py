@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from specdec import envs
+
 log = logging.getLogger(__name__)
 
 DTYPES = {
@@ -160,7 +162,7 @@ def gguf_blocks(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         linears += 1
         kind, data = tensors.get(names.get_name(f"{name}.weight", try_suffixes=(".weight",)) or "", (None, None))
         dequantize = {GGMLQuantizationType.Q4_K: q4k_dequantize, GGMLQuantizationType.Q6_K: q6k_dequantize}.get(kind)
-        if dequantize is None or dequantize is q6k_dequantize and os.environ.get("SPECDEC_Q6K", "1") == "0":
+        if dequantize is None or dequantize is q6k_dequantize and not envs.on("SPECDEC_Q6K"):
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a read-only memory map: read, never written

@@ -45,6 +45,7 @@ def build(directory: Path) -> Path | None:
     target = Path(directory) / library_name()
     if target.exists():
         return target
+    # CC is documented in specdec/envs.py; read here directly, as setup.py loads this file alone
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler: the native kernels are not built (set CC to build them)")

@@ -18,12 +18,11 @@ its hooks on each layer move the tensors) runs transformers' own forward.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 
-from specdec import kernels
+from specdec import envs, kernels
 from specdec.worker.batching import NO_MASK, RaggedCache, cache_room, ragged_attention
 
 # (model class, decoder layer class) pairs whose forward lean_forward repeats op for op
@@ -38,8 +37,8 @@ def model_forward(model) -> Forward:
     entering those layers, side by side (what an EAGLE-3 head reads: specdec/eagle3.py).
     SPECDEC_NATIVE_FORWARD=0 keeps lean_forward where native_forward would run, SPECDEC_LEAN_FORWARD=0
     transformers' forward for every model (the ablations)."""
-    lean = os.environ.get("SPECDEC_LEAN_FORWARD", "1") != "0" and lean_forward_fits(model)
-    if lean and os.environ.get("SPECDEC_NATIVE_FORWARD", "1") != "0" and native_forward_fits(model):
+    lean = envs.on("SPECDEC_LEAN_FORWARD") and lean_forward_fits(model)
+    if lean and envs.on("SPECDEC_NATIVE_FORWARD") and native_forward_fits(model):
         return NativeForward(model)
     if lean:
         return lambda ids, positions, cache, keep, aux=(): lean_forward(model, ids, positions, cache, keep, aux)
