@@ -253,14 +253,14 @@ class StepLoop:
                 self.loops.loop(state.placement.target.address).add(ticket)
             else:
                 staying.append(ticket)
-        alone = quiet is not None and self.loops.quiet_since() == quiet  # no prefill overlapped the step
-        self._learn(started, draft_end, target_pass, drafts, alone and not self._faulted)
+        unshared = quiet is not None and self.loops.quiet_since() == quiet  # no prefill overlapped the step
+        self._learn(started, draft_end, target_pass, drafts, unshared and not self._faulted)
         seconds = time.perf_counter() - started
         # a target pass that also ran other work (prefill chunks of joining requests, another
         # orchestrator's sessions) says nothing of this step's arm: its time counts, its rate not
         rows, _, own_rows = target_pass
         outcome = self.loops.policy.observe_outcome(self.address, tokens, seconds,
-                                                    measured=alone and 0 < rows <= own_rows and not self._faulted)
+                                                    measured=unshared and 0 < rows <= own_rows and not self._faulted)
         if outcome is not None:
             self.loops.metrics.record_step(*outcome[:2], seconds, outcome[2])
         if log.isEnabledFor(logging.DEBUG):
@@ -268,7 +268,7 @@ class StepLoop:
                       "(%d its own), %d tokens in %.1f ms (target %.1f ms, draft phase %.1f ms)%s", self.address,
                       len(states), self.loops.prefilling, gammas, [len(f[0]) for f in free.values()], rows, own_rows,
                       tokens, seconds * 1e3, target_pass[1] * 1e3, (draft_end - started) * 1e3,
-                      "" if alone else ", a prefill overlapped")
+                      "" if unshared else ", a prefill overlapped")
         return staying
 
     def _load(self, now: float, requests: int) -> int:
@@ -407,10 +407,10 @@ class StepLoop:
         return pass_rows, pass_s, own_rows
 
     def _learn(self, started: float, draft_end: float, target_pass: tuple[int, float, int],
-               drafts: dict[str, tuple[int, float, float]], alone: bool) -> None:
+               drafts: dict[str, tuple[int, float, float]], unshared: bool) -> None:
         """The step's costs go to the gamma policy once: the target's pass (rows, seconds) when it
         ran this step's rows alone, each draft's passes and the rest of its phase, and the rest of
-        the step when no prefill overlapped it (alone)."""
+        the step when no prefill overlapped it (unshared: "alone" is a request alone on its target)."""
         policy = self.loops.policy
         rows, pass_s, own_rows = target_pass
         if 0 < rows <= own_rows:  # a pass that also ran prefill chunks (or others' rows) is no step's cost
@@ -418,8 +418,8 @@ class StepLoop:
         # the rest of a step that a prefill overlapped holds its waits for the prefill's passes (a
         # second, where a step's own rest is ~5 ms): learnt, they made plain steps look ~10x dearer
         # beside their passes, and drafting, whose passes add more tokens per step, look better
-        own = alone and 0 < rows <= own_rows
+        own = unshared and 0 < rows <= own_rows
         overhead = max(time.perf_counter() - draft_end - pass_s, 0.0) if own else None
-        if not alone:  # so do a draft phase's waits beyond its passes (the worker times its passes alone)
+        if not unshared:  # so do a draft phase's waits beyond its passes (the worker times its passes alone)
             drafts = {address: (n, s, None) for address, (n, s, _) in drafts.items()}
         policy.observe_step(self.address, overhead, drafts)
