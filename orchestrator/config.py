@@ -33,7 +33,7 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          field="http_head_timeout_s"),
     Flag("--http-max-connections", int, 1024, "open HTTP connections beyond which a request gets 503 (0: no limit)"),
     Flag("--served-model-name", help="the model id the HTTP API lists and accepts (default: the target's name)"),
-    Flag("--max-workers", int, 32, "client requests decoding at once; more wait in the queue"),
+    Flag("--max-running", int, 32, "client requests decoding at once; more wait in the queue"),
     Flag("--max-queued", int, 128, "requests that may wait for a turn; beyond them RESOURCE_EXHAUSTED"),
     Flag("--request-timeout", float, 1800.0, "the deadline of a request whose client set none, in seconds; "
          "beyond it DEADLINE_EXCEEDED (0: none)", field="request_timeout_s"),
@@ -117,7 +117,7 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     ("security", ["--tls-cert", "--tls-key", "--tls-client-ca", "--auth-token-file", "--admin-token-file"]),
     ("HTTP API (OpenAI-compatible)", ["--http-port", "--served-model-name", "--http-max-body", "--http-body-timeout",
                                       "--http-head-timeout", "--http-max-connections"]),
-    ("limits", ["--max-workers", "--max-queued", "--max-per-client", "--request-timeout", "--max-new-tokens",
+    ("limits", ["--max-running", "--max-queued", "--max-per-client", "--request-timeout", "--max-new-tokens",
                 "--max-prompt-tokens"]),
     ("drafting and sampling", ["--gamma-policy", "--sampling", "--draft-p-min", "--draft-min", "--draft-lookup",
                                "--suffix-cache-tokens", "--draft-ahead", "--prefill", "--torch-threads"]),
@@ -139,7 +139,7 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
     http_body_timeout_s: float = FLAGS.default("http_body_timeout_s")
     http_head_timeout_s: float = FLAGS.default("http_head_timeout_s")
     http_max_connections: int = FLAGS.default("http_max_connections")
-    max_workers: int = FLAGS.default("max_workers")
+    max_running: int = FLAGS.default("max_running")
     max_queued: int = FLAGS.default("max_queued")
     max_per_client: int = FLAGS.default("max_per_client")
     request_timeout_s: float = FLAGS.default("request_timeout_s")

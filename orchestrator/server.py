@@ -130,7 +130,7 @@ def _queue_gauges(meter, admission: Admission) -> None:
 def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None = None,
                   telemetry: Telemetry | None = None) -> tuple[ServerParts, int]:
     slot = DecoderSlot(decoder)
-    admission = Admission(config.max_workers, config.max_queued, config.max_per_client)
+    admission = Admission(config.max_running, config.max_queued, config.max_per_client)
     parts = build_server(
         config.address,
         lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
@@ -139,7 +139,7 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
         [SERVICE_NAME],
         # a thread for every running and every queued request, and some for health and ListWorkers:
         # the admission queue, not gRPC, says RESOURCE_EXHAUSTED when the server is full
-        max_workers=config.max_workers + config.max_queued + 2 * HEALTH_RESERVE,
+        max_workers=config.max_running + config.max_queued + 2 * HEALTH_RESERVE,
         max_message_bytes=CLIENT_MAX_MESSAGE_BYTES,
         telemetry=telemetry,
         tls=config.tls,

@@ -1,4 +1,4 @@
-"""orchestrator.admission: beyond --max-workers running requests, requests wait in a bounded FIFO
+"""orchestrator.admission: beyond --max-running running requests, requests wait in a bounded FIFO
 queue (deadlines and cancellations honoured); RESOURCE_EXHAUSTED only when the queue is full."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_a_waiting_request_honours_its_deadline_and_its_cancellation():
 def test_queued_requests_over_grpc_wait_then_finish_exactly(stack, target_engine):
     """One request runs, two wait their turn, a fourth is refused at once; all that ran are exact."""
     tport, dport, _ = stack["ports"]
-    parts, address = start_orchestrator([f"127.0.0.1:{tport}"], [f"127.0.0.1:{dport}"], max_workers=1,
+    parts, address = start_orchestrator([f"127.0.0.1:{tport}"], [f"127.0.0.1:{dport}"], max_running=1,
                                         max_queued=2)
     admission = parts.admission
     ids = target_engine.tokenizer("def queue(x):").input_ids
