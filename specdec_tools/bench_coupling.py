@@ -3,8 +3,10 @@
 End-to-end benchmarks (`specdec bench --modes sampled,coupled,...`) compare different texts: a
 coupled and a rejection-sampled request write different answers, so their acceptance rates mix
 the method with the text. Here both are measured on the same contexts. The target writes each
-prompt's answer (greedy); at every position of it, under each sampling setting, from the target's
-p and the draft's q (both processed: temperature, top-p, the draft's vocabulary head):
+prompt's answer (greedy; with --contexts sampled, one answer per setting, sampled by the target
+alone under that setting: the texts sampled requests see, where the two models disagree more
+often); at every position of it, under each sampling setting, from the target's p and the draft's
+q (both processed: temperature, top-p, the draft's vocabulary head):
 
   rejection  the probability that rejection sampling keeps the draft: sum min(p, q) = 1 - TV(p, q)
   coupled    the probability that the draft's and the target's seeded Gumbel-max choices agree,
@@ -25,6 +27,8 @@ from pathlib import Path
 import torch
 
 SETTINGS = {"T 0.7, top-p 0.95": dict(temperature=0.7, top_p=0.95), "T 1.0": dict(temperature=1.0, top_p=1.0)}
+CONTEXT_SEED = 1_000_003  # --contexts sampled: prompt i's answer under setting k is drawn with seed
+# CONTEXT_SEED + 1000 k + i, apart from the seeds 0..--seeds-1 the agreement is measured with
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=4, help="how many of `specdec bench`'s fresh prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seeds", type=int, default=200, help="seeds per position for the coupled agreement")
+    p.add_argument("--contexts", choices=["greedy", "sampled"], default="greedy",
+                   help="the texts measured: greedy, the target's greedy answer to each prompt (one for all settings); "
+                        "sampled, per setting an answer the target alone samples under it (default greedy)")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows", "q4k-rows"])
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB)
     p.add_argument("--out", default=None, help="results folder (default bench_results/coupling-<time>)")
@@ -43,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench_coupling(a: argparse.Namespace) -> int:
     from specdec.model_store import resolve_model
-    from specdec.modeling import load_model
+    from specdec.modeling import eos_token_ids, load_model
     from specdec.protocol import SamplingParams
     from specdec.sampling import coupled_choice, process_logits
     from specdec_tools.bench import PROMPTS
@@ -54,20 +61,44 @@ def cmd_bench_coupling(a: argparse.Namespace) -> int:
     target = load_model(str(resolve_model(a.target)), quantization=a.quantize)
     draft = load_model(str(resolve_model(a.draft)), quantization=a.quantize, head_rows=a.draft_vocab, role="draft")
     tok, vocab = target.tokenizer, target.model.config.vocab_size
+    eos = set(eos_token_ids(target.model, tok))
+
+    def greedy_answer(ids: list[int]) -> list[int]:
+        return target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=a.max_new_tokens, do_sample=False, top_k=None, top_p=None,
+                                     temperature=None)[0].tolist()
+
+    def sampled_answer(ids: list[int], params, seed: int) -> list[int]:
+        """Plain target decoding with coupled noise of `seed`: an exact draw from the target."""
+        tokens = list(ids)
+        for _ in range(a.max_new_tokens):
+            logits = target.model(torch.tensor([tokens]), logits_to_keep=1).logits[0, -1]
+            tokens.append(coupled_choice(process_logits(logits, params, vocab), seed, len(tokens)))
+            if tokens[-1] in eos:
+                break
+        return tokens
+
     rows = []
     for i, prompt in enumerate(PROMPTS[: a.prompts]):
         ids = tok(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                           add_generation_prompt=True), add_special_tokens=False).input_ids
-        with torch.inference_mode():
-            text = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                         max_new_tokens=a.max_new_tokens, do_sample=False, top_k=None, top_p=None,
-                                         temperature=None)[0].tolist()
-            # position t (t >= len(ids)) is predicted by row t - 1 of one pass over the whole text
-            p_logits = target.model(torch.tensor([text])).logits[0, len(ids) - 1:-1]
-            q_logits = draft.model(torch.tensor([text])).logits[0, len(ids) - 1:-1]
-        log(f"prompt {i}: {len(text) - len(ids)} positions")
-        for name, kw in SETTINGS.items():
+        logits: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # by text: p's and q's rows
+        for k, (name, kw) in enumerate(SETTINGS.items()):
             params = SamplingParams(**kw)
+            with torch.inference_mode():
+                if a.contexts == "sampled":  # a seed of its own per setting: answers drawn apart
+                    text = tuple(sampled_answer(ids, params, CONTEXT_SEED + 1000 * k + i))
+                elif logits:  # the greedy answer, the same for every setting
+                    text = next(iter(logits))
+                else:
+                    text = tuple(greedy_answer(ids))
+                if text not in logits:
+                    # position t (t >= len(ids)) is predicted by row t - 1 of one pass over the whole text
+                    logits[text] = (target.model(torch.tensor([text])).logits[0, len(ids) - 1:-1],
+                                    draft.model(torch.tensor([text])).logits[0, len(ids) - 1:-1])
+                    log(f"prompt {i}: {len(text) - len(ids)} positions" +
+                        (f" ({name}, sampled)" if a.contexts == "sampled" else ""))
+            p_logits, q_logits = logits[text]
             for j in range(p_logits.shape[0]):
                 p = process_logits(p_logits[j], params, vocab)
                 q = process_logits(q_logits[j], params, vocab)
@@ -87,7 +118,9 @@ def cmd_bench_coupling(a: argparse.Namespace) -> int:
         mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
         lines.append(f"| {name} | {len(rs)} | {mean('rejection'):.3f} | {mean('coupled'):.3f} | {mean('bound'):.3f} | "
                      f"{mean('coupled') / mean('rejection'):.3f} |")
-    header = (f"{a.prompts} prompts, the target's greedy answer of {a.max_new_tokens} tokens each, {a.seeds} seeds per "
+    answers = (f"the target's greedy answer of {a.max_new_tokens} tokens each" if a.contexts == "greedy" else
+               f"answers of {a.max_new_tokens} tokens the target samples, one per setting")
+    header = (f"{a.prompts} prompts, {answers}, {a.seeds} seeds per "
               f"position, quantization {a.quantize}, draft vocabulary {a.draft_vocab or 'all'}")
     table = "\n".join(lines)
     (out / "table.md").write_text(f"{header}\n\n{table}\n")

@@ -33,7 +33,8 @@ its workers a round (the server's wire_bytes over its rounds: token ids for gree
 rounds, both models' distributions for rejection-sampled ones). --temperature takes a list: the
 modes run at each temperature, side by side in every level, and at a temperature above 0 once
 per --sampling-mode (default: the request names none and the server chooses; coupled,
-rejection, or both), each sampled request seeded by its prompt; a row's ratios are to the `off`
+rejection, or both), sampled request i of a level with seed i + 1 (two requests of one prompt
+draw apart; request i of every mode and level has the same seed); a row's ratios are to the `off`
 row of the same temperature and sampling mode. Greedy rows (temperature 0) also check that every
 output at concurrency > 1 equals the concurrency-1 output of the same prompt and mode: batching
 across sessions must not change what a request gets (the count and the list are printed).
@@ -769,7 +770,7 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
                                 temperature=mode.temperature)
             try:
                 latency, ttft, ids, finish, stats, rec.longest_gap_s = one(
-                    clients[thread], mode, text, a, seed=p + 1, progress=lead_progress if first else None,
+                    clients[thread], mode, text, a, seed=i + 1, progress=lead_progress if first else None,
                     token=client_token(mode))
                 rec.latency_s, rec.ttft_s, rec.token_ids, rec.finish_reason = latency, ttft, ids, finish
                 rec.generated_tokens = stats.get("generated_tokens", len(ids))

@@ -339,9 +339,9 @@ def test_staggered_arrivals_join_one_client_at_a_time(monkeypatch, arrivals):
     assert {r.thread for r in records} == {0, 1, 2, 3}
     if arrivals == "together":
         return
-    first = {}  # thread -> its first request's seed (bench-serve seeds request i of prompt p with p + 1)
+    first = {}  # thread -> its first request's seed (bench-serve seeds request i with i + 1)
     for r in sorted(records, key=lambda r: r.start_s):
-        first.setdefault(r.thread, r.prompt + 1)
+        first.setdefault(r.thread, r.request + 1)
     for k in range(1, 4):
         at = events.index(("start", first[k]))
         lead_tokens = max([e[2] for e in events[:at] if e[0] == "token" and e[1] == first[0]], default=0)
