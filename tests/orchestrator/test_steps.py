@@ -321,7 +321,7 @@ def test_a_step_a_prefill_overlapped_teaches_no_step_overhead(target_engine, dra
         decoder.close()
 
 
-def test_a_step_whose_draft_failed_teaches_no_rate_and_no_costs(target_engine, draft_engine):
+def test_a_step_whose_draft_failed_teaches_no_rate_and_no_costs(target_engine, model_dirs):
     """A draft that stalls and then fails (a cut link, found by the keepalive in seconds) holds its
     step for the stall: that step's seconds are no arm's rate and no step's cost, or one stall
     would make drafting look seconds slower than it is."""
@@ -353,7 +353,12 @@ def test_a_step_whose_draft_failed_teaches_no_rate_and_no_costs(target_engine, d
     policy.observe_outcome = spy_outcome
     policy.observe_step = lambda target, overhead_s, drafts: (overheads.append(overhead_s),
                                                               observe_step(target, overhead_s, drafts))
-    draft = Stalling(draft_engine)
+    from draft_service.engine import DraftEngine
+    from specdec.modeling import load_model
+
+    # an engine of its own: the failed draft's session stays open there (a real one's TTL frees it)
+    engine = DraftEngine(load_model(str(model_dirs["draft"]), dtype="float64"))
+    draft = Stalling(engine)
     decoder = SpeculativeDecoder(target_engine, draft, gamma_policy=policy)
     request = GenerationRequest(token_ids=[5, 6, 7, 8], max_new_tokens=24, temperature=0, gamma=2)
     try:
@@ -361,6 +366,7 @@ def test_a_step_whose_draft_failed_teaches_no_rate_and_no_costs(target_engine, d
         alone = decoder.generate(GenerationRequest(token_ids=[5, 6, 7, 8], max_new_tokens=24, temperature=0, gamma=0))
     finally:
         decoder.close()
+        engine.close()
     assert result.token_ids == alone.token_ids and result.stats["draft_failovers"] == 1
     stalled = [i for i, (seconds, _) in enumerate(outcomes) if seconds >= 0.3]
     assert len(stalled) == 1 and draft.calls == 3
