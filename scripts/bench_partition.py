@@ -12,6 +12,8 @@ Variants (the orchestrator's defaults are "all"):
   keepalive  keepalive pings every 2 s (cut off after 4 s without an answer)
   poll       the pool's 1 s poll (2 s deadline) cancels the calls of a worker that stops answering
   all        the three together
+  new        (not in the default list) a new request sent the moment the target it would be placed on
+             is cut, against the same request undisturbed just before: its whole latency as "stall"
 
   .venv/bin/python scripts/bench_partition.py [--variants none,deadlines,keepalive,poll,all] [--out DIR]
 """
@@ -80,6 +82,49 @@ def run_variant(name: str, model_dirs: dict, prompt: list[int], expected: list[i
             ns.close()
 
 
+def new_request_after_a_cut(model_dirs: dict, trials: int = 4) -> list[dict]:
+    """A new request sent the moment the target it would be placed on is cut (the defaults: the
+    pool has not seen the cut yet), against the same request undisturbed just before."""
+    from orchestrator.client import Client
+    from specdec_tools.netns import Netns
+    from tests.support.processes import WorkerProcess
+    from tests.support.servers import ADMIN_TOKEN, start_orchestrator
+
+    made = []
+    try:
+        for role in ("target", "target", "draft"):
+            ns = Netns()
+            made.append((WorkerProcess(role, model_dirs[role], netns=ns), ns))
+        for w, _ in made:
+            w.wait_serving()
+        links = {w.address: ns for w, ns in made}
+        parts, address = start_orchestrator([made[0][0].address, made[1][0].address], [made[2][0].address])
+        client = Client(address, timeout_s=300, token=ADMIN_TOKEN)
+        ids, rows = list(range(5, 25)), []
+        try:
+            for trial in range(trials):
+                started = time.monotonic()
+                client.generate(token_ids=ids, max_new_tokens=40, temperature=0, gamma=3)
+                undisturbed = time.monotonic() - started
+                chosen = min(parts.slot.pools[0].members(), key=lambda m: (m.load, m.placed)).address
+                links[chosen].cut()
+                started = time.monotonic()
+                r = client.generate(token_ids=ids, max_new_tokens=40, temperature=0, gamma=3)
+                rows.append(dict(variant="new request at the cut", request=trial, undisturbed_s=round(undisturbed, 2),
+                                 stall_s=round(time.monotonic() - started, 2), equal=None,
+                                 target_failovers=r.stats["target_failovers"], error=None))
+                links[chosen].heal()
+                time.sleep(6)  # back in its pool
+        finally:
+            client.close()
+            parts.stop(None)
+        return rows
+    finally:
+        for w, ns in made:
+            w.stop()
+            ns.close()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default="none,deadlines,keepalive,poll,all")
@@ -103,7 +148,7 @@ def main() -> int:
     rows = []
     for name in a.variants.split(","):
         started = time.monotonic()
-        rows += run_variant(name, model_dirs, prompt, expected)
+        rows += new_request_after_a_cut(model_dirs) if name == "new" else run_variant(name, model_dirs, prompt, expected)
         print(f"{name}: {rows[-2:]} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
