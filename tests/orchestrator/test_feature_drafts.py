@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-import grpc
 import pytest
 import torch
 
 from draft_service.engine import DraftEngine
 from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.workers import check_pair
-from specdec.errors import FailedPrecondition, InvalidArgument, ServiceError
+from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.modeling import load_model
 from specdec.protocol import GenerationRequest, SamplingParams
 from specdec.wire import Features
@@ -22,6 +21,7 @@ from specdec_tools.testing.tiny_models import build_head_dir
 from tests.orchestrator.test_coupled_sampling import SEEDS, reference as seeded_reference, request as seeded_request
 from tests.orchestrator.test_greedy_equivalence import PROMPTS, reference
 from tests.orchestrator.test_sampled_distribution import PARAMS, PROMPT, assert_matches, exact_distribution, sample
+from tests.support.drafts import FailingDraft
 
 LAYERS = (0, 1, 1)  # the tiny target has two layers
 
@@ -157,20 +157,7 @@ def test_over_grpc_greedy_is_exact_and_seeded_output_is_the_seeds(head_stack, ta
 def test_a_failed_head_leaves_the_request_to_the_target_alone(heads, target_engine):
     """A feature head that fails mid-request is dropped (a new one would need every position's
     features): the request goes on at gamma 0, with the target's own tokens."""
-    class Failing:
-        def __init__(self, engine):
-            self.engine, self.calls = engine, 0
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
-        def propose_batch(self, calls):
-            self.calls += 1
-            if self.calls == 3:
-                return [ServiceError("gone", grpc.StatusCode.UNAVAILABLE)] * len(calls)
-            return self.engine.propose_batch(calls)
-
-    decoder = SpeculativeDecoder(target_engine, Failing(heads["speculators"]), target_engine.tokenizer)
+    decoder = SpeculativeDecoder(target_engine, FailingDraft(heads["speculators"]), target_engine.tokenizer)
     ids = target_engine.tokenizer(PROMPTS[0]).input_ids
     r = decoder.generate(GenerationRequest(token_ids=ids, max_new_tokens=24, temperature=0, gamma=3))
     assert r.token_ids == reference(target_engine, ids, 24)

@@ -325,21 +325,7 @@ def test_a_step_whose_draft_failed_teaches_no_rate_and_no_costs(target_engine, m
     """A draft that stalls and then fails (a cut link, found by the keepalive in seconds) holds its
     step for the stall: that step's seconds are no arm's rate and no step's cost, or one stall
     would make drafting look seconds slower than it is."""
-    from specdec.errors import Unavailable
-
-    class Stalling:
-        def __init__(self, engine):
-            self.engine, self.calls = engine, 0
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
-        def propose_batch(self, calls):
-            self.calls += 1
-            if self.calls == 3:
-                time.sleep(0.3)
-                return [Unavailable("draft worker at x:1 stopped answering")] * len(calls)
-            return self.engine.propose_batch(calls)
+    from tests.support.drafts import FailingDraft
 
     policy = GammaPolicy(adaptive=False)
     outcomes: list[tuple[float, bool]] = []
@@ -358,7 +344,7 @@ def test_a_step_whose_draft_failed_teaches_no_rate_and_no_costs(target_engine, m
 
     # an engine of its own: the failed draft's session stays open there (a real one's TTL frees it)
     engine = DraftEngine(load_model(str(model_dirs["draft"]), dtype="float64"))
-    draft = Stalling(engine)
+    draft = FailingDraft(engine, at=3, stall_s=0.3)
     decoder = SpeculativeDecoder(target_engine, draft, gamma_policy=policy)
     request = GenerationRequest(token_ids=[5, 6, 7, 8], max_new_tokens=24, temperature=0, gamma=2)
     try:
