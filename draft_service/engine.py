@@ -19,7 +19,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 from opentelemetry import metrics
@@ -31,7 +30,7 @@ from specdec.protocol import MAX_GAMMA, SamplingParams
 from specdec.sampling import apply_controls, coupled_choice, process_logits
 from specdec.wire import CompactProbs, DraftOptions, Features, Proposal, ProposeCall
 from specdec.worker.batching import Chain
-from specdec.worker.engine import Session, WorkerEngine, grow_hidden
+from specdec.worker.engine import Program, Session, WorkerEngine, grow_hidden
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +101,23 @@ class DraftEngine(WorkerEngine):
         seed: int,
         options: DraftOptions = DraftOptions(),
         features: Features | None = None,
-    ) -> Iterator[Proposal]:
-        """Truncates to `start`, appends token_ids, then yields up to gamma proposals as they come.
+    ) -> list[Proposal]:
+        """Truncates to `start`, appends token_ids, then makes up to gamma proposals (`_propose`,
+        this call's program, run alone)."""
+        return self.drive(self._propose(ProposeCall(session_id, start, token_ids, gamma, params, seed, options,
+                                                        features)))
 
-        The session lock is held for each pass, never across a yield (the caller may take its time
-        reading a proposal); a call that changes the session in between aborts this one.
+    def propose_batch(self, calls: list[ProposeCall]) -> list[list[Proposal] | ServiceError]:
+        """The proposals of many sessions' calls (one orchestrator step): draft step i of every
+        call runs in the same forward pass. Per call, its proposals or the error it raised."""
+        return self.run_calls(calls, self._propose)
+
+    def _propose(self, call: ProposeCall) -> Program:
+        """A Propose's program (WorkerEngine.run_calls): truncates to `start`, appends token_ids,
+        then makes up to gamma proposals, a pass (a Work yielded) at a time -> [Proposal].
+
+        The session lock is held for each pass and released between them; a call that changes the
+        session in between aborts this one.
 
         With options.lookup, a pass also runs the tokens that followed the sequence's last n-gram
         where it occurred before (specdec/ngram.py), so that one pass yields the draft's
@@ -126,6 +137,8 @@ class DraftEngine(WorkerEngine):
         before each of token_ids (`features`) and drafts one token a pass, each step fed the
         state of the one before; it neither looks up n-grams, drafts ahead nor skips forced
         tokens, and a call always recomputes from `start` (the states there are the target's)."""
+        session_id, start, token_ids, gamma, params = call.session_id, call.start, call.token_ids, call.gamma, call.params
+        seed, options, features = call.seed, call.options, call.features
         if not 1 <= gamma <= MAX_GAMMA:
             raise InvalidArgument(f"gamma must lie in [1, {MAX_GAMMA}] for a proposal, got {gamma}")
         params.validate().check_vocabulary(self.vocab_size)
@@ -162,13 +175,14 @@ class DraftEngine(WorkerEngine):
             session.uncache_last()
             version = session.version
         made, rows, seconds = 0, 0, 0.0  # proposals; rows and seconds of this call's passes, summed
+        proposals: list[Proposal] = []
         while made < gamma:
             t0 = time.perf_counter()
             with session.lock:
                 if session.version != version:
                     raise Aborted(f"session {session_id} was changed by another call during this Propose")
                 if drafted.end <= end + made:  # none held: one pass makes one or more
-                    self._draft_pass(session, drafted, gamma - made, made, "propose")
+                    yield from self._draft_pass(session, drafted, gamma - made, made, "propose")
                     version = session.version
                     rows += session.last_pass_rows
                     seconds += session.last_pass_s
@@ -176,7 +190,7 @@ class DraftEngine(WorkerEngine):
                 picks = [(session.tokens[drafted.start + i], drafted.probs[i], drafted.confidence[i])
                          for i in range(first, min(drafted.end - drafted.start, first + gamma - made))]
             if not picks:  # nothing the draft could propose (a grammar beyond its head): the call ends
-                return
+                return proposals
             elapsed = (time.perf_counter() - t0) / len(picks)
             for token, probs, confidence in picks:
                 made += 1
@@ -184,20 +198,15 @@ class DraftEngine(WorkerEngine):
                 last = (made == gamma or confidence < options.p_min and made >= options.min_drafts
                         or token in self.info.eos_token_ids)
                 if last:
-                    if options.ahead:  # before the yield: the caller verifies as soon as it has this
+                    if options.ahead:  # drafts on while the caller verifies
                         self._ahead.submit(self._draft_ahead, session, version, drafted, end + made + options.ahead)
                     # the last proposal reports the passes' rows and seconds per proposal (what one
                     # draft cost): the gamma policy fits them. None ran: nothing to report
-                    yield Proposal(made - 1, token, probs, elapsed, round(rows / made) if rows else 0,
-                                   seconds / made if rows else 0.0)
-                    return
-                yield Proposal(made - 1, token, probs, elapsed)
-
-    def propose_batch(self, calls: list[ProposeCall]) -> list[list[Proposal] | ServiceError]:
-        """The proposals of many sessions' calls (one orchestrator step): draft step i of every
-        call runs in the same forward pass. Per call, its proposals or the error it raised."""
-        return self.run_calls(calls, lambda c: list(self.propose(c.session_id, c.start, c.token_ids, c.gamma,
-                                                                 c.params, c.seed, c.options, c.features)))
+                    proposals.append(Proposal(made - 1, token, probs, elapsed, round(rows / made) if rows else 0,
+                                              seconds / made if rows else 0.0))
+                    return proposals
+                proposals.append(Proposal(made - 1, token, probs, elapsed))
+        return proposals
 
     def _check_features(self, features: Features | None, start: int, end: int) -> None:
         """A feature head's Propose must bring the target's features of positions max(start, 1) - 1
@@ -227,9 +236,10 @@ class DraftEngine(WorkerEngine):
             rows = features.rows.to(like.device, like.dtype)
             session.hidden[features.start + 1: features.end + 1] = head.fc(rows)
 
-    def _draft_pass(self, session: Session, drafted: Drafted, left: int, made: int, kind: str) -> int:
-        """One pass, holding session.lock: appends the next proposals (at most `left`) to the
-        session and to `drafted`; returns how many. `made`: proposals of the call so far."""
+    def _draft_pass(self, session: Session, drafted: Drafted, left: int, made: int, kind: str) -> Program:
+        """One pass (a Work yielded; none where the grammar forces the tokens), holding
+        session.lock: appends the next proposals (at most `left`) to the session and to `drafted`;
+        returns how many. `made`: proposals of the call so far."""
         base = len(session.tokens)
         grammar = self.grammar_at(session, drafted.params, base) if drafted.options.grammar else None
         forced = self._forced(grammar, left) if drafted.options.forced_tokens else []
@@ -255,7 +265,7 @@ class DraftEngine(WorkerEngine):
             return self._picks(logits, guess, params, drafted.generator, drafted.options, made, base, session.tokens,
                                grammar)
 
-        picks = self.run(session, len(guess) + 1, kind, post, chain=chain)
+        picks = yield self.work(session, len(guess) + 1, kind, post, chain=chain)
         # the tokens are the prefix, the guesses the draft took (or its chained choices), and its
         # last proposal, which stays uncached until the next pass; the cache holds no guess it refused
         if not picks:  # the grammar allows nothing the draft's head scores here: no proposal
@@ -282,7 +292,8 @@ class DraftEngine(WorkerEngine):
                             or len(session.tokens) >= min(horizon, self.max_context)):
                         return
                     self.grow(session, len(session.tokens) + 1)
-                    n = self._draft_pass(session, drafted, horizon - len(session.tokens), MAX_GAMMA, "ahead")
+                    n = self.drive(self._draft_pass(session, drafted, horizon - len(session.tokens), MAX_GAMMA,
+                                                    "ahead"))
                     if not n:
                         return
                     version = session.version

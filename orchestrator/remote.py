@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -253,19 +252,6 @@ class RemoteDraft(_RemoteWorker):
     def _proposal(self, msg: draft_pb2.Proposal, wire_bytes: int) -> Proposal:
         probs = CompactProbs.from_proto(msg.probs, self.vocab_size) if msg.HasField("probs") else None
         return Proposal(msg.index, msg.token_id, probs, msg.compute_s, msg.batch_rows, msg.pass_s, wire_bytes)
-
-    def propose(
-        self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int,
-        options: DraftOptions = DraftOptions(), features: Features | None = None,
-    ) -> Iterator[Proposal]:
-        request = self._request(ProposeCall(session_id, start, token_ids, gamma, params, seed, options, features))
-        request_bytes = _wire(request)
-        try:
-            for msg in self._stub.Propose(request, timeout=self._timeout(len(token_ids))):
-                yield self._proposal(msg, request_bytes + _wire(msg))
-                request_bytes = 0
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.peer) from None
 
     def propose_batch(self, calls: list[ProposeCall]) -> list[list[Proposal] | ServiceError]:
         """One ProposeBatch RPC for all the calls (one step's drafts); per call, its proposals or

@@ -7,11 +7,11 @@ The loop cannot tell them apart, which is how benchmarks measure what the networ
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol
+from typing import Protocol
 
-from specdec.errors import FailedPrecondition
+from specdec.errors import FailedPrecondition, ServiceError
 from specdec.protocol import SamplingParams
-from specdec.wire import ANY_VOCABULARY, DraftOptions, Features, ModelInfo, Proposal, Verification
+from specdec.wire import ANY_VOCABULARY, Features, ModelInfo, Proposal, ProposeCall, Verification, VerifyCall
 
 
 class Worker(Protocol):
@@ -28,10 +28,8 @@ class Worker(Protocol):
 
 
 class DraftWorker(Worker, Protocol):
-    def propose(
-        self, session_id: str, start: int, token_ids: list[int], gamma: int, params: SamplingParams, seed: int,
-        options: DraftOptions = DraftOptions(), features: Features | None = None,
-    ) -> Iterator[Proposal]: ...
+    def propose_batch(self, calls: list[ProposeCall]) -> list[list[Proposal] | ServiceError]:
+        """One step's Propose calls: per call, its proposals or its error."""
 
 
 class TargetWorker(Worker, Protocol):
@@ -40,7 +38,11 @@ class TargetWorker(Worker, Protocol):
     def verify(
         self, session_id: str, start: int, token_ids: list[int], draft_token_ids: list[int], params: SamplingParams,
         top_logprobs: int | None = None,
-    ) -> Verification: ...
+    ) -> Verification:
+        """One call alone (a step's Verify moved to another target by a failover)."""
+
+    def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | ServiceError]:
+        """One step's Verify calls, in one pass: per call, its Verification or its error."""
 
     def tokenizer_files(self) -> dict[str, bytes]: ...
 

@@ -16,7 +16,7 @@ from specdec.errors import InvalidArgument, ServiceError
 from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.sampling import apply_controls, coupled_choice, process_logits
 from specdec.wire import Verification, VerifyCall
-from specdec.worker.engine import WorkerEngine, take_features
+from specdec.worker.engine import Program, WorkerEngine, take_features
 
 
 class TargetEngine(WorkerEngine):
@@ -31,6 +31,17 @@ class TargetEngine(WorkerEngine):
     ) -> Verification:
         """top_logprobs: None, or also the model's log-probabilities at every position and that
         many most likely tokens with theirs (Verification.logprob_bases, .top_logprobs)."""
+        return self.drive(self._verify(VerifyCall(session_id, start, token_ids, draft_token_ids, params, top_logprobs)))
+
+    def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | ServiceError]:
+        """The verifications of many sessions' calls (one orchestrator step), scored in one forward
+        pass. Per call, its Verification or the error it raised."""
+        return self.run_calls(calls, self._verify)
+
+    def _verify(self, call: VerifyCall) -> Program:
+        """A Verify's program (WorkerEngine.run_calls): its one pass."""
+        session_id, start, token_ids, draft_token_ids = call.session_id, call.start, call.token_ids, call.draft_token_ids
+        params, top_logprobs = call.params, call.top_logprobs
         if len(draft_token_ids) > MAX_GAMMA:
             raise InvalidArgument(f"at most {MAX_GAMMA} drafts per round, got {len(draft_token_ids)}")
         if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
@@ -48,18 +59,12 @@ class TargetEngine(WorkerEngine):
             session.tokens.extend(draft_token_ids)
             first = len(session.tokens) - len(draft_token_ids)  # the position the pass's first row predicts
             grammar = self.grammar_at(session, params, first)
-            argmax, probs, bases, top, norms = self.run(
+            argmax, probs, bases, top, norms = yield self.work(
                 session, len(draft_token_ids) + 1, "verify",
                 lambda logits: self._score(logits, params, top_logprobs, first, session.tokens, grammar))
             return Verification(argmax, probs, len(session.tokens), time.perf_counter() - t0,
                                 session.last_pass_rows, session.last_pass_s, logprob_bases=bases, top_logprobs=top,
                                 raw_log_norms=norms, features=take_features(session))
-
-    def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | ServiceError]:
-        """The verifications of many sessions' calls (one orchestrator step), scored in one forward
-        pass. Per call, its Verification or the error it raised."""
-        return self.run_calls(calls, lambda c: self.verify(c.session_id, c.start, c.token_ids, c.draft_token_ids,
-                                                           c.params, c.top_logprobs))
 
     def _score(self, logits, params: SamplingParams, top_logprobs: int | None, first: int, tokens: list[int],
                grammar=None):

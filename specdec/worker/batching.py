@@ -51,24 +51,15 @@ DEFAULT_MAX_BATCH_TOKENS = FLAGS.default("max_batch_tokens")
 # on a CPU at 512 rows). So while sessions decode, meaning decoding work is queued or a session
 # still open had some in a pass within the last DECODING_WINDOW_S, a pass takes at most
 # --max-prefill-tokens-while-decoding prompt rows (a lone request's prompt, its predecessor's
-# sessions closed, still runs in one pass). On CPU 128 by default: with four clients sending
-# ~600-token prompts, the longest waits between streamed tokens went from 5.5-7.7 s to 1.3-2.2 s,
-# throughput and time to first token unchanged (docs/benchmarks/prefill-while-decoding).
+# sessions closed, still runs in one pass). On CPU 128 by default: it shortens the longest waits
+# between streamed tokens 3-5x at an unchanged throughput (docs/benchmarks/prefill-while-decoding).
 CPU_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
 DECODING_WINDOW_S = 5.0  # longer than a pass of --max-batch-tokens rows on a CPU (a session waits behind one)
-# Lockstep: a session whose result a pass just delivered comes back one round trip later (a few ms
-# over gRPC: the orchestrator samples, then sends the next call). A pass that started the moment
-# the first of them arrived would leave the others to the next pass, and passes of one and of
-# three sessions would alternate (measured: 4 concurrent requests over gRPC decoded at half the
-# in-process rate). So a pass waits for the sessions of the last one, for at most 10% of the last
-# pass's time and never more than 25 ms; it starts at once when they are all there.
-LOCKSTEP_FRACTION = 0.1
-LOCKSTEP_MAX_S = 0.025
-# A batched call (ProposeBatch, VerifyBatch: an orchestrator's step) submits its sessions' work
-# from threads of its own, a moment apart: while the call runs, every pass waits until each of its
-# sessions has its next work queued (or its call is over), at most this long (they are normally
-# all there within a millisecond). So draft step i of every call runs in one pass.
-GATHER_MAX_S = 0.05
+# A pass of prompt chunks alone, right after one that held decoding work, waits for that work's
+# next call (a round trip away: the orchestrator samples, then sends its next step), at most this
+# fraction of the last pass's time, so that each chunk rides with a decoding step instead of every
+# other one. The only wait before a pass: a batched call's work arrives together (Batcher.run_all).
+PREFILL_HOLD_FRACTION = 0.1
 # A session with at most this many new rows in a pass (a verify of gamma + 1 tokens, a draft step
 # with lookup guesses: decoding work) has its attention computed one query row at a time, each row
 # by the very call a one-row step makes (its keys up to itself, no mask). SDPA over several query
@@ -194,7 +185,7 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
             key.masks.append(None if n <= ROWWISE_MAX_ROWS else  # decoding work goes row by row
                              torch.ones(n, past + n, dtype=torch.bool, device=k.device).tril(diagonal=past))
     # grouped-query heads share their key/value head inside SDPA: no repeat_kv copy of the whole
-    # cache per layer (measured, 8 sessions of 100 tokens: 29 ms of a pass down to 9)
+    # cache per layer
     gqa = query.shape[1] != key.tensors[0].shape[1]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     outputs = []
@@ -303,8 +294,10 @@ def plan_pass(pending: deque, max_tokens: int, max_prefill: int | None = None) -
 class Batcher:
     """Collects forward work from any thread and runs it in ragged passes on the model thread.
 
-    A pass starts as soon as the model thread is free (no waiting window): the work that arrived
-    while the previous pass ran goes into the next one together."""
+    A pass starts as soon as the model thread is free: the work that arrived while the previous
+    pass ran goes into the next one together. A batched call (an orchestrator's step) hands in its
+    sessions' work at once (run_all), so it shares one pass as given; work of other callers (prompt
+    chunks, other orchestrators' steps) merges with it where it is queued at the same time."""
 
     def __init__(self, run_pass: Callable[[Pass], None], max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  max_prefill_tokens_while_decoding: int | None = None):
@@ -314,41 +307,33 @@ class Batcher:
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding or max_batch_tokens
         # id(session) -> (session, when a pass last held its decoding work): _sessions_decode
         self._decoding: dict[int, tuple[Any, float]] = {}
-        self._last_pass_decoded = False  # the last pass held decoding work (_wait_for_lockstep)
+        self._last_pass_decoded = False  # the last pass held decoding work (_hold_prompt_chunks)
         self._run_pass = run_pass
         self._pending: deque[Work] = deque()
         self._wake = threading.Condition()
         self._closed = False
         self.passes = 0  # passes run, and how many held more than one session
         self.shared_passes = 0
-        self._expected: set[int] = set()  # sessions (by id) whose result the last pass delivered
-        self._awaited: set[int] = set()  # sessions whose batched call is running (expect .. release)
-        self._released: set[int] = set()  # sessions whose batched call ended during the running pass
         self._last_pass_s = 0.0
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
         self._thread.start()
 
     def submit(self, work: Work) -> Any:
         """Queues work and waits for its result (or its exception)."""
+        self._queue([work])
+        return work.future.result()
+
+    def run_all(self, works: list[Work]) -> list:
+        """Queues the works together (they go into the next pass as one, as far as
+        --max-batch-tokens allows) and waits for them all -> per work, its result or its exception."""
+        self._queue(works)
+        return [work.future.exception() or work.future.result() for work in works]
+
+    def _queue(self, works: list[Work]) -> None:
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            self._pending.append(work)
-            self._wake.notify()
-        return work.future.result()
-
-    def expect(self, sessions) -> None:
-        """The calls of one batched RPC are about to submit work for these sessions: until each is
-        released, a pass waits for all of them (at most GATHER_MAX_S), so that they share it."""
-        with self._wake:
-            self._awaited |= {id(s) for s in sessions}
-
-    def release(self, session) -> None:
-        """The session's call is over: no pass waits for it any more."""
-        with self._wake:
-            self._awaited.discard(id(session))
-            self._expected.discard(id(session))
-            self._released.add(id(session))  # a pass running now must not expect it next
+            self._pending.extend(works)
             self._wake.notify()
 
     def close(self) -> None:
@@ -367,10 +352,9 @@ class Batcher:
                     self._wake.wait()
                 if self._closed:
                     return
-                self._wait_for_lockstep()
+                self._hold_prompt_chunks()
                 batch = plan_pass(self._pending, self.max_batch_tokens,
                                   self.max_prefill_tokens_while_decoding if self._sessions_decode() else None)
-                self._released.clear()
             self.passes += 1
             self.shared_passes += len(batch.items) > 1
             t0 = time.perf_counter()
@@ -389,8 +373,6 @@ class Batcher:
             decoded = [work.session for work, _ in batch.items if work.kind != "prefill"]
             self._decoding.update((id(session), (session, now)) for session in decoded)
             self._last_pass_decoded = bool(decoded)
-            with self._wake:
-                self._expected = {id(work.session) for work, _ in batch.items if work.future.done()} - self._released
             log.debug("pass: %d sessions, %d rows, %.1f ms", len(batch.items), batch.rows, self._last_pass_s * 1e3)
 
     def _sessions_decode(self) -> bool:
@@ -405,22 +387,15 @@ class Batcher:
     def _decoding_queued(self) -> bool:
         return any(work.kind != "prefill" for work in self._pending)
 
-    def _wait_for_lockstep(self) -> None:
-        """With the lock held: waits (briefly, see LOCKSTEP_* and GATHER_MAX_S) for the last
-        pass's sessions and those of a batched call."""
-        now = time.monotonic()
-        lockstep = now + min(LOCKSTEP_MAX_S, LOCKSTEP_FRACTION * self._last_pass_s)
-        gather = now + GATHER_MAX_S
-        # a pass of prompt chunks alone right after one that held decoding work would leave those
-        # sessions' next calls (a round trip away; on a CPU, across cores the last pass kept busy)
-        # to wait a whole chunk: it waits for decoding work, at most 10% of the last pass
-        hold = now + LOCKSTEP_FRACTION * self._last_pass_s if self._last_pass_decoded else now
-        while not self._closed:
-            queued = {id(w.session) for w in self._pending}
-            now = time.monotonic()
-            deadline = max(gather if self._awaited - queued else now, lockstep if self._expected - queued else now,
-                           now if self._decoding_queued() else hold)
-            left = deadline - now
+    def _hold_prompt_chunks(self) -> None:
+        """With the lock held: a pass of prompt chunks alone right after one that held decoding work
+        waits for decoding work, at most PREFILL_HOLD_FRACTION of the last pass (on a CPU a chunk
+        would otherwise keep the decoding sessions' next step waiting a whole pass)."""
+        if not self._last_pass_decoded:
+            return
+        until = time.monotonic() + PREFILL_HOLD_FRACTION * self._last_pass_s
+        while not self._closed and not self._decoding_queued():
+            left = until - time.monotonic()
             if left <= 0:
                 return
             self._wake.wait(left)

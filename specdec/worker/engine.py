@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
 import torch
 from opentelemetry import metrics, trace
@@ -44,6 +44,10 @@ from specdec.worker.paged import PAGE, CudaGraph, KVPages, StaticForward, static
 from specdec.worker.prefixes import MIN_PREFIX, PrefixStore
 
 log = logging.getLogger(__name__)
+
+# a call's work on the model (a Propose's draft steps, a Verify's pass): a generator that yields each
+# Work it needs and is sent back its result, and returns the call's result (WorkerEngine.run_calls)
+Program = Generator[Work, Any, Any]
 
 MAX_SESSION_ID_LENGTH = 128
 
@@ -104,8 +108,8 @@ class Session:
     cache: DynamicCache
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
-    # bumped by every call that changes the session; a Propose, which releases the lock while its
-    # caller reads each proposal, checks it did not change in between
+    # bumped by every call that changes the session; a Propose, which releases the lock between its
+    # passes (and a job drafting ahead), checks it did not change in between
     version: int = 0
     last_pass_rows: int = 0  # tokens of all sessions in the last pass it took part in
     last_pass_s: float = 0.0  # and the seconds that pass took
@@ -261,7 +265,7 @@ class WorkerEngine:
         # Every forward runs on one thread: the batcher's where the engine has the process to
         # itself, else this model thread (see _run_pass). torch's OpenMP keeps a team of threads
         # per calling thread; forwards from gRPC's many handler threads would wake several teams
-        # that spin against each other (measured: 11% slower draft steps). One thread also
+        # that spin against each other and slow the passes. One thread also
         # serialises the forwards, which on a shared device would only contend anyway. Engines in
         # one process (the in-process path) should share one: pass model_thread=new_model_thread().
         self._owns_model_thread = model_thread is None
@@ -301,8 +305,6 @@ class WorkerEngine:
         if max_prefill_tokens_while_decoding is None:  # on a GPU an eager prefill pass costs about the same at any size
             max_prefill_tokens_while_decoding = max_batch_tokens if cuda else CPU_MAX_PREFILL_TOKENS_WHILE_DECODING
         self._batcher = Batcher(self._run_pass, max_batch_tokens, max_prefill_tokens_while_decoding)
-        # the calls of a batched RPC run on threads of their own, their passes shared (run_calls)
-        self._call_pool = ThreadPoolExecutor(max_workers=max(1, max_sessions), thread_name_prefix="call")
         self._pass_lock = PassLock(pass_lock)  # specdec/threads.py: passes of co-located workers take turns
         tok = self.tokenizer
         self.info = ModelInfo(
@@ -344,7 +346,6 @@ class WorkerEngine:
         self._closed.set()
         self._reaper.join()
         self._batcher.close()
-        self._call_pool.shutdown(wait=True)
         if self._owns_model_thread:
             self._model_thread.shutdown(wait=True)
         self._pass_lock.close()
@@ -612,45 +613,56 @@ class WorkerEngine:
 
     # ---- batched calls -----------------------------------------------------------------
 
-    def run_calls(self, calls: list, one: Callable[[Any], Any]) -> list:
-        """The calls of one batched RPC (an orchestrator's step): one(call) for each, on threads of
-        their own, their forward work in shared passes (draft step i of every Propose in one pass,
-        every Verify in one pass). Returns, per call in order, its result or the ServiceError it
-        raised: each call succeeds or fails on its own. A second call on the same session is
-        refused (INVALID_ARGUMENT): a session takes one call at a time."""
+    def run_calls(self, calls: list, program: Callable[[Any], Program]) -> list:
+        """The calls of one batched RPC (an orchestrator's step), run side by side on this thread:
+        program(call) is the call's work as a generator that yields each Work it needs (see
+        `work`) and gets back its result; the Works the calls yield at one time go to the batcher
+        together and share a pass (draft step i of every Propose, every Verify). Returns, per call
+        in order, the program's return value or the ServiceError it raised: each call succeeds or
+        fails on its own. A second call on the same session is refused (INVALID_ARGUMENT): a
+        session takes one call at a time."""
         seen: set[str] = set()
-        sessions: dict[int, Session] = {}
         results: list = [None] * len(calls)
+        running: dict[int, Program] = {}
         for i, call in enumerate(calls):
             if call.session_id in seen:
                 results[i] = InvalidArgument(f"session {call.session_id} appears twice in one batch")
                 continue
             seen.add(call.session_id)
             try:
-                sessions[i] = self.session(call.session_id)
+                self.session(call.session_id)
+                running[i] = program(call)
             except ServiceError as exc:
                 results[i] = exc
-        ctx = t.current_context()
-        if len(sessions) == 1:  # nothing to gather: this thread runs it (a lone request's step)
-            (i, session), = sessions.items()
-            results[i] = self._one_call(ctx, one, calls[i], session)
-            return results
-        self._batcher.expect(sessions.values())
-        futures = {i: self._call_pool.submit(self._one_call, ctx, one, calls[i], sessions[i]) for i in sessions}
-        for i, future in futures.items():
-            results[i] = future.result()
+        replies: dict[int, Any] = dict.fromkeys(running)
+        while running:
+            works: dict[int, Work] = {}
+            for i, gen in list(running.items()):
+                try:
+                    reply = replies[i]
+                    works[i] = gen.throw(reply) if isinstance(reply, BaseException) else gen.send(reply)
+                except StopIteration as end:
+                    results[i] = end.value
+                except ServiceError as exc:
+                    results[i] = exc
+                except Exception as exc:  # noqa: BLE001 - this call's failure, not the batch's
+                    log.exception("a batched call on session %s failed", calls[i].session_id)
+                    results[i] = ServiceError(f"internal error: {type(exc).__name__}: {exc}")
+                if i not in works:
+                    del running[i]
+            if works:
+                replies = dict(zip(works, self._batcher.run_all(list(works.values()))))
         return results
 
-    def _one_call(self, ctx, one: Callable[[Any], Any], call, session: Session):
-        try:
-            return t.run_in_context(ctx, one, call)
-        except ServiceError as exc:
-            return exc
-        except Exception as exc:  # noqa: BLE001 - this call's failure, not the batch's
-            log.exception("a batched call on session %s failed", call.session_id)
-            return ServiceError(f"internal error: {type(exc).__name__}: {exc}")
-        finally:
-            self._batcher.release(session)
+    def drive(self, program: Program):
+        """Runs one call's program (see run_calls) alone -> its return value."""
+        reply = None
+        while True:
+            try:
+                work = program.throw(reply) if isinstance(reply, BaseException) else program.send(reply)
+            except StopIteration as end:
+                return end.value
+            reply, = self._batcher.run_all([work])
 
     # ---- shared model work -------------------------------------------------------------
 
@@ -685,19 +697,24 @@ class WorkerEngine:
                 f"{already + len(token_ids)} tokens would exceed this model's context of {self.max_context}"
             )
 
-    def run(self, session: Session, keep: int, kind: str, post: Callable[..., Any] = lambda x: x,
-            chain: Chain | None = None):
-        """Runs the session's uncached tokens through the model, in a ragged pass with whatever
-        other sessions have pending, and returns post(logits [keep, vocab]) (run on the model
-        thread: sampling math there keeps to one OpenMP team). kind: prefill, propose or verify.
-        chain (keep 1, where self.chains): draft steps follow on the device, and post gets
-        (logits, the (tokens, probabilities) chosen on the device, the pass's own first, or None).
-        Call it holding session.lock: one pass at a time per session."""
+    def work(self, session: Session, keep: int, kind: str, post: Callable[..., Any] = lambda x: x,
+             chain: Chain | None = None) -> Work:
+        """The session's uncached tokens as work for a ragged pass, whose result is post(logits
+        [keep, vocab]) (run on the model thread: sampling math there keeps to one OpenMP team).
+        kind: prefill, propose or verify. chain (keep 1, where self.chains): draft steps follow on
+        the device, and post gets (logits, the (tokens, probabilities) chosen on the device, the
+        pass's own first, or None). Make and run it holding session.lock: one pass at a time per
+        session. A call's program yields it (run_calls); `run` runs it alone."""
         assert len(session.tokens) - session.cached >= keep >= 1, (len(session.tokens), session.cached, keep)
         if self._prefixes is not None and len(session.tokens) - keep - session.cached >= MIN_PREFIX \
                 and not session.feature_layers:
             self._adopt_prefix(session, keep)  # a draft's catch-up (its session opened on one token)
-        return self._batcher.submit(Work(session, keep, kind, post, t.current_context(), chain=chain))
+        return Work(session, keep, kind, post, t.current_context(), chain=chain)
+
+    def run(self, session: Session, keep: int, kind: str, post: Callable[..., Any] = lambda x: x,
+            chain: Chain | None = None):
+        """`work`'s result, run now (in a pass with whatever other sessions have pending)."""
+        return self._batcher.submit(self.work(session, keep, kind, post, chain))
 
     @property
     def chains(self) -> bool:
@@ -715,8 +732,7 @@ class WorkerEngine:
 
     def _run_pass(self, batch: Pass) -> None:
         """On the batcher's thread. An engine with a model thread of its own (a worker process)
-        runs the pass right there, the batcher's being the one thread that runs passes (two thread
-        switches a pass fewer: a Verify took 0.19-0.21 ms beside its pass, now 0.13-0.17, tiny model); engines
+        runs the pass right there, the batcher's being the one thread that runs passes; engines
         sharing one (in-process) hand it the pass."""
         if self._owns_model_thread:
             self._pass(batch)

@@ -92,8 +92,10 @@ class DraftWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Propose(self, request, context):
-        """Streams up to gamma proposals as the draft produces them (fewer when DraftOptions.p_min
-        stops it). A call that changes the session meanwhile ends it with ABORTED.
+        """One session's Propose, kept for older callers: a ProposeBatch of one call, its proposals
+        streamed once all are made (up to gamma; fewer when DraftOptions.p_min stops it). A call that
+        changes the session between its passes ends it with ABORTED. The orchestrator sends
+        ProposeBatch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
