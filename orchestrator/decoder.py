@@ -24,10 +24,10 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 import torch
@@ -68,6 +68,39 @@ def load_tokenizer_from(target: TargetWorker):
         for name, data in target.tokenizer_files().items():
             (Path(tmp) / Path(name).name).write_bytes(data)
         return AutoTokenizer.from_pretrained(tmp)
+
+
+@dataclass
+class CollectedChoice:
+    """One choice's whole answer, gathered from its chunks: the last chunk holds why it finished,
+    its stats and tool calls."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list
+    last: GenerationChunk
+
+
+def collect_choices(stream: Iterator[GenerationChunk],
+                    between: Callable[[GenerationChunk], None] | None = None) -> list[CollectedChoice]:
+    """Every choice of a request's stream, in index order (one unless n > 1). between(chunk) runs
+    after each chunk (a caller's checks: its client still there, its deadline); what it raises
+    closes the stream and goes up."""
+    parts: dict[int, tuple[list, list, list, list]] = {}  # index -> text, ids, logprobs, [last chunk]
+    try:
+        for chunk in stream:
+            text, ids, logprobs, last = parts.setdefault(chunk.index, ([], [], [], []))
+            text.append(chunk.text_delta)
+            ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs or ())
+            if chunk.finish_reason is not None:
+                last.append(chunk)
+            if between is not None:
+                between(chunk)
+    finally:
+        stream.close()
+    return [CollectedChoice("".join(text), ids, logprobs, last[0])
+            for _, (text, ids, logprobs, last) in sorted(parts.items())]
 
 
 class SpeculativeDecoder:
@@ -287,19 +320,13 @@ class SpeculativeDecoder:
             return request.sampling_mode
         return self.sampling
 
-    def generate(self, request: GenerationRequest) -> GenerationResult:
-        """The whole answer; with n > 1, choice 0's, with every choice in `choices`."""
-        parts: dict[int, tuple[list, list, list, list]] = {}  # index -> text, ids, logprobs, [last chunk]
-        for chunk in self.generate_stream(request):
-            text, ids, logprobs, last = parts.setdefault(chunk.index, ([], [], [], []))
-            text.append(chunk.text_delta)
-            ids.extend(chunk.token_ids)
-            logprobs.extend(chunk.logprobs or ())
-            if chunk.finish_reason is not None:
-                last.append(chunk)
-        results = [GenerationResult("".join(text), ids, last[0].finish_reason, last[0].stats.to_dict(),
-                                    logprobs if request.logprobs else None, last[0].tool_calls)
-                   for _, (text, ids, logprobs, last) in sorted(parts.items())]
+    def generate(self, request: GenerationRequest,
+                 between: Callable[[GenerationChunk], None] | None = None) -> GenerationResult:
+        """The whole answer; with n > 1, choice 0's, with every choice in `choices`. between(chunk),
+        called after each chunk, may raise to stop the request (its sessions close)."""
+        results = [GenerationResult(c.text, c.token_ids, c.last.finish_reason, c.last.stats.to_dict(),
+                                    c.logprobs if request.logprobs else None, c.last.tool_calls)
+                   for c in collect_choices(self.generate_stream(request), between)]
         if len(results) > 1:
             results[0].choices = results
         return results[0]

@@ -6,9 +6,9 @@ import re
 from dataclasses import replace
 
 from orchestrator.admission import Admission, CallDeadline, client_key
-from orchestrator.decoder import SpeculativeDecoder
+from orchestrator.decoder import SpeculativeDecoder, collect_choices
 from orchestrator.pool import parse_entries
-from specdec.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError, Unavailable
+from specdec.errors import Cancelled, FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError, Unavailable
 from specdec.security import TokenSet, bearer_token
 from specdec.protocol import GenerationRequest, choice_of, chunk_to_proto, request_from_proto, result_to_proto
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -52,30 +52,19 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def Generate(self, request, context):
         decoder = self.slot.get()
         deadline = CallDeadline(context, self.request_timeout_s)
+
+        def between(chunk) -> None:
+            if not context.is_active():  # the client left: stop within one round
+                raise Cancelled("the client cancelled the request")
+            if chunk.finish_reason is None:
+                deadline.check()
+
         with self.admission.slot(deadline, self._client(context)):
-            stream = decoder.generate_stream(self._request(request, context))
-            choices: dict[int, tuple[list, list, list, list]] = {}  # index -> text, ids, logprobs, [last chunk]
-            for chunk in stream:
-                text, ids, logprobs, last = choices.setdefault(chunk.index, ([], [], [], []))
-                text.append(chunk.text_delta)
-                ids.extend(chunk.token_ids)
-                logprobs.extend(chunk.logprobs or ())
-                if chunk.finish_reason is not None:
-                    last.append(chunk)
-                if not context.is_active():  # the client left: stop within one round
-                    stream.close()
-                    raise Cancelled("the client cancelled the request")
-                if chunk.finish_reason is None:
-                    try:
-                        deadline.check()
-                    except DeadlineExceeded:
-                        stream.close()
-                        raise
-        answers = {i: result_to_proto("".join(text), ids, last[0], logprobs)
-                   for i, (text, ids, logprobs, last) in sorted(choices.items())}
+            choices = collect_choices(decoder.generate_stream(self._request(request, context)), between)
+        answers = [result_to_proto(c.text, c.token_ids, c.last, c.logprobs) for c in choices]
         response = answers[0]
         if len(answers) > 1:
-            response.choices.extend(choice_of(i, a) for i, a in answers.items())
+            response.choices.extend(choice_of(i, a) for i, a in enumerate(answers))
         return response
 
     def GenerateStream(self, request, context):
