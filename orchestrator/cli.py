@@ -27,7 +27,8 @@ TOOLS_EXTRA = "pip install '.[bench]' from a checkout of this repository"
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 128")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy; default 1.0")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default here, as the README's examples; the API's default is 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
     p.add_argument("--top-p", type=float, default=None, help="1 = off (default)")
     p.add_argument("--seed", type=int, default=None, help="sampled output is a fixed function of it (coupled "
