@@ -74,6 +74,28 @@ def count_passes(engine, monkeypatch) -> list[int]:
     return rows
 
 
+def test_a_batched_propose_is_one_pass_a_draft_step(draft_engine, monkeypatch):
+    """ProposeBatch runs as given: draft step i of every call in one pass, gamma passes in all
+    (nothing waits for work to gather, so nothing depends on timing), and each call's proposals
+    are those it makes alone."""
+    from specdec.wire import ProposeCall
+
+    prompts = {f"batched-{i}": [5 + i, 9, 11 + 2 * i, 4] for i in range(4)}
+    alone = {name: [p.token_id for p in propose_fresh(draft_engine, name, prompt, 3)]
+             for name, prompt in prompts.items()}
+    for name, prompt in prompts.items():
+        draft_engine.open_session(name, prompt)
+    try:  # prefilled: the batch's passes are its draft steps alone
+        rows = count_passes(draft_engine, monkeypatch)
+        results = draft_engine.propose_batch([ProposeCall(name, len(prompt), [], 3, GREEDY, 0)
+                                              for name, prompt in prompts.items()])
+    finally:
+        for name in prompts:
+            draft_engine.close_session(name)
+    assert [[p.token_id for p in r] for r in results] == list(alone.values())
+    assert rows == [4, 4, 4]  # three passes of four sessions' one row each
+
+
 def propose_fresh(engine, name, prompt, gamma, params=GREEDY, options=DraftOptions(), seed=0):
     engine.open_session(name, prompt)
     try:

@@ -70,3 +70,30 @@ def test_a_grammar_that_allows_no_token_is_an_invalid_argument():
     with _pytest.raises(UnsatisfiableGrammar):
         _check_satisfiable(logits({2}, [5, 4, 7]), sampled, tokens, 3)
     assert UnsatisfiableGrammar("x").code.name == "INVALID_ARGUMENT"
+
+
+def test_a_batched_verify_is_one_pass_and_each_call_fails_on_its_own(target_engine, monkeypatch):
+    """VerifyBatch runs as given: every call's rows in one pass, each call's verification that of
+    the call alone; a call with a bad token fails alone, before any pass."""
+    from specdec.errors import InvalidArgument
+    from specdec.wire import VerifyCall
+    from tests.draft_service.test_engine import count_passes
+
+    prompts = {f"vbatch-{i}": [3 + i, 8, 2 * i + 1] for i in range(3)}
+    drafts = {name: [4, 5 + i] for i, name in enumerate(prompts)}
+    alone = {}
+    for name, prompt in prompts.items():
+        target_engine.open_session(name, prompt)
+        alone[name] = target_engine.verify(name, len(prompt), [], drafts[name], GREEDY).argmax
+        target_engine.truncate(name, len(prompt))
+    try:
+        rows = count_passes(target_engine, monkeypatch)
+        calls = [VerifyCall(name, len(prompt), [], drafts[name], GREEDY) for name, prompt in prompts.items()]
+        calls.insert(1, VerifyCall("vbatch-0", 3, [10**7], [], GREEDY))  # the same session twice: refused
+        results = target_engine.verify_batch(calls)
+    finally:
+        for name in prompts:
+            target_engine.close_session(name)
+    assert isinstance(results[1], InvalidArgument)
+    assert [r.argmax for r in results[:1] + results[2:]] == list(alone.values())
+    assert rows == [3 * 3]  # one pass: each session's last prompt token and its two drafts
