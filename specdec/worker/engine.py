@@ -635,23 +635,27 @@ class WorkerEngine:
             except ServiceError as exc:
                 results[i] = exc
         replies: dict[int, Any] = dict.fromkeys(running)
-        while running:
-            works: dict[int, Work] = {}
-            for i, gen in list(running.items()):
-                try:
-                    reply = replies[i]
-                    works[i] = gen.throw(reply) if isinstance(reply, BaseException) else gen.send(reply)
-                except StopIteration as end:
-                    results[i] = end.value
-                except ServiceError as exc:
-                    results[i] = exc
-                except Exception as exc:  # noqa: BLE001 - this call's failure, not the batch's
-                    log.exception("a batched call on session %s failed", calls[i].session_id)
-                    results[i] = ServiceError(f"internal error: {type(exc).__name__}: {exc}")
-                if i not in works:
-                    del running[i]
-            if works:
-                replies = dict(zip(works, self._batcher.run_all(list(works.values()))))
+        try:
+            while running:
+                works: dict[int, Work] = {}
+                for i, gen in list(running.items()):
+                    try:
+                        reply = replies[i]
+                        works[i] = gen.throw(reply) if isinstance(reply, BaseException) else gen.send(reply)
+                    except StopIteration as end:
+                        results[i] = end.value
+                    except ServiceError as exc:
+                        results[i] = exc
+                    except Exception as exc:  # noqa: BLE001 - this call's failure, not the batch's
+                        log.exception("a batched call on session %s failed", calls[i].session_id)
+                        results[i] = ServiceError(f"internal error: {type(exc).__name__}: {exc}")
+                    if i not in works:
+                        del running[i]
+                if works:
+                    replies = dict(zip(works, self._batcher.run_all(list(works.values()))))
+        finally:  # the batch itself failed (the engine closing): the calls still running let go of their sessions
+            for gen in running.values():
+                gen.close()
         return results
 
     def drive(self, program: Program):
