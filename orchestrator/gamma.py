@@ -40,9 +40,11 @@ gammas, and so which random draws it makes, depend on timing.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass, field, replace
 
 from orchestrator.arms import DRAFT, PLAIN, Arms, Level
@@ -62,6 +64,7 @@ MARGIN = 0.10  # drafts must promise 10% more goodput than none: a model's error
 # one draft, + 0.09 at steady state): a bad first impression (a short warm-up request) must not
 # keep a request from ever drafting again, for then acceptance would never be measured again
 OPTIMISM = 0.6
+LOAD_MEMORY_S = 2.0  # a step's load level: the most requests on its target in the last this many seconds
 FREE_PRIOR = 0.5  # a suffix draft's tokens before any was judged: half as likely as their match counts say
 FREE_PRIOR_TOKENS = 8.0  # ... counted as this many promised tokens
 
@@ -161,6 +164,38 @@ class StepRequest:
     # the catch-up charged whole to the step: GammaPolicy._catch_ups_charged)
     explorable: bool = True  # may draft in a step that explores drafting: its draft holds its prompt and
     # lags by at most EXPLORE_MAX_LAG (exploring prefills a draft session only for a request alone on its target)
+
+
+@dataclass
+class StepRecord:
+    """One step of a target's step loop (orchestrator/steps.py) as it ran: all the gamma policy
+    learns from it, handed over once the step ends (GammaPolicy.observe)."""
+
+    target: str
+    requests: list[StepRequest]  # as the step's gammas were chosen for them
+    gammas: list[int]
+    load: int  # requests on the target when it began, those still prefilling included
+    started: float  # time.perf_counter()
+    # per draft worker that answered: the rows and seconds of one of its passes (as the worker
+    # reported them; 0 rows: not reported) and its phase's time beyond its passes (RPC, Python)
+    drafts: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    draft_end: float = 0.0  # the draft phase's end (perf_counter)
+    target_rows: int = 0  # rows of the target's pass (those of prefill chunks or other sessions included)
+    target_pass_s: float = 0.0  # and its seconds
+    own_rows: int = 0  # the rows this step brought to that pass
+    tokens: int = 0  # what the step gave its requests (before a stop cut them)
+    ended: float = 0.0
+    overlapped: bool = False  # a prefill ran during the step: its waits hold the prefill's passes
+    faulted: bool = False  # a worker call failed: its waits (a stalled worker's seconds) are no step's cost
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+    @property
+    def own_pass(self) -> bool:
+        """The target's pass ran this step's rows alone (no prefill chunks, no other sessions)."""
+        return 0 < self.target_rows <= self.own_rows
 
 
 @dataclass
@@ -387,6 +422,21 @@ class GammaPolicy:
         self._planned_free: dict[str, tuple[Level, str, bool, float]] = {}  # target -> its step's, as _planned
         # target -> its step's (level, arm, explored, predicted goodput)
         self._planned: dict[str, tuple[Level, str, bool, float]] = {}
+        self._loads: dict[str, collections.deque[tuple[float, int]]] = {}  # target -> (time, load) of recent steps
+
+    def _load(self, target: str, load: int) -> int:
+        """The load whose level's measured arms decide a step on `target`: the most requests (those
+        prefilling included) on it now or in the steps of the last LOAD_MEMORY_S seconds. Where one
+        wave of requests ends and the next joins, the first to join runs alone for a step or two;
+        taken as a light load, it drafted (a lazily opened draft taking its prompt in) while the
+        others' prefills held the cores, and the step everyone joins at waited seconds for it."""
+        loads = self._loads.get(target)
+        if not loads:
+            return load
+        since = time.perf_counter() - LOAD_MEMORY_S
+        while loads and loads[0][0] < since:
+            loads.popleft()
+        return max([load, *(n for _, n in loads)])
 
     def _cost(self, address: str) -> LinearCost:
         return self._costs.setdefault(address, LinearCost())
@@ -427,7 +477,7 @@ class GammaPolicy:
             return lengths
         with self._lock:
             lengths, predicted = self._free_lengths(target, requests, gammas, candidates, calibrations)
-            level = self.suffix_arms.level(target, max(load or 0, len(requests)))
+            level = self.suffix_arms.level(target, self._load(target, max(load or 0, len(requests))))
             # the arm is "the model's suffix drafts": a step it would send none in is no choice
             arm, explored = self.suffix_arms.choose(level, DRAFT, can_draft=any(lengths))
             if arm == PLAIN:
@@ -479,16 +529,18 @@ class GammaPolicy:
         (drafting_gammas: a common g, requests with poor acceptance left out). A request's cap
         stays its upper bound; exploring drafts only the requests whose draft is nearly in step.
         load: the requests on the target, those still prefilling included (default: the step's),
-        which picks the load level whose arms decide."""
+        which picks the load level whose arms decide, with those of the steps of the last
+        LOAD_MEMORY_S seconds (observe)."""
         if not self.adaptive:
             return [r.cap for r in requests]
         with self._lock:
             costs = self._step_costs(target, requests)
-            level = self.arms.level(target, max(load or 0, len(requests)))
+            load = self._load(target, max(load or 0, len(requests)))
+            level = self.arms.level(target, load)
             # a request alone on the target explores even with its draft's catch-up, which delays no
             # one else: a level of one whose drafting measured worse on a noisy second otherwise never
             # drafted again, as its later requests' drafts open lazily and lag by their prompt
-            alone = max(load or 0, len(requests)) == 1
+            alone = load == 1
             if not costs.target.known and not alone:
                 # nothing priced yet (a fresh orchestrator: every pass so far ran prefills too): a draft
                 # that must first take in a whole prompt (opened lazily) waits for measured passes. A
@@ -540,6 +592,26 @@ class GammaPolicy:
         if alone or (level.running or self.arms.prior(level)) == DRAFT:
             return requests
         return [replace(r, remaining=0) if r.lag > 1 else r for r in requests]
+
+    def observe(self, step: StepRecord) -> tuple[str, bool, float] | None:
+        """All a step teaches, once it ended: its load (the next steps' level), the target's pass
+        line (from a pass that ran the step's rows alone), each draft's (not from a draft phase in
+        which a session caught up: a one-off), the time beyond the passes (from a step no prefill
+        overlapped and no fault stalled: those waits are not the step's own; learnt, a prefill's
+        made plain steps look ~10x dearer beside their passes), and its arm's rate (observe_outcome)."""
+        if self.adaptive:  # (the fixed policy's observe_* keep nothing)
+            with self._lock:
+                self._loads.setdefault(step.target, collections.deque()).append((step.started, step.load))
+        own = step.own_pass and not step.overlapped and not step.faulted
+        if step.own_pass:
+            self.observe_pass(step.target, step.target_rows, step.target_pass_s)
+        catching_up = {r.draft for r, g in zip(step.requests, step.gammas) if g > 0 and r.lag > CATCH_UP_LAG}
+        clean = not step.overlapped and not step.faulted  # the worker times its passes alone: those stand
+        drafts = {address: (rows, pass_s, extra_s if clean else None)
+                  for address, (rows, pass_s, extra_s) in step.drafts.items() if address not in catching_up}
+        overhead = max(step.ended - step.draft_end - step.target_pass_s, 0.0) if own else None
+        self.observe_step(step.target, overhead, drafts)
+        return self.observe_outcome(step.target, step.tokens, step.seconds, measured=own)
 
     def observe_outcome(self, target: str, tokens: int, seconds: float,
                         measured: bool = True) -> tuple[str, bool, float] | None:

@@ -1,8 +1,15 @@
 """One speculative round of a request: num_accepted + 1 tokens for one target forward pass.
 
 A round, in named steps on a Round (gpt-fast's `speculative_decode`, spread over two workers).
-The step loop (orchestrator/steps.py) runs these steps for all the requests on a target at once,
-the draft and verify steps as one batched call per worker; the per-request steps live here:
+The step loop (orchestrator/steps.py) runs the rounds of all the requests on a target at once,
+the draft and verify steps as one batched call per worker. What it calls here, per request, in order:
+
+  plan     the round for the gamma the policy chose (step_request: what the policy knows of the
+           request), with its Propose call (or its suffix draft)
+  drafted  the draft's answer (or fault) taken in; then verify_call: the round's Verify
+  finish   the target's answer (or fault) taken in, and the rest of the round: its chunk
+
+The round's named steps:
 
   draft   the draft proposes x_0..x_{gamma-1}, each x_i ~ q_i (draft_call, take_proposals: the
           request's proposer, orchestrator/proposers/: a draft model's or a feature head's); or,
@@ -36,14 +43,15 @@ from dataclasses import dataclass, field
 import torch
 
 from orchestrator.detokenizer import TextAssembler
-from orchestrator.gamma import Acceptance, Calibration, GammaPolicy
+from orchestrator.arms import EXPLORE_MAX_LAG
+from orchestrator.gamma import CATCH_UP_LAG, Acceptance, Calibration, GammaPolicy, StepRequest
 from orchestrator.placement import Placement, is_worker_fault
 from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample, synthetic_verify
 from orchestrator.proposers import DraftWorkerProposer, proposer_for
 from orchestrator.proposers.suffix import RequestIndex
 from specdec import telemetry as t
 from specdec.errors import ServiceError
-from specdec.protocol import GenerationChunk, GenerationStats, SamplingParams, TokenLogprob
+from specdec.protocol import MAX_GAMMA, GenerationChunk, GenerationStats, SamplingParams, TokenLogprob
 from specdec.wire import CompactProbs, DraftOptions, Proposal, ProposeCall, Verification, VerifyCall
 
 
@@ -102,6 +110,7 @@ class Round:
     gamma: int  # drafts asked for, then drafts made (a draft may stop early: DraftOptions); 0 after a draft fault
     remaining: int  # tokens max_new_tokens still allows
     wire_before: int
+    propose: ProposeCall | None = None  # the round's call to its draft worker (None: no draft pass)
     drafts: list[int] = field(default_factory=list)  # x_i
     draft_probs: list[CompactProbs | None] = field(default_factory=list)  # q_i (None when greedy)
     draft_rows: int = 0  # rows of the draft's passes, mean over this round's steps (0: not reported)
@@ -128,12 +137,57 @@ def gamma_cap(req: RequestState) -> int:
     return min(req.gamma, remaining - 1) if req.placement.draft is not None else 0
 
 
-def new_round(req: RequestState, gamma: int) -> Round:
-    return Round(gamma, req.max_new_tokens - req.generated, req.stats.wire_bytes)
+def step_request(req: RequestState, prefilling: bool) -> StepRequest:
+    """What the gamma policy knows of the request for the next step. A draft session's catch-up
+    (a whole prompt, when it opened lazily) waits: for a step without prefills (it would take
+    turns on the cores with the target's prefills, and this step, which joining requests wait for,
+    would wait for both), and until the request's first token (which it would delay by the
+    catch-up: ~0.3 s for a 100-token prompt here)."""
+    lag = len(req.tokens) - req.draft_synced
+    cap = 0 if lag > CATCH_UP_LAG and (prefilling or not req.generated) else gamma_cap(req)
+    return StepRequest(cap, req.placement.draft.address if req.placement.draft is not None else None, lag,
+                       req.acceptance, req.max_new_tokens - req.generated,
+                       explorable=lag <= EXPLORE_MAX_LAG and req.draft_synced >= req.prompt_len)
 
 
-def finish(req: RequestState, rnd: Round, span) -> None:
-    """The round's steps after its verification: accept, commit, learn acceptance, emit."""
+def suffix_eligible(req: RequestState) -> int:
+    """How many suffix-draft tokens (orchestrator/proposers/suffix.py) the next round may carry: none
+    for a request that asked for gamma 0 (the baseline stays plain), one with a grammar (the
+    draft's tokens could leave it), or a benchmark's synthetic acceptance."""
+    if req.gamma <= 0 or req.synthetic_acceptance or req.params.grammar is not None:
+        return 0
+    return max(min(MAX_GAMMA, req.max_new_tokens - req.generated - 1), 0)
+
+
+def plan(req: RequestState, gamma: int, suffix: tuple[list[int], list[float]] | None = None) -> Round:
+    """The round of a step whose policy gave the request `gamma` model drafts (with its Propose
+    call: draft_call), or, with none, the suffix draft it chose (take_suffix)."""
+    rnd = Round(gamma, req.max_new_tokens - req.generated, req.stats.wire_bytes)
+    if gamma > 0:
+        rnd.propose = draft_call(req, rnd)
+    elif suffix is not None:
+        take_suffix(rnd, *suffix)
+    return rnd
+
+
+def drafted(req: RequestState, rnd: Round, answer: "list[Proposal] | ServiceError") -> None:
+    """The draft worker's answer to the round's Propose: its proposals, or a fault (the round goes
+    on without drafts)."""
+    if isinstance(answer, ServiceError):
+        draft_failed(req, rnd, answer)
+    else:
+        take_proposals(req, rnd, answer)
+
+
+def finish(req: RequestState, rnd: Round, answer: "Verification | ServiceError", span) -> GenerationChunk:
+    """The round's steps after the target's answer to its Verify: a fault moves the session and
+    the same drafts are verified on the new target (target_failed, verify); then accept, commit,
+    learn acceptance, emit. Returns the round's chunk."""
+    if isinstance(answer, ServiceError):
+        target_failed(req, answer)
+        verify(req, rnd)
+    else:
+        rnd.verification = answer
     accept(req, rnd)
     commit(req, rnd)
     learn(req, rnd)
@@ -144,6 +198,7 @@ def finish(req: RequestState, rnd: Round, span) -> None:
             t.ACCEPTED: rnd.num_accepted, t.EMITTED: len(rnd.emitted), t.WIRE_BYTES: rnd.wire_bytes,
             t.ACCEPTED_BY_POSITION: [1] * rnd.num_accepted + [0] * (rnd.gamma - rnd.num_accepted),
         })
+    return rnd.chunk
 
 
 def draft_call(req: RequestState, rnd: Round) -> ProposeCall:

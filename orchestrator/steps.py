@@ -1,13 +1,17 @@
 """The step loop: one per target worker, running the rounds of every request placed there together.
 
-Each step (vLLM v1's scheduler step, with the draft and the target on workers of their own):
+Each step is four calls (vLLM v1's schedule -> execute -> update, with the draft and the target
+on workers of their own; StepLoop.step):
 
-  plan    each request's gamma for this step (orchestrator/gamma.py, GammaPolicy.choose_step: all
-          drafting requests share the draft passes and the target's pass); its cap stays its bound
-  draft   one ProposeBatch per draft worker: draft step i of every drafting request in one pass
-  verify  one VerifyBatch: every request's unsynced tokens and drafts in one target pass
-  finish  per request, the steps of orchestrator/rounds.py: accept (rejection sampling with the
-          request's own generator), commit, learn, emit its chunk
+  _plan    each request's gamma (orchestrator/gamma.py, GammaPolicy.choose_step: all drafting
+           requests share the draft passes and the target's pass), or its suffix draft; its round
+           for it (rounds.plan: the round's Propose call)
+  _draft   one ProposeBatch per draft worker: draft step i of every drafting request in one pass;
+           each answer to its round (rounds.drafted)
+  _verify  one VerifyBatch: every request's unsynced tokens and drafts in one target pass
+  _finish  per request, the rest of its round (rounds.finish: accept with the request's own
+           generator, commit, learn, emit) and its chunk to its reader; then the step's record,
+           all the gamma policy learns from the step, to the policy (GammaPolicy.observe)
 
 So a step costs two RPCs (one with no drafting) whatever the number of requests, and a request's
 round is computed exactly as on its own: its seed stream, rejection sampling, stop strings,
@@ -27,30 +31,27 @@ request, which records the step's size; the other requests' draft and verify spa
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
 
-from orchestrator.arms import EXPLORE_MAX_LAG
-from orchestrator.gamma import CATCH_UP_LAG, GammaPolicy, StepRequest
+from orchestrator.gamma import GammaPolicy, StepRecord, StepRequest
 from orchestrator.metrics import DecodingMetrics
-from orchestrator.rounds import (RequestState, Round, draft_call, draft_failed, finish, gamma_cap, new_round,
-                                 take_suffix, take_proposals, target_failed, verify, verify_call)
+from orchestrator.rounds import (RequestState, Round, drafted, finish, plan, step_request, suffix_eligible,
+                                 verify_call)
 from orchestrator.proposers.suffix import SuffixIndex
 from specdec import telemetry as t
 from specdec.errors import ServiceError
-from specdec.protocol import MAX_GAMMA, GenerationChunk
+from specdec.protocol import GenerationChunk
 
 log = logging.getLogger(__name__)
-
-LOAD_MEMORY_S = 2.0  # a step's load level: the most requests on its loop in the last this many seconds
 
 
 class Ticket:
@@ -153,8 +154,6 @@ class StepLoop:
         self._wake = threading.Condition()
         self._closed = False
         self.steps = 0
-        self._faulted = False
-        self._loads: collections.deque[tuple[float, int]] = collections.deque()  # (time, requests) of recent steps
         self._thread = threading.Thread(target=self._run, name=f"steps-{address}", daemon=True)
         self._thread.start()
 
@@ -198,162 +197,88 @@ class StepLoop:
                     ticket.fail(error)
                 running = []
 
-    # ---- one step --------------------------------------------------------------------------
+    # ---- one step ----------------------------------------------------------------------------
 
     def step(self, tickets: list[Ticket]) -> list[Ticket]:
         """One step of all the requests; returns those that stay on this loop."""
-        started = time.perf_counter()
-        quiet = self.loops.quiet_since()
-        self.steps += 1
-        self._faulted = False  # a worker call of the step failed (_draft, _verify): its time is no arm's rate
-        states = [tk.state for tk in tickets]
-        caps = [gamma_cap(s) for s in states]
-        # a draft session's catch-up (a whole prompt, when it opened lazily) waits: for a step without
-        # prefills (it would take turns on the cores with the target's prefills, and this step, which
-        # joining requests wait for, would wait for both), and until its request's first token
-        # (which it would delay by the catch-up: ~0.3 s for a 100-token prompt here)
-        caps = [0 if len(s.tokens) - s.draft_synced > CATCH_UP_LAG and (self.loops.prefilling or not s.generated)
-                else cap for cap, s in zip(caps, states)]
-        requests = [StepRequest(cap, s.placement.draft.address if s.placement.draft is not None else None,
-                                len(s.tokens) - s.draft_synced, s.acceptance, s.max_new_tokens - s.generated,
-                                explorable=len(s.tokens) - s.draft_synced <= EXPLORE_MAX_LAG and
-                                s.draft_synced >= s.prompt_len)
-                    for cap, s in zip(caps, states)]
-        load = self._load(started, len(states) + self.loops.prefilling)  # those joining soon too
-        gammas = self.loops.policy.choose_step(self.address, requests, load=load)
-        free = self._suffix_drafts(states, requests, gammas, load)
-        rounds = [new_round(s, g) for s, g in zip(states, gammas)]
-        spans = [self.loops.tracer.start_span("round", context=tk.ctx) for tk in tickets]
-        errors: list[BaseException | None] = [None] * len(tickets)
-        drafts = self._draft(states, rounds, spans, errors)
-        for j, (tokens, probs) in free.items():  # after the draft phase: they make no draft call
-            take_suffix(rounds[j], tokens, probs)
-        draft_end = time.perf_counter()
-        target_pass = self._verify(states, rounds, spans, errors)
-        staying, tokens = [], 0
-        for ticket, state, rnd, span, error in zip(tickets, states, rounds, spans, errors):
-            try:
-                if error is not None:
-                    raise error
-                with trace.use_span(span, end_on_exit=False):
-                    finish(state, rnd, span)
-                self.loops.metrics.record_round(rnd.gamma, rnd.num_accepted, rnd.draft_s, rnd.verify_s,
-                                                rnd.sampling_s, rnd.wire_bytes)
-            except BaseException as exc:  # noqa: BLE001 - this request's failure only
-                span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
-                span.end()
-                ticket.fail(exc)
-                continue
-            span.end()
-            tokens += len(rnd.result.token_ids)  # what the step gave the request (before a stop cuts it)
-            ticket.put(rnd.chunk)
-            if state.finish is not None:
-                ticket.release()
-            elif state.placement.target.address != self.address:  # failover moved it
-                self.loops.loop(state.placement.target.address).add(ticket)
-            else:
-                staying.append(ticket)
-        unshared = quiet is not None and self.loops.quiet_since() == quiet  # no prefill overlapped the step
-        self._learn(started, draft_end, target_pass, drafts, unshared and not self._faulted)
-        seconds = time.perf_counter() - started
-        # a target pass that also ran other work (prefill chunks of joining requests, another
-        # orchestrator's sessions) says nothing of this step's arm: its time counts, its rate not
-        rows, _, own_rows = target_pass
-        outcome = self.loops.policy.observe_outcome(self.address, tokens, seconds,
-                                                    measured=unshared and 0 < rows <= own_rows and not self._faulted)
-        if outcome is not None:
-            self.loops.metrics.record_step(*outcome[:2], seconds, outcome[2])
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("step on %s: %d requests (%d prefilling), gammas %s, suffix %s, %d rows in the target's pass "
-                      "(%d its own), %d tokens in %.1f ms (target %.1f ms, draft phase %.1f ms)%s", self.address,
-                      len(states), self.loops.prefilling, gammas, [len(f[0]) for f in free.values()], rows, own_rows,
-                      tokens, seconds * 1e3, target_pass[1] * 1e3, (draft_end - started) * 1e3,
-                      "" if unshared else ", a prefill overlapped")
-        return staying
+        step = self._plan(tickets)
+        self._draft(step)
+        self._verify(step)
+        return self._finish(step)
 
-    def _load(self, now: float, requests: int) -> int:
-        """The load whose level's measured arms decide this step: the most requests (those
-        prefilling included) on this loop in the last LOAD_MEMORY_S seconds. Where one wave of
-        requests ends and the next joins, the first to join runs alone for a step or two; taken as a
-        light load, it drafted (a lazily opened draft taking its prompt in) while the others'
-        prefills held the cores, and the step everyone joins at waited seconds for it."""
-        loads = self._loads
-        while loads and loads[0][0] < now - LOAD_MEMORY_S:
-            loads.popleft()
-        loads.append((now, requests))
-        return max(n for _, n in loads)
+    def _plan(self, tickets: list[Ticket]) -> "Step":
+        """The gamma policy's choice for every request (drafts of the model, or suffix drafts) and
+        each request's round for it (rounds.plan: its Propose call)."""
+        self.steps += 1
+        loops, started = self.loops, time.perf_counter()
+        quiet = loops.quiet_since()
+        states = [tk.state for tk in tickets]
+        requests = [step_request(s, loops.prefilling > 0) for s in states]
+        load = len(states) + loops.prefilling  # those joining soon too
+        gammas = loops.policy.choose_step(self.address, requests, load=load)
+        suffix = self._suffix_drafts(states, requests, gammas, load)
+        step = Step(tickets, states, [plan(s, g, suffix.get(j)) for j, (s, g) in enumerate(zip(states, gammas))],
+                    [loops.tracer.start_span("round", context=tk.ctx) for tk in tickets],
+                    StepRecord(self.address, requests, gammas, load, started), quiet, [None] * len(tickets))
+        return step
 
     def _suffix_drafts(self, states: list[RequestState], requests: list[StepRequest],
-                     gammas: list[int], load: int) -> dict[int, tuple[list[int], list[float]]]:
-        """Suffix drafts (orchestrator/proposers/suffix.py) in a step that drafts nothing with the model, as
-        many tokens of each as the gamma policy finds worth their rows in the target's pass (and
-        none where its measured arms say they do not pay: GammaPolicy.choose_suffix). Not for a
-        request that asked for gamma 0 (the baseline stays plain), one with a grammar (the draft's
-        tokens could leave it), or a benchmark's synthetic acceptance."""
+                       gammas: list[int], load: int) -> dict[int, tuple[list[int], list[float]]]:
+        """Suffix drafts (orchestrator/proposers/suffix.py) in a step that drafts nothing with the
+        model, as many tokens of each as the gamma policy finds worth their rows in the target's
+        pass (and none where its measured arms say they do not pay: GammaPolicy.choose_suffix)."""
         policy = self.loops.policy
         if not policy.adaptive or any(gammas):  # a step that drafts with the model carries none (choose_suffix)
             return {}
         found = {}
         for j, s in enumerate(states):
-            k = min(MAX_GAMMA, s.max_new_tokens - s.generated - 1)
-            if k <= 0 or s.gamma <= 0 or s.synthetic_acceptance or s.params.grammar is not None:
-                continue
-            tokens, probs = self.loops.suffix.draft(s.placement.scope, s.tokens, s.own_index, k)
+            k = suffix_eligible(s)
+            tokens, probs = self.loops.suffix.draft(s.placement.scope, s.tokens, s.own_index, k) if k else ([], [])
             if tokens:
                 found[j] = (tokens, probs)
         if not found:
             return {}
         lengths = policy.choose_suffix(self.address, requests, gammas,
-                                     [found[j][1] if j in found else [] for j in range(len(states))],
-                                     [s.suffix_calibration for s in states], load=load)
+                                       [found[j][1] if j in found else [] for j in range(len(states))],
+                                       [s.suffix_calibration for s in states], load=load)
         return {j: (found[j][0][:k], found[j][1][:k]) for j, k in enumerate(lengths) if k}
 
-    def _draft(self, states: list[RequestState], rounds: list[Round], spans,
-               errors) -> dict[str, tuple[int, float, float]]:
+    def _draft(self, step: "Step") -> None:
         """Every drafting request's proposals: one batched call per draft worker, the calls to
-        different drafts at once. Returns, per draft worker that answered, what the gamma policy
-        learns: (rows, seconds) per pass as the worker reported them, and the seconds of the
-        phase beyond its passes (the RPC, the orchestrator's work)."""
+        different drafts at once; each answer goes to its round (rounds.drafted). The step's
+        record gets, per draft worker that answered, the rows and seconds of a pass as the worker
+        reported them, and the seconds of the phase beyond its passes (the RPC, the orchestrator's work)."""
         started = time.perf_counter()
-        # a session the draft takes in whole first (opened lazily: its first drafts), or one that fell
-        # behind while drafting was off, is a one-off catch-up: a draft phase with one teaches no step's costs
-        catching_up = {i for i, (s, r) in enumerate(zip(states, rounds))
-                       if r.gamma > 0 and len(s.tokens) - s.draft_synced > CATCH_UP_LAG}
+        states, rounds = step.states, step.rounds
         groups: dict[int, tuple[object, list[int]]] = {}
         for i, (state, rnd) in enumerate(zip(states, rounds)):
-            if rnd.gamma > 0:
+            if rnd.propose is not None:
                 groups.setdefault(id(state.placement.draft), (state.placement.draft, []))[1].append(i)
-        if not groups:
-            return {}
-        calls = {i: draft_call(states[i], rounds[i]) for _, members in groups.values() for i in members}
-        work = [(member, members) for member, members in groups.values()]
-        phases = self._phase("draft", [i for _, members in work for i in members], spans)
-        # each draft's call runs under the draft span of its first request (the others link to it)
-        run = lambda w: self._propose(trace.set_span_in_context(phases[w[1][0]]), *w, calls)  # noqa: E731
-        results = [run(work[0])] if len(work) == 1 else list(self.loops.drafts.map(run, work))
-        elapsed = time.perf_counter() - started
-        for (member, members), outcomes in zip(work, results):
-            for i, outcome in zip(members, outcomes):
-                state, rnd = states[i], rounds[i]
-                try:
-                    with trace.use_span(phases[i], end_on_exit=True):
-                        if isinstance(outcome, ServiceError):
-                            self._faulted = True  # the wait for it (a stalled draft's seconds) is no step's cost
-                            draft_failed(state, rnd, outcome)
-                        else:
-                            take_proposals(state, rnd, outcome)
-                except BaseException as exc:  # noqa: BLE001 - not a worker fault, or failover failed
-                    errors[i] = exc
-        for rnd in rounds:
-            rnd.draft_s = elapsed
-        learned = {}
-        for member, members in work:
-            ran = [rounds[i] for i in members if rounds[i].draft_rows]  # reported by the last proposal
-            if ran and not catching_up.intersection(members):
-                widest = max(ran, key=lambda r: r.draft_rows)  # the sessions shared passes: the widest saw them all
-                model_s = max(r.draft_pass_s * r.gamma for r in ran)
-                learned[member.address] = (widest.draft_rows, widest.draft_pass_s, max(elapsed - model_s, 0.0))
-        return learned
+        if groups:
+            work = list(groups.values())
+            phases = self._phase("draft", [i for _, members in work for i in members], step.spans)
+            # each draft's call runs under the draft span of its first request (the others link to it)
+            run = lambda w: t.run_in_context(trace.set_span_in_context(phases[w[1][0]]),  # noqa: E731
+                                             w[0].worker.propose_batch, [rounds[i].propose for i in w[1]])
+            results = [run(work[0])] if len(work) == 1 else list(self.loops.drafts.map(run, work))
+            elapsed = time.perf_counter() - started
+            for (member, members), answers in zip(work, results):
+                for i, answer in zip(members, answers):
+                    step.record.faulted |= isinstance(answer, ServiceError)  # a stalled draft's wait is no cost
+                    try:
+                        with trace.use_span(phases[i], end_on_exit=True):
+                            drafted(states[i], rounds[i], answer)
+                    except BaseException as exc:  # noqa: BLE001 - not a worker fault, or failover failed
+                        step.errors[i] = exc
+                ran = [rounds[i] for i in members if rounds[i].draft_rows]  # reported by the last proposal
+                if ran:
+                    widest = max(ran, key=lambda r: r.draft_rows)  # the sessions shared passes: the widest saw them all
+                    model_s = max(r.draft_pass_s * r.gamma for r in ran)
+                    step.record.drafts[member.address] = (widest.draft_rows, widest.draft_pass_s,
+                                                          max(elapsed - model_s, 0.0))
+            for rnd in rounds:  # every request waited for the draft phase
+                rnd.draft_s = elapsed
+        step.record.draft_end = time.perf_counter()
 
     def _phase(self, name: str, members: list[int], spans) -> dict:
         """A `name` span under the round of each member, begun now: the first member's carries
@@ -367,59 +292,84 @@ class StepLoop:
             phases[i] = tracer.start_span(name, context=trace.set_span_in_context(spans[i]), links=links)
         return phases
 
-    def _propose(self, ctx, member, members: list[int], calls: dict) -> list:
-        """One draft worker's share of the step: its calls' proposals (or errors), in order."""
-        return t.run_in_context(ctx, member.worker.propose_batch, [calls[i] for i in members])
-
-    def _verify(self, states: list[RequestState], rounds: list[Round], spans, errors) -> tuple[int, float, int]:
-        """Every request's verification in one batched call (a request whose target failed is
-        moved and verified again on its own); returns the (rows, seconds) of the target's pass and
+    def _verify(self, step: "Step") -> None:
+        """Every request's verification in one batched call; the answers wait in step.answers for
+        their rounds' finish. The step's record gets the (rows, seconds) of the target's pass and
         the rows the call brought to it."""
         started = time.perf_counter()
-        live = [i for i in range(len(states)) if errors[i] is None]
+        live = [i for i, error in enumerate(step.errors) if error is None]
         if not live:
-            return 0, 0.0, 0
-        calls = [verify_call(states[i], rounds[i]) for i in live]
-        own_rows = sum(len(c.token_ids) + len(c.draft_token_ids) for c in calls)
-        worker = states[live[0]].placement.target.worker
-        phases = self._phase("verify", live, spans)
-        ctx = trace.set_span_in_context(phases[live[0]])
-        outcomes = t.run_in_context(ctx, worker.verify_batch, calls)
+            return
+        calls = [verify_call(step.states[i], step.rounds[i]) for i in live]
+        record = step.record
+        record.own_rows = sum(len(c.token_ids) + len(c.draft_token_ids) for c in calls)
+        phases = self._phase("verify", live, step.spans)
+        answers = t.run_in_context(trace.set_span_in_context(phases[live[0]]),
+                                   step.states[live[0]].placement.target.worker.verify_batch, calls)
         elapsed = time.perf_counter() - started
-        pass_rows, pass_s = 0, 0.0
-        for i, outcome in zip(live, outcomes):
-            state, rnd = states[i], rounds[i]
-            try:
-                if isinstance(outcome, ServiceError):
-                    self._faulted = True
-                    phases[i].set_status(trace.Status(trace.StatusCode.ERROR, str(outcome)))
-                    phases[i].end()
-                    target_failed(state, outcome)  # moves the session (or raises)
-                    with trace.use_span(spans[i], end_on_exit=False):
-                        verify(state, rnd)  # the same drafts, on the new target, on their own
-                else:
-                    phases[i].end()
-                    rnd.verification = outcome
-                    rnd.verify_s = elapsed
-                    pass_rows, pass_s = max(pass_rows, outcome.batch_rows), max(pass_s, outcome.pass_s)
-            except BaseException as exc:  # noqa: BLE001 - not a worker fault, or failover failed
-                errors[i] = exc
-        return pass_rows, pass_s, own_rows
+        for i, answer in zip(live, answers):
+            step.rounds[i].verify_s = elapsed
+            step.answers[i] = answer
+            if isinstance(answer, ServiceError):
+                record.faulted = True
+                phases[i].set_status(trace.Status(trace.StatusCode.ERROR, str(answer)))
+            else:
+                record.target_rows = max(record.target_rows, answer.batch_rows)
+                record.target_pass_s = max(record.target_pass_s, answer.pass_s)
+            phases[i].end()
 
-    def _learn(self, started: float, draft_end: float, target_pass: tuple[int, float, int],
-               drafts: dict[str, tuple[int, float, float]], unshared: bool) -> None:
-        """The step's costs go to the gamma policy once: the target's pass (rows, seconds) when it
-        ran this step's rows alone, each draft's passes and the rest of its phase, and the rest of
-        the step when no prefill overlapped it (unshared: "alone" is a request alone on its target)."""
-        policy = self.loops.policy
-        rows, pass_s, own_rows = target_pass
-        if 0 < rows <= own_rows:  # a pass that also ran prefill chunks (or others' rows) is no step's cost
-            policy.observe_pass(self.address, rows, pass_s)
-        # the rest of a step that a prefill overlapped holds its waits for the prefill's passes (a
-        # second, where a step's own rest is ~5 ms): learnt, they made plain steps look ~10x dearer
-        # beside their passes, and drafting, whose passes add more tokens per step, look better
-        own = unshared and 0 < rows <= own_rows
-        overhead = max(time.perf_counter() - draft_end - pass_s, 0.0) if own else None
-        if not unshared:  # so do a draft phase's waits beyond its passes (the worker times its passes alone)
-            drafts = {address: (n, s, None) for address, (n, s, _) in drafts.items()}
-        policy.observe_step(self.address, overhead, drafts)
+    def _finish(self, step: "Step") -> list[Ticket]:
+        """Each request's round to its end (rounds.finish: a faulted target's session moved and
+        verified again on its own) and its chunk to its ticket; the step's record to the gamma
+        policy. Returns the tickets that stay on this loop."""
+        staying, record = [], step.record
+        for i, (ticket, state, rnd, span) in enumerate(zip(step.tickets, step.states, step.rounds, step.spans)):
+            try:
+                if step.errors[i] is not None:
+                    raise step.errors[i]
+                with trace.use_span(span, end_on_exit=False):
+                    chunk = finish(state, rnd, step.answers[i], span)
+                self.loops.metrics.record_round(rnd.gamma, rnd.num_accepted, rnd.draft_s, rnd.verify_s,
+                                                rnd.sampling_s, rnd.wire_bytes)
+            except BaseException as exc:  # noqa: BLE001 - this request's failure only
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+                span.end()
+                ticket.fail(exc)
+                continue
+            span.end()
+            record.tokens += len(rnd.result.token_ids)  # what the step gave the request (before a stop cuts it)
+            ticket.put(chunk)
+            if state.finish is not None:
+                ticket.release()
+            elif state.placement.target.address != self.address:  # failover moved it
+                self.loops.loop(state.placement.target.address).add(ticket)
+            else:
+                staying.append(ticket)
+        record.overlapped = step.quiet is None or self.loops.quiet_since() != step.quiet  # a prefill ran meanwhile
+        record.ended = time.perf_counter()
+        outcome = self.loops.policy.observe(record)
+        if outcome is not None:
+            self.loops.metrics.record_step(*outcome[:2], record.seconds, outcome[2])
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step on %s: %d requests (%d prefilling), gammas %s, suffix %s, %d rows in the target's pass "
+                      "(%d its own), %d tokens in %.1f ms (target %.1f ms, draft phase %.1f ms)%s", self.address,
+                      len(step.states), self.loops.prefilling, record.gammas,
+                      [len(r.drafts) for r in step.rounds if r.suffix_probs], record.target_rows, record.own_rows,
+                      record.tokens, record.seconds * 1e3, record.target_pass_s * 1e3,
+                      (record.draft_end - record.started) * 1e3, ", a prefill overlapped" if record.overlapped else "")
+        return staying
+
+
+@dataclass
+class Step:
+    """One step of a loop on its way: its requests' tickets, states, rounds and round spans (in
+    the same order), what the workers answered, and its record for the gamma policy."""
+
+    tickets: list[Ticket]
+    states: list[RequestState]
+    rounds: list[Round]
+    spans: list
+    record: StepRecord
+    quiet: int | None  # StepLoops.quiet_since() when it began: a prefill that ran meanwhile changes it
+    errors: list[BaseException | None] = field(default_factory=list)  # a request's failure before finish
+    answers: dict[int, object] = field(default_factory=dict)  # the target's answers (or faults), by request
