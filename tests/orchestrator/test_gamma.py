@@ -431,3 +431,31 @@ def test_before_any_pass_is_measured_no_draft_catches_up_under_load():
     assert GammaPolicy().choose_step("t", [lagging], load=1) == [4]  # alone: nobody waits for its catch-up
     in_step = StepRequest(4, "d", lag=1, remaining=48)
     assert GammaPolicy().choose_step("t", [lagging, in_step]) == [0, 4]
+
+
+def test_a_steps_load_is_remembered_for_the_next_steps():
+    """Where one wave of requests ends and the next joins, the first to join runs alone for a step
+    or two: it is judged at the level of the wave just seen (the steps of the last LOAD_MEMORY_S
+    seconds, from their records), not at a level of one, and alone again once that has passed."""
+    import time
+
+    from orchestrator.arms import PLAIN
+    from orchestrator.gamma import LOAD_MEMORY_S, StepRecord
+
+    policy = GammaPolicy()
+    policy._costs["t"], policy._costs["d"] = FLAT_TARGET, FLAT_DRAFT  # the model would draft
+    policy._acceptance[("t", "d")] = accepting(0.8)
+    eight = policy.arms.level("t", 8)
+    eight.running = PLAIN
+    for arm, rate in (("draft", 20.0), ("plain", 40.0)):
+        for _ in range(10):
+            eight.rates[arm].observe(rate, 1.0)
+    lone = [StepRequest(4, "d")]
+    assert policy.choose_step("t", lone) == [4]  # nothing remembered: alone
+    policy.observe_outcome("t", 1, 0.1)
+    now = time.perf_counter()
+    policy.observe(StepRecord("t", [StepRequest(4, "d")] * 8, [0] * 8, load=8, started=now, ended=now + 0.1))
+    assert policy.choose_step("t", lone) == [0]  # the wave's level
+    policy.observe_outcome("t", 1, 0.1)
+    policy._loads["t"][0] = (now - LOAD_MEMORY_S - 1, 8)  # as if the wave's last step were older
+    assert policy.choose_step("t", lone) == [4]
