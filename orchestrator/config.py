@@ -58,6 +58,9 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          "for suffix drafts (drafts with no draft pass, from what followed the same tokens before: "
          "orchestrator/proposers/suffix.py), searched within the requesting client's auth token only; a request's own tokens "
          "are searched either way (0: only those)"),
+    Flag("--suffix-drafts", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
+         help="suffix drafts at all (off: no draft without a draft pass, neither from the cache nor from a "
+              "request's own tokens; rounds draft with the draft worker only)"),
     Flag("--draft-ahead", int, 0, "tokens a model draft keeps drafting past each round's drafts while the target "
          "verifies; the next round takes them when the round kept every draft. Pays only where the draft has "
          "cores (or a GPU) of its own (0: off)"),
@@ -105,10 +108,6 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
          experimental=True,
          help="structured output: the draft proposes the tokens a grammar forces without a forward pass (off: the "
               "ablation; the output is the same)"),
-    Flag("--synthetic-acceptance", float, 0.0, experimental=True,
-         help="breaks exactness: greedy rounds keep each draft with this probability whatever the target says "
-              "(then the target's token), so random-weight models run rounds shaped like a real pair's (as "
-              "llama.cpp's --spec-synth-len); 0: off, the exact verification"),
 ], groups=[
     ("workers", ["--target", "--draft", "--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key",
                  "--resolve-interval"]),
@@ -120,7 +119,7 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     ("limits", ["--max-running", "--max-queued", "--max-per-client", "--request-timeout", "--max-new-tokens",
                 "--max-prompt-tokens"]),
     ("drafting and sampling", ["--gamma-policy", "--sampling", "--draft-p-min", "--draft-min", "--draft-lookup",
-                               "--suffix-cache-tokens", "--draft-ahead", "--prefill", "--torch-threads"]),
+                               "--suffix-cache-tokens", "--suffix-drafts", "--draft-ahead", "--prefill", "--torch-threads"]),
     ("timeouts and failover", ["--worker-timeout", "--worker-keepalive", "--draft-timeout", "--poll-interval",
                                "--startup-timeout", "--drain-timeout"]),
     ("structured output", [f.name for f in grammar_flags()]),
@@ -150,9 +149,9 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
     draft_lookup: int = FLAGS.default("draft_lookup")
     draft_ahead: int = FLAGS.default("draft_ahead")
     suffix_cache_tokens: int = FLAGS.default("suffix_cache_tokens")
+    suffix_drafts: bool = FLAGS.default("suffix_drafts")
     draft_grammar: bool = FLAGS.default("draft_grammar")
     draft_forced_tokens: bool = FLAGS.default("draft_forced_tokens")
-    synthetic_acceptance: float = 0.0  # benchmarks only: greedy drafts kept w.p. this, whatever the target says
     worker_timeout_s: float = FLAGS.default("worker_timeout_s")
     worker_keepalive_s: float = FLAGS.default("worker_keepalive_s")
     draft_timeout_s: float = FLAGS.default("draft_timeout_s")
@@ -196,8 +195,6 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
                          values["draft_ahead"]).validate()
             if values["suffix_cache_tokens"] < 0:
                 raise ValueError(f"--suffix-cache-tokens must be at least 0, got {values['suffix_cache_tokens']}")
-            if not 0.0 <= values["synthetic_acceptance"] < 1.0:
-                raise ValueError(f"--synthetic-acceptance must lie in [0, 1), got {values['synthetic_acceptance']}")
         except (ValueError, InvalidArgument) as exc:
             argparse.ArgumentParser(prog="python -m orchestrator").error(str(exc))
         return cls(**values)

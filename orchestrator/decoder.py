@@ -41,23 +41,16 @@ from orchestrator.pool import WorkerPool, pair_pools
 from orchestrator.rounds import RequestState
 from orchestrator.steps import StepLoops
 from orchestrator.proposers.suffix import SuffixIndex
+from orchestrator.validation import MAX_N, RequestChecks
 from orchestrator import tool_calls
 from orchestrator.workers import DraftWorker, TargetWorker
 from specdec import telemetry as t
-from specdec.errors import Cancelled, InvalidArgument, ServiceError
-from specdec.protocol import (MAX_GAMMA, MAX_TOP_LOGPROBS, GenerationChunk, GenerationRequest, GenerationResult,
-                              GenerationStats, LOGPROBS_MODES, MAX_STOP_TOKEN_IDS, RequestLimits, SAMPLING_MODES,
-                              SamplingParams)
+from specdec.errors import Cancelled, ServiceError
+from specdec.protocol import GenerationChunk, GenerationRequest, GenerationResult, GenerationStats, RequestLimits
 from specdec.telemetry import Telemetry
 from specdec.wire import DraftOptions
 
 log = logging.getLogger(__name__)
-
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256  # per stop string: the detokenizer holds back that much text each round
-MAX_MESSAGES = 1024
-MAX_ROLE_CHARS = 64
-MAX_N = 16  # choices per request
 
 
 def load_tokenizer_from(target: TargetWorker):
@@ -110,13 +103,8 @@ class SpeculativeDecoder:
                  tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
                  limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None,
                  draft_options: DraftOptions = DraftOptions(), sampling: str = "coupled",
-                 grammar_limits=None, synthetic_acceptance: float = 0.0, suffix_cache_tokens: int = 0):
+                 grammar_limits=None, suffix_cache_tokens: int | None = 0):
         self.limits = limits
-        # benchmarks only (--synthetic-acceptance): greedy rounds keep drafts by a coin, not by the target
-        self.synthetic_acceptance = synthetic_acceptance
-        if synthetic_acceptance:
-            log.warning("--synthetic-acceptance %.3f: greedy output is NOT the target's (benchmarks only)",
-                        synthetic_acceptance)
         # how a sampled request that names no sampling_mode draws its tokens (--sampling)
         self.sampling = sampling
         self.targets = target if isinstance(target, WorkerPool) else WorkerPool.fixed("target", [target])
@@ -131,9 +119,11 @@ class SpeculativeDecoder:
         self.draft_info = self.drafts.wait_for_member(0).info if self.drafts is not None else None
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer_from(first_target.worker)
         self.eos = frozenset(self.target_info.eos_token_ids)
-        self._tool_tags = tool_calls.tag_ids(self.tokenizer)  # <tool_call> as one token, where the model has one
-        self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
         self.max_context = min(i.max_context for i in (self.target_info, self.draft_info) if i is not None)
+        # what a request may ask (orchestrator/validation.py), checked before any worker holds a session
+        self.checks = RequestChecks(self.tokenizer, vocab_size=self.target_info.vocab_size, max_context=self.max_context,
+                                    limits=limits, eos=self.eos, has_draft=self.drafts is not None,
+                                    model_name=self.target_info.model_name, grammar_compiler=self.grammar_compiler)
         # prefilling both at once hides the draft's prefill when the workers have their own
         # hardware; on shared cores (in-process, one host) it only makes them contend
         self._prefill_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prefill") if parallel_prefill else None
@@ -145,8 +135,10 @@ class SpeculativeDecoder:
         self.gamma_policy = gamma_policy or GammaPolicy(adaptive=False)
         self.draft_options = draft_options.validate()  # sent with every Propose (--draft-p-min, --draft-lookup)
         # one step loop per target runs the rounds of all its requests together (orchestrator/steps.py)
-        # (suffix drafts from ended requests, --suffix-cache-tokens, when the gamma policy is goodput)
-        self.steps = StepLoops(self.gamma_policy, self.tracer, self.metrics, SuffixIndex(suffix_cache_tokens))
+        # (suffix drafts, when the gamma policy is goodput: a request's own tokens and, up to
+        # --suffix-cache-tokens, ended requests'; None: no suffix drafts, --suffix-drafts off)
+        self.steps = StepLoops(self.gamma_policy, self.tracer, self.metrics,
+                               SuffixIndex(suffix_cache_tokens) if suffix_cache_tokens is not None else None)
         self.grammar_limits = grammar_limits  # specdec.grammar.GrammarLimits (the --grammar-* flags); None: defaults
         self._grammars = None
         self._grammars_lock = threading.Lock()
@@ -165,136 +157,6 @@ class SpeculativeDecoder:
                      row["switches"])
 
     # ---- request handling ----------------------------------------------------------------
-
-    def check_sizes(self, request: GenerationRequest) -> None:
-        """What a request may hold, checked before any work that grows with it (tokenizing,
-        the chat template, the detokenizer's stop search)."""
-        if len(request.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_CHARS for s in request.stop):
-            raise InvalidArgument(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
-                                  f"{MAX_STOP_CHARS} characters", param="stop")
-        if request.messages is not None:
-            if len(request.messages) > MAX_MESSAGES:
-                raise InvalidArgument(f"chat has {len(request.messages)} messages; at most {MAX_MESSAGES}",
-                                      param="chat")
-            for i, m in enumerate(request.messages):
-                if not 1 <= len(str(m.get("role", ""))) <= MAX_ROLE_CHARS:
-                    raise InvalidArgument(f"chat message {i}: its role must have 1 to {MAX_ROLE_CHARS} characters",
-                                          param="chat")
-
-    def encode(self, request: GenerationRequest) -> list[int]:
-        given = [x is not None for x in (request.prompt, request.messages, request.token_ids)]
-        if sum(given) != 1:
-            raise InvalidArgument("give exactly one of prompt, chat messages or token ids")
-        self.check_sizes(request)
-        if request.prompt is not None:
-            if not request.prompt:
-                raise InvalidArgument("prompt is empty", param="prompt")
-            self._check_text_fits(len(request.prompt))
-            ids = self.tokenizer(request.prompt).input_ids
-        elif request.messages is not None:
-            if not request.messages:
-                raise InvalidArgument("chat has no messages", param="chat")
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidArgument(f"model '{self.target_info.model_name}' has no chat template; send a prompt",
-                                      param="chat")
-            self._check_text_fits(sum(len(str(m.get("content", ""))) + len(str(m.get("role", "")))
-                                      for m in request.messages))
-            try:
-                text = self.tokenizer.apply_chat_template(tool_calls.template_messages(list(request.messages)),
-                                                          tools=list(request.tools) or None, tokenize=False,
-                                                          add_generation_prompt=True)
-            except Exception as exc:  # jinja2 errors: e.g. a template that demands alternating roles
-                raise InvalidArgument(f"the chat template refused these messages: {exc}", param="chat") from None
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        else:
-            limit = min(self.max_context, self.limits.max_prompt_tokens or self.max_context)
-            if len(request.token_ids) > limit:  # before touching each id: a list may hold millions
-                why = ("--max-prompt-tokens" if limit < self.max_context else f"context {self.max_context}")
-                raise InvalidArgument(f"the prompt has {len(request.token_ids)} token ids; at most {limit} fit ({why})",
-                                      param="token_ids")
-            ids = [int(t) for t in request.token_ids]
-            if not ids:
-                raise InvalidArgument("token_ids is empty", param="token_ids")
-            bad = [t for t in ids if not 0 <= t < self.target_info.vocab_size]
-            if bad:
-                raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary [0, {self.target_info.vocab_size})",
-                                      param="token_ids")
-        if not ids:
-            raise InvalidArgument("the prompt encodes to no tokens", param="prompt")
-        return list(ids)
-
-    def _check_text_fits(self, chars: int) -> None:
-        """Refuses text that cannot fit the context before tokenizing it (which costs seconds and
-        gigabytes for a prompt near the 16 MiB message limit): a token covers at most as many
-        characters as its longest vocabulary entry, so the text needs at least chars / that."""
-        limit = min(self.max_context, self.limits.max_prompt_tokens or self.max_context)
-        if chars > limit * self._max_token_chars:
-            raise InvalidArgument(f"a prompt of {chars} characters needs at least {chars // self._max_token_chars} "
-                                  f"tokens; at most {limit} fit (context {self.max_context})", param="prompt")
-
-    def validate(self, request: GenerationRequest, prompt_len: int) -> SamplingParams:
-        params = request.sampling.validate()
-        if not 0 <= request.gamma <= MAX_GAMMA:
-            raise InvalidArgument(f"gamma must lie in [0, {MAX_GAMMA}] (0 = no speculation), got {request.gamma}",
-                                  param="gamma")
-        if request.max_new_tokens <= 0:
-            raise InvalidArgument(f"max_new_tokens must be > 0, got {request.max_new_tokens}", param="max_new_tokens")
-        if prompt_len + request.max_new_tokens > self.max_context:
-            raise InvalidArgument(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the context "
-                f"of {self.max_context} tokens"
-            , param="max_new_tokens")
-        if request.max_new_tokens > self.limits.max_new_tokens:
-            raise InvalidArgument(f"max_new_tokens {request.max_new_tokens} exceeds this server's limit of "
-                                  f"{self.limits.max_new_tokens} (--max-new-tokens)", param="max_new_tokens")
-        if self.limits.max_prompt_tokens and prompt_len > self.limits.max_prompt_tokens:
-            raise InvalidArgument(f"the prompt has {prompt_len} tokens; this server accepts at most "
-                                  f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)", param="prompt")
-        if request.seed is not None and not -(2**63) <= request.seed < 2**64:
-            raise InvalidArgument(f"seed must lie in [-2**63, 2**64 - 1], got {request.seed}", param="seed")
-        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidArgument(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}",
-                                  param="top_logprobs")
-        if request.sampling_mode is not None and request.sampling_mode not in SAMPLING_MODES:
-            raise InvalidArgument(f"sampling_mode must be one of {sorted(SAMPLING_MODES)}, got {request.sampling_mode!r}",
-                                  param="sampling_mode")
-        if request.top_logprobs and not request.logprobs:
-            raise InvalidArgument("top_logprobs needs logprobs", param="top_logprobs")
-        if request.gamma > 0 and self.drafts is None:
-            raise InvalidArgument("this orchestrator has no draft worker; use gamma 0", param="gamma")
-        if request.logprobs_mode not in LOGPROBS_MODES:
-            raise InvalidArgument(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {request.logprobs_mode!r}",
-                                  param="logprobs_mode")
-        if not 1 <= request.n <= MAX_N:
-            raise InvalidArgument(f"n (choices) must lie in [1, {MAX_N}], got {request.n}", param="n")
-        if not 0 <= request.min_tokens <= request.max_new_tokens:
-            raise InvalidArgument(f"min_tokens must lie in [0, max_new_tokens = {request.max_new_tokens}], "
-                                  f"got {request.min_tokens}", param="min_tokens")
-        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidArgument(f"stop_token_ids has {len(request.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
-                                  param="stop_token_ids")
-        bad = [t for t in request.stop_token_ids if not 0 <= t < self.target_info.vocab_size]
-        if bad:
-            raise InvalidArgument(f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {self.target_info.vocab_size})", param="stop_token_ids")
-        params.check_vocabulary(self.target_info.vocab_size)
-        if request.tools or request.tool_choice is not None:
-            if request.messages is None:
-                raise InvalidArgument("tools need a chat (messages), not a prompt", param="tools")
-            tool_calls.check_tools(request.tools, request.tool_choice)
-            constraint = tool_calls.grammar(request.tools, request.tool_choice, self._tool_tags,
-                                       parallel=request.parallel_tool_calls)
-            if constraint is not None:
-                if params.grammar is not None:
-                    raise InvalidArgument("tool_choice required or a named tool constrains the output already; "
-                                          "drop structured_output", param="tool_choice")
-                params = replace(params, grammar=constraint)
-        if params.grammar is not None:  # the engine's refusal now, before any worker holds a session
-            self.grammar_compiler().compile(params.grammar)
-        # what the controls need of the prompt and the model: where the output starts (penalties,
-        # min_tokens) and the tokens min_tokens holds back
-        stops = sorted({*request.stop_token_ids, *(() if request.ignore_eos else self.eos)})
-        return replace(params, output_start=prompt_len, stop_token_ids=tuple(stops) if request.min_tokens else ())
 
     def grammar_compiler(self):
         """A GrammarCompiler for the target's tokenizer (specdec/grammar.py): the orchestrator
@@ -344,16 +206,16 @@ class SpeculativeDecoder:
         })
         ctx = trace.set_span_in_context(span)
         drafts = self.drafts if request.gamma > 0 else None
-        n = request.n if 1 <= request.n <= MAX_N else 1  # validate() refuses others, before any placement
+        n = request.n if 1 <= request.n <= MAX_N else 1  # checks.params refuses others, before any placement
         placements = [Placement(uuid.uuid4().hex, self.targets, drafts, self.tracer, self._prefill_pool,
                                 request.cache_scope) for _ in range(n)]
         streams: list[Iterator[GenerationChunk]] = []
         try:
-            prompt = self.encode(request)
+            prompt = self.checks.prompt(request)
             if request.max_new_tokens is None:  # as many as fit the context and this server's limit
                 request = replace(request, max_new_tokens=max(1, min(self.limits.max_new_tokens,
                                                                      self.max_context - len(prompt))))
-            params = self.validate(request, len(prompt))
+            params = self.checks.params(request, len(prompt))
             span.set_attribute(t.GEN_AI_MAX_TOKENS, request.max_new_tokens)
             seed = request.seed if request.seed is not None else draw_seed()
             mode = self.sampling_mode(request)
@@ -444,10 +306,10 @@ class SpeculativeDecoder:
                              started=time.perf_counter() - stats.prefill_s, policy=self.gamma_policy,
                              draft_options=self.draft_options,
                              top_logprobs=request.top_logprobs if request.logprobs else None,
-                             stop_token_ids=frozenset(request.stop_token_ids),
-                             synthetic_acceptance=self.synthetic_acceptance)
+                             stop_token_ids=frozenset(request.stop_token_ids))
         yield from self.steps.join(state, ctx)  # leaving it (done, failed, cancelled) waits for the step
-        if state.finish is not None:  # ended whole: later requests may draft from it (here, not in the step loop)
+        if state.finish is not None and self.steps.suffix is not None:  # ended whole: later requests may draft
+            # from it (here, not in the step loop)
             self.steps.suffix.add(placement.scope, state.tokens)
 
 

@@ -11,7 +11,6 @@ distribution when every draft passes. Each round therefore appends num_accepted 
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -83,22 +82,4 @@ def greedy_verify(draft_token_ids: Sequence[int], target_argmax: Sequence[int]) 
     while n < gamma and draft_token_ids[n] == target_argmax[n]:
         n += 1
     # the target's choice at the first mismatch (or the bonus position) comes for free
-    return SampleResult(n, [*draft_token_ids[:n], int(target_argmax[n])])
-
-
-def synthetic_verify(draft_token_ids: Sequence[int], target_argmax: Sequence[int], acceptance: float,
-                     coin: random.Random) -> SampleResult:
-    """BENCHMARKS ONLY, not exact: keeps each draft with probability `acceptance` whatever the
-    target chose, then the target's token at the first draft not kept (or the bonus position).
-    Rounds get the shape of a model pair with that acceptance rate (a geometric number of kept
-    drafts) where the models cannot agree (random weights on a GPU machine with no real ones).
-
-    draft_token_ids: [gamma]
-    target_argmax:   [gamma + 1]
-    """
-    gamma = len(draft_token_ids)
-    assert len(target_argmax) == gamma + 1 and 0.0 <= acceptance < 1.0, (gamma, len(target_argmax), acceptance)
-    n = 0
-    while n < gamma and coin.random() < acceptance:
-        n += 1
     return SampleResult(n, [*draft_token_ids[:n], int(target_argmax[n])])

@@ -36,7 +36,6 @@ orchestrator/decoder.py) and where its sessions live (orchestrator/placement.py)
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -46,7 +45,7 @@ from orchestrator.detokenizer import TextAssembler
 from orchestrator.arms import EXPLORE_MAX_LAG
 from orchestrator.gamma import CATCH_UP_LAG, Acceptance, Calibration, GammaPolicy, StepRequest
 from orchestrator.placement import Placement, is_worker_fault
-from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample, synthetic_verify
+from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample
 from orchestrator.proposers import DraftWorkerProposer, proposer_for
 from orchestrator.proposers.suffix import RequestIndex
 from specdec import telemetry as t
@@ -78,11 +77,6 @@ class RequestState:
     draft_synced: int = field(init=False)  # the same for the draft's
     finish: str | None = None  # "eos", "stop_token", "stop_string" or "length" once the request is done
     stop_token_ids: frozenset[int] = frozenset()  # the request's own: generation ends after one
-    # benchmarks only (--synthetic-acceptance): a greedy round keeps each draft w.p. this by a coin
-    # of its own, whatever the target says, then takes the target's token: rounds shaped like a
-    # real pair's for random-weight models (as llama.cpp's --spec-synth-len). 0: exact verification
-    synthetic_acceptance: float = 0.0
-    coin: random.Random | None = field(init=False, default=None)  # its draws; seeded by the prompt
     acceptance: Acceptance = field(init=False, default_factory=Acceptance)  # its own drafts' (the policy's)
     suffix_calibration: Calibration = field(init=False, default_factory=Calibration)  # its suffix drafts'
     own_index: RequestIndex = field(init=False, default_factory=RequestIndex)  # its tokens' n-grams (suffix drafts)
@@ -91,8 +85,6 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.prompt_len = self.target_synced = len(self.tokens)
-        if self.synthetic_acceptance:  # requests differ, each reproducibly
-            self.coin = random.Random(hash(tuple(self.tokens)))
         self.draft_synced = self.placement.draft_synced if self.placement.draft is not None else 0
         if self.placement.draft is not None:  # the prompt taken in at the start (else lazily: draft_call)
             self.stats.draft_prefill_tokens += self.placement.draft_prefilled
@@ -153,8 +145,8 @@ def step_request(req: RequestState, prefilling: bool) -> StepRequest:
 def suffix_eligible(req: RequestState) -> int:
     """How many suffix-draft tokens (orchestrator/proposers/suffix.py) the next round may carry: none
     for a request that asked for gamma 0 (the baseline stays plain), one with a grammar (the
-    draft's tokens could leave it), or a benchmark's synthetic acceptance."""
-    if req.gamma <= 0 or req.synthetic_acceptance or req.params.grammar is not None:
+    draft's tokens could leave it)."""
+    if req.gamma <= 0 or req.params.grammar is not None:
         return 0
     return max(min(MAX_GAMMA, req.max_new_tokens - req.generated - 1), 0)
 
@@ -264,9 +256,7 @@ def accept(req: RequestState, rnd: Round) -> None:
     started = time.perf_counter()
     v = rnd.verification
     with req.tracer.start_as_current_span("rejection_sampling"):
-        if req.synthetic_acceptance and req.params.deterministic:
-            rnd.result = synthetic_verify(rnd.drafts, v.argmax, req.synthetic_acceptance, req.coin)
-        elif req.params.deterministic:
+        if req.params.deterministic:
             # keep x_i while it equals the target's token y_i (greedy: argmax p_i; coupled: the
             # seeded Gumbel-max draw from p_i); then y_i at the first mismatch (or y_gamma)
             rnd.result = greedy_verify(rnd.drafts, v.argmax)

@@ -74,8 +74,7 @@ def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry)
                               gamma_policy=GammaPolicy(adaptive=config.gamma_policy != "fixed"),
                               limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens),
                               draft_options=config.draft_options, sampling=config.sampling,
-                              synthetic_acceptance=config.synthetic_acceptance,
-                              suffix_cache_tokens=config.suffix_cache_tokens,
+                              suffix_cache_tokens=config.suffix_cache_tokens if config.suffix_drafts else None,
                               grammar_limits=GrammarLimits.from_config(config))
 
 

@@ -98,8 +98,9 @@ class StepLoops:
 
     def __init__(self, policy: GammaPolicy, tracer, metrics: DecodingMetrics, suffix: SuffixIndex | None = None):
         self.policy, self.tracer, self.metrics = policy, tracer, metrics
-        # suffix drafts (orchestrator/proposers/suffix.py): ended requests' tokens, fed by each request's own thread
-        self.suffix = suffix if suffix is not None else SuffixIndex(0)
+        # suffix drafts (orchestrator/proposers/suffix.py): ended requests' tokens, fed by each request's own
+        # thread (None: no suffix drafts)
+        self.suffix = suffix
         self._loops: dict[str, StepLoop] = {}
         self._lock = threading.Lock()
         self.drafts = ThreadPoolExecutor(max_workers=8, thread_name_prefix="step-draft")  # several drafts at once
@@ -228,7 +229,7 @@ class StepLoop:
         model, as many tokens of each as the gamma policy finds worth their rows in the target's
         pass (and none where its measured arms say they do not pay: GammaPolicy.choose_suffix)."""
         policy = self.loops.policy
-        if not policy.adaptive or any(gammas):  # a step that drafts with the model carries none (choose_suffix)
+        if self.loops.suffix is None or not policy.adaptive or any(gammas):  # nor one that drafts with the model
             return {}
         found = {}
         for j, s in enumerate(states):

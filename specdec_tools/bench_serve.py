@@ -211,6 +211,13 @@ def parse_apis(text: str) -> list[str]:
     return apis
 
 
+def parse_acceptance(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:  # every draft kept forever is no benchmark
+        raise argparse.ArgumentTypeError(f"--synthetic-acceptance must lie in [0, 1), got {text}")
+    return value
+
+
 def parse_levels(text: str) -> list[int]:
     try:
         levels = sorted({int(s) for s in text.split(",") if s.strip()})
@@ -254,9 +261,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random-weight models with real shapes (specdec_tools.testing.tiny_models.REAL_SHAPES, e.g. "
                         "qwen2.5-coder-1.5b+qwen2.5-coder-0.5b): for machines without the weights (a GPU); pair it "
                         "with --synthetic-acceptance, as random models never agree")
-    p.add_argument("--synthetic-acceptance", type=float, default=0.0, metavar="A",
-                   help="BENCHMARKS ONLY: the orchestrator keeps each greedy draft with probability A whatever the "
-                        "target says (not exact; every table says so); 0: off")
+    p.add_argument("--synthetic-acceptance", type=parse_acceptance, default=0.0, metavar="A",
+                   help="BENCHMARKS ONLY: the target worker keeps each greedy draft with probability A whatever its "
+                        "model says (specdec_tools/synthetic_target.py; the orchestrator's suffix drafts off; not "
+                        "exact: every table says so); 0: off")
     p.add_argument("--device", default="cpu", help="the workers' device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--dtype", default="auto", help="the workers' dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--concurrency", type=parse_levels, default=parse_levels(DEFAULT_CONCURRENCY),
@@ -928,7 +936,7 @@ def write_outputs(out: Path, records: list[RequestRecord], rows: list[dict], met
              "tokens; prefill left out):\n\n" + format_split(rows))
     if meta.get("synthetic_acceptance"):
         table = (f"Synthetic acceptance {meta['synthetic_acceptance']:g} (--synthetic-acceptance: greedy drafts kept "
-                 f"by a coin, not by the target; random-weight models; {meta['machine'].get('accelerator') or 'CPU'})"
+                 f"by a coin, not by the target; no suffix drafts; random-weight models; {meta['machine'].get('accelerator') or 'CPU'})"
                  f"\n\n{table}")
     (out / "table.md").write_text(table + "\n")
     if can_plot("serve.png"):
@@ -1003,11 +1011,11 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         from specdec_tools.stack import free_port
 
         http_port = free_port() if "http" in a.api else None  # the door of the stack's own orchestrator
-        orchestrator_args = (*(("--http-port", str(http_port)) if http_port else ()),
-                             *(("--synthetic-acceptance", str(a.synthetic_acceptance)) if a.synthetic_acceptance else ()))
+        orchestrator_args = ("--http-port", str(http_port)) if http_port else ()
         stack = ProcessStack(target_dir, draft_dir, device=a.device, dtype=a.dtype, draft_vocab=draft_vocab,
                              pass_lock=a.pass_lock == "on", orchestrator_args=orchestrator_args,
-                             prefix_cache=a.prefix_cache == "on", suffix_cache=a.suffix_cache == "on")
+                             prefix_cache=a.prefix_cache == "on", suffix_cache=a.suffix_cache == "on",
+                             synthetic_acceptance=a.synthetic_acceptance)
         links: dict[float, tuple] = {}
         try:
             t0 = time.monotonic()

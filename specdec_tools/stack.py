@@ -59,7 +59,8 @@ class ProcessStack:
     def __init__(self, target_dir: str, draft_dir: str, *, device: str = "cpu", dtype: str = "auto",
                  quantization: str = "auto", draft_vocab: int = 0, pass_lock: bool = True,
                  cores: dict[str, str] | None = None, orchestrator_args: tuple[str, ...] = (),
-                 draft_args: tuple[str, ...] = (), prefix_cache: bool = False, suffix_cache: bool = False):
+                 draft_args: tuple[str, ...] = (), prefix_cache: bool = False, suffix_cache: bool = False,
+                 synthetic_acceptance: float = 0.0):
         """cores: {"target": "0", "draft": "1"} pins each worker to CPUs of its own (taskset -c,
         as many OpenMP threads as CPUs) and drops the pass lock: the workers no longer share
         cores. orchestrator_args / draft_args: more flags for the orchestrator (e.g. --draft-ahead
@@ -67,7 +68,10 @@ class ProcessStack:
         workers keep ended requests' KV (--prefix-cache-tokens' default); off by default here, as
         benchmarks send their prompts again and again and must prefill each time, as the first did.
         suffix_cache: the orchestrator drafts from ended requests' tokens (--suffix-cache-tokens'
-        default); off by default for the same reason (a request's own tokens are searched either way)."""
+        default); off by default for the same reason (a request's own tokens are searched either way).
+        synthetic_acceptance: benchmarks of random-weight models only: the target keeps each greedy
+        draft with this probability, not by its model (specdec_tools/synthetic_target.py), and the
+        orchestrator makes no suffix drafts (the coin would keep theirs too)."""
         self.ports = {name: free_port() for name in ("target", "draft", "orchestrator")}
         self.cores = cores or {}
         pass_lock = pass_lock and not self.cores
@@ -77,15 +81,17 @@ class ProcessStack:
         common = ["--host", "127.0.0.1", "--device", device, "--dtype", dtype, "--quantize", quantization,
                   *(["--pass-lock", self.pass_lock] if pass_lock else []),
                   *([] if prefix_cache else ["--prefix-cache-tokens", "0"])]
+        synthetic = ["specdec_tools.synthetic_target", "--synthetic-acceptance", str(synthetic_acceptance)]
         self.commands = [
-            ["target_service", "--model", target_dir, "--port", str(self.ports["target"]), *common],
+            [*(synthetic if synthetic_acceptance else ["target_service"]), "--model", target_dir, "--port", str(self.ports["target"]), *common],
             ["draft_service", "--model", draft_dir, "--port", str(self.ports["draft"]), *common,
              *(["--target-model", target_dir] if _is_head_dir(draft_dir) else ["--draft-vocab", str(draft_vocab)]),
              *draft_args],
             ["orchestrator", "--host", "127.0.0.1", "--port", str(self.ports["orchestrator"]), "--prefill",
              "sequential",  # all three share this host's cores
              "--target", f"127.0.0.1:{self.ports['target']}", "--draft", f"127.0.0.1:{self.ports['draft']}",
-             *([] if suffix_cache else ["--suffix-cache-tokens", "0"]), *orchestrator_args],
+             *([] if suffix_cache else ["--suffix-cache-tokens", "0"]),
+             *(["--suffix-drafts", "off"] if synthetic_acceptance else []), *orchestrator_args],
         ]
         self.procs: list[subprocess.Popen] = []
         self.extra_addresses: list[str] = []  # more orchestrators (add_orchestrator)
@@ -110,8 +116,9 @@ class ProcessStack:
         return f"127.0.0.1:{port}"
 
     def _argv(self, cmd: list[str]) -> tuple[list[str], dict]:
-        env = child_env(cmd[0])
-        role = cmd[0].removesuffix("_service")
+        module = "target_service" if cmd[0] == "specdec_tools.synthetic_target" else cmd[0]
+        env = child_env(module)
+        role = module.removesuffix("_service")
         if role not in self.cores:
             return [sys.executable, "-m", *cmd], env
         cpus = self.cores[role]

@@ -239,7 +239,7 @@ class FrontDoor:
             generation = GenerationRequest(prompt=body.prompt) if body.prompt is not None else GenerationRequest(
                 messages=[{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)])
             decoder = self.slot.get()
-            ids = await asyncio.get_running_loop().run_in_executor(self._pool, decoder.encode, generation)
+            ids = await asyncio.get_running_loop().run_in_executor(self._pool, decoder.checks.prompt, generation)
             return {"tokens": ids, "count": len(ids), "max_model_len": decoder.max_context}
 
         @app.post("/v1/completions")

@@ -1,6 +1,9 @@
 """The request bodies of the OpenAI-compatible door, as pydantic records, and their translation
 into the decoder's GenerationRequest (the parameters OpenAI's and vLLM's clients send, by their
-names; what this server does not support is refused with the field it concerns)."""
+names; what this server does not support is refused with the field it concerns). What the
+fields may hold beyond their shape (n, logprobs, the context, the vocabulary, ...) the decoder
+checks for both doors (orchestrator/validation.py); its refusals come back by OpenAI's names
+(errors.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
 
-from orchestrator.decoder import MAX_MESSAGES, MAX_N, MAX_STOP_STRINGS
+from orchestrator.validation import MAX_MESSAGES, MAX_STOP_STRINGS
 from orchestrator.http.errors import OPENAI_PARAMS, OpenAIError
 from orchestrator.tool_calls import MAX_TOOLS
 from specdec.protocol import (MAX_GAMMA, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS, GenerationRequest,
@@ -122,10 +125,6 @@ class _Common(_Body):
     guided_grammar: str | None = None
     user: str | None = None
 
-    def check_supported(self) -> None:
-        if self.n is not None and not 1 <= self.n <= MAX_N:
-            raise OpenAIError(400, f"n: must lie in [1, {MAX_N}], got {self.n}", param="n")
-
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI's logit_bias: token ids as strings (JSON keys) to a bias in [-100, 100]."""
         bias = {}
@@ -228,7 +227,6 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
     def to_generation(self) -> GenerationRequest:
-        self.check_supported()
         if self.echo:
             raise OpenAIError(400, "echo: not supported", param="echo")
         if self.best_of not in (None, 1):
@@ -303,9 +301,6 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
 
     def to_generation(self) -> GenerationRequest:
-        self.check_supported()
-        if self.top_logprobs and not self.logprobs:
-            raise OpenAIError(400, "top_logprobs: needs logprobs true", param="top_logprobs")
         if not self.messages:
             raise OpenAIError(400, "messages: at least one message is required", param="messages")
         messages = [m.to_dict(i) for i, m in enumerate(self.messages)]

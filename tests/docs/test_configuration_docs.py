@@ -87,7 +87,7 @@ def test_experimental_flags_stand_apart_from_the_operator_flags():
     section = _section(DOC.read_text(), "Orchestrator")
     operator, _, experimental = section.partition("### Orchestrator: experimental (benchmarks and ablations only)")
     flags = [f for f in ORCHESTRATOR_FLAGS.flags if f.experimental]
-    assert flags, "the orchestrator's table has experimental flags (e.g. --synthetic-acceptance)"
+    assert flags, "the orchestrator's table has experimental flags (e.g. --draft-grammar)"
     for flag in flags:
         assert flag.name in _rows(experimental) and flag.name not in _rows(operator)
 

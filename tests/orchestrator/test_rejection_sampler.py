@@ -150,33 +150,3 @@ def test_shapes_are_checked():
     p = dense([1] * V)
     with pytest.raises(AssertionError):
         rejection_sample([1, 2], [p, p], [p, p], torch.Generator())
-
-
-def test_synthetic_acceptance_keeps_a_geometric_number_of_drafts():
-    """--synthetic-acceptance (benchmarks only): each draft kept w.p. a whatever the target says,
-    so the number kept of gamma follows a truncated geometric law, P(n >= k) = a^k, and the round
-    ends with the target's token at the first draft not kept."""
-    import random
-
-    from orchestrator.rejection_sampler import synthetic_verify
-
-    a, gamma, rounds = 0.8, 4, 20_000
-    coin = random.Random(1)
-    drafts, argmax = [10, 11, 12, 13], [20, 21, 22, 23, 24]
-    counts = np.zeros(gamma + 1)
-    for _ in range(rounds):
-        r = synthetic_verify(drafts, argmax, a, coin)
-        assert r.token_ids == [*drafts[:r.num_accepted], argmax[r.num_accepted]]
-        counts[r.num_accepted] += 1
-    expected = np.array([(a ** n) * ((1 - a) if n < gamma else 1) for n in range(gamma + 1)]) * rounds
-    assert stats.chisquare(counts, expected).pvalue > 1e-3
-    with pytest.raises(AssertionError):
-        synthetic_verify(drafts, argmax, 1.0, coin)  # every draft kept forever is no benchmark
-
-
-def test_synthetic_acceptance_flag_is_checked():
-    from orchestrator.config import OrchestratorConfig
-
-    assert OrchestratorConfig.from_args(["--target", "h:1", "--synthetic-acceptance", "0.8"]).synthetic_acceptance == 0.8
-    with pytest.raises(SystemExit):
-        OrchestratorConfig.from_args(["--target", "h:1", "--synthetic-acceptance", "1.5"])

@@ -184,3 +184,23 @@ def test_a_seeded_request_keeps_its_seeds_output_with_suffix_drafts(goodput, tar
         alone = client.generate(token_ids=ids, max_new_tokens=30, temperature=0.8, seed=11, gamma=0)
     assert runs[0].token_ids == runs[1].token_ids == alone.token_ids
     assert runs[1].stats["suffix_drafted_tokens"] > 0
+
+
+def test_suffix_drafts_off_makes_none_of_any_kind(stack, target_engine):
+    """--suffix-drafts off: a request that repeats an ended one (and its own tokens) gets no
+    suffix draft, and its output is the target's."""
+    from orchestrator.client import Client
+    from tests.orchestrator.test_greedy_equivalence import reference
+    from tests.support.servers import start_orchestrator
+
+    tport, dport, _ = stack["ports"]
+    parts, address = start_orchestrator([f"127.0.0.1:{tport}"], [f"127.0.0.1:{dport}"], gamma_policy="goodput",
+                                        suffix_cache_tokens=4096, suffix_drafts=False)
+    ids = target_engine.tokenizer("def suffix_drafts(x):").input_ids
+    try:
+        with Client(address, timeout_s=120) as client:
+            runs = [client.generate(token_ids=ids, max_new_tokens=40, temperature=0, gamma=4) for _ in range(2)]
+    finally:
+        parts.stop(None)
+    assert runs[0].token_ids == runs[1].token_ids == reference(target_engine, ids, 40)
+    assert runs[1].stats["suffix_drafted_tokens"] == 0

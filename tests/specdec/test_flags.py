@@ -39,7 +39,7 @@ def _value_for(flag) -> str:
         return next(c for c in flag.choices if c != flag.default)
     if flag.name in ("--target", "--draft"):
         return "host:9"
-    if flag.name in ("--draft-p-min", "--synthetic-acceptance"):  # probabilities
+    if flag.name == "--draft-p-min":  # a probability
         return "0.5"
     return SAMPLE[flag.type]
 
