@@ -30,7 +30,9 @@ from specdec.protocol import MAX_GAMMA, SamplingParams
 from specdec.sampling import apply_controls, coupled_choice, process_logits
 from specdec.wire import CompactProbs, DraftOptions, Features, Proposal, ProposeCall
 from specdec.worker.batching import Chain
-from specdec.worker.engine import Program, Session, WorkerEngine, grow_hidden
+from specdec.worker.engine import WorkerEngine
+from specdec.worker.runner import Program
+from specdec.worker.sessions import Session, grow_hidden
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from draft_service.engine import DraftEngine
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.modeling import load_model
-from specdec.worker.engine import new_model_thread
+from specdec.worker.runner import new_model_thread
 from target_service.engine import TargetEngine
 
 

@@ -26,7 +26,7 @@ The head scores only its draft vocabulary: its q is the softmax over those ids, 
 
 Token 0 has no feature before it: as in vLLM, no later position attends to it (its entry exists
 so that positions and cache lengths stay those of the session's tokens). This module owns the
-head's weights and its forward; sessions and passes are specdec/worker/engine.py's.
+head's weights and its forward; sessions are specdec/worker/sessions.py's, passes specdec/worker/runner.py's.
 """
 
 from __future__ import annotations

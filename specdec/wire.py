@@ -149,7 +149,7 @@ class ModelInfo:
     open_sessions: int = 0
     draining: bool = False
     held_tokens: int = 0
-    kernels: str = ""  # the code its passes run on (worker/engine.py, kernels_in_use)
+    kernels: str = ""  # the code its passes run on (worker/runner.py, kernels_in_use)
     draft_kind: str = ""  # a draft's: "model", "eagle3" (a feature head) or "ngram"; "" on a target
     feature_layers: tuple[int, ...] = ()  # a feature head's: the target layers whose input stream it reads
     feature_size: int = 0  # a feature head's: the width of one position's features

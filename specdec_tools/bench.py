@@ -242,7 +242,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from specdec.modeling import load_model, quantize, resolve_quantization
     from specdec.model_store import resolve_model
     from specdec_tools.stack import ProcessStack
-    from specdec.worker.engine import new_model_thread
+    from specdec.worker.runner import new_model_thread
     from target_service.engine import TargetEngine
 
     out = Path(a.out or f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")

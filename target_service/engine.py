@@ -16,7 +16,9 @@ from specdec.errors import InvalidArgument, ServiceError
 from specdec.protocol import MAX_GAMMA, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.sampling import apply_controls, coupled_choice, process_logits
 from specdec.wire import Verification, VerifyCall
-from specdec.worker.engine import Program, WorkerEngine, take_features
+from specdec.worker.engine import WorkerEngine
+from specdec.worker.runner import Program
+from specdec.worker.sessions import take_features
 
 
 class TargetEngine(WorkerEngine):

@@ -70,7 +70,7 @@ def test_a_k_row_verify_on_the_real_target_equals_k_single_steps(dirs):
     if native_available():
         assert sum(isinstance(m, Q4KRowLinear) for m in engine.loaded.model.modules()) == 168
         assert sum(isinstance(m, Q6KRowLinear) for m in engine.loaded.model.modules()) == 29
-        assert isinstance(engine._forward, NativeForward)
+        assert isinstance(engine.runner.forward, NativeForward)
     greedy = SamplingParams(temperature=0)
     prompt = engine.tokenizer("def merge(a, b):\n    result = []\n    i = j = 0\n").input_ids
     drafts = engine.tokenizer("    while i < len(a) and j < len(b):").input_ids[:8]

@@ -64,13 +64,13 @@ def test_the_last_proposal_reports_the_rows_and_seconds_of_its_passes(draft_engi
 
 def count_passes(engine, monkeypatch) -> list[int]:
     """Counts the engine's forward passes (each appends its rows)."""
-    rows, original = [], engine._pass
+    rows, original = [], engine.runner._pass
 
     def counted(batch):
         rows.append(sum(n for _, n in batch.items))
         return original(batch)
 
-    monkeypatch.setattr(engine, "_pass", counted)
+    monkeypatch.setattr(engine.runner, "_pass", counted)
     return rows
 
 
@@ -178,8 +178,8 @@ def test_drafting_ahead_hands_the_next_call_its_proposals(draft_engine, monkeypa
     options = DraftOptions(ahead=4)
     first, ahead = draft_ahead(draft_engine, "ahead", prompt, 3, params, 4, seed=11)
     try:
-        kinds, original = [], draft_engine._pass
-        monkeypatch.setattr(draft_engine, "_pass", lambda batch: (kinds.extend(w.kind for w, _ in batch.items),
+        kinds, original = [], draft_engine.runner._pass
+        monkeypatch.setattr(draft_engine.runner, "_pass", lambda batch: (kinds.extend(w.kind for w, _ in batch.items),
                                                                   original(batch))[1])
         bonus = ahead[0]
         start = len(prompt) + 3

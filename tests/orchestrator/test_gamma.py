@@ -240,12 +240,12 @@ def test_on_shared_cores_a_request_served_at_gamma_0_never_prefills_its_draft(st
     try:
         with Client(address, timeout_s=120) as client:
             first = client.generate(token_ids=ids, max_new_tokens=30, temperature=0, gamma=4)  # learns the costs
-            passes = draft_engine._batcher.passes
+            passes = draft_engine.runner.batcher.passes
             later = client.generate(token_ids=ids, max_new_tokens=30, temperature=0, gamma=4)
         assert first.stats["drafted_tokens"] > 0  # nothing measured yet: the first round drafts (and catches up)
         # (suffix drafts, which make no draft pass, may still ride in its verify passes)
         model_drafts = later.stats["drafted_tokens"] - later.stats["suffix_drafted_tokens"]
-        assert model_drafts == 0 and draft_engine._batcher.passes == passes
+        assert model_drafts == 0 and draft_engine.runner.batcher.passes == passes
         # what the draft took in, in the stats: the first request's prompt (its catch-up), none for the later
         assert first.stats["draft_prefill_tokens"] >= len(ids) - 1 and later.stats["draft_prefill_tokens"] == 0
         for r in (first, later):

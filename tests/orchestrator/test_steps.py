@@ -74,7 +74,7 @@ def test_one_verify_call_per_step_carries_every_request(target_engine, draft_eng
     requests = [GenerationRequest(token_ids=[50 + i, 3, 4], max_new_tokens=12, temperature=0, gamma=3)
                 for i in range(4)]
     try:
-        shared_before = draft_engine._batcher.shared_passes
+        shared_before = draft_engine.runner.batcher.shared_passes
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(decoder.generate, requests))
         rounds = sum(r.stats["rounds"] for r in results)
@@ -82,7 +82,7 @@ def test_one_verify_call_per_step_carries_every_request(target_engine, draft_eng
         decoder.close()
     assert max(sizes) == 4, sizes
     assert len(sizes) < rounds, (sizes, rounds)  # fewer calls than rounds: steps carried several
-    assert draft_engine._batcher.shared_passes > shared_before
+    assert draft_engine.runner.batcher.shared_passes > shared_before
 
 
 def test_a_batched_propose_runs_draft_step_i_of_every_session_in_one_pass(draft_engine):
@@ -90,10 +90,10 @@ def test_a_batched_propose_runs_draft_step_i_of_every_session_in_one_pass(draft_
     for i, sid in enumerate(ids):
         draft_engine.open_session(sid, [60 + i, 1, 2, 3])
     try:
-        passes = draft_engine._batcher.passes
+        passes = draft_engine.runner.batcher.passes
         results = draft_engine.propose_batch([ProposeCall(sid, 4, [], 3, GREEDY, 7) for sid in ids])
         assert [len(r) for r in results] == [3, 3, 3, 3]
-        assert draft_engine._batcher.passes - passes == 3  # not 12
+        assert draft_engine.runner.batcher.passes - passes == 3  # not 12
         # each session's proposals are what it proposes alone
         for sid, got in zip(ids, results):
             alone = list(draft_engine.propose(sid, 4, [], 3, GREEDY, 7))
@@ -171,13 +171,13 @@ def test_two_orchestrators_share_the_workers_and_their_steps_merge(workers, targ
     try:
         with client_of(a) as ca, client_of(b) as cb:
             alone = [ca.generate(prompt=p, max_new_tokens=10, temperature=0, gamma=3).token_ids for p in prompts]
-            shared = target_engine._batcher.shared_passes
+            shared = target_engine.runner.batcher.shared_passes
             with ThreadPoolExecutor(4) as pool:
                 together = list(pool.map(
                     lambda i: (ca if i % 2 else cb).generate(prompt=prompts[i], max_new_tokens=10, temperature=0,
                                                              gamma=3).token_ids, range(4)))
         assert together == alone
-        assert target_engine._batcher.shared_passes > shared
+        assert target_engine.runner.batcher.shared_passes > shared
     finally:
         first.stop(None)
         second.stop(None)

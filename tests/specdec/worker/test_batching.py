@@ -180,7 +180,7 @@ def test_a_mixed_pass_equals_each_session_alone(target_engine):
         s.tokens[:] = tokens
         sessions[name] = s
     works = {name: Work(s, cases[name][2], "verify", lambda x: x.clone(), None) for name, s in sessions.items()}
-    target_engine._run_pass(Pass([(w, len(w.session.tokens) - w.session.cached) for w in works.values()]))
+    target_engine.runner._run_pass(Pass([(w, len(w.session.tokens) - w.session.cached) for w in works.values()]))
     try:
         for name, w in works.items():
             torch.testing.assert_close(w.future.result(), expected[name], rtol=1e-12, atol=1e-12)
@@ -201,11 +201,11 @@ def test_concurrent_requests_are_batched_and_equal_one_at_a_time(target_engine, 
                 for i, p in enumerate(prompts)]
     alone = [decoder.generate(r).token_ids for r in requests]
 
-    shared_before = target_engine._batcher.shared_passes + draft_engine._batcher.shared_passes
+    shared_before = target_engine.runner.batcher.shared_passes + draft_engine.runner.batcher.shared_passes
     with ThreadPoolExecutor(len(requests)) as pool:
         together = [r.token_ids for r in pool.map(decoder.generate, requests)]
     assert together == alone
-    shared = target_engine._batcher.shared_passes + draft_engine._batcher.shared_passes - shared_before
+    shared = target_engine.runner.batcher.shared_passes + draft_engine.runner.batcher.shared_passes - shared_before
     assert shared > 0, "no pass held more than one session"
 
 

@@ -100,16 +100,16 @@ def test_close_stops_the_engines_threads(target_engine):
     engine.open_session("s", [1, 2, 3])
     before = {t.name for t in threading.enumerate()}
     assert "session-reaper" in before and "batcher" in before  # the batcher's thread runs the passes
-    reaper, batcher = engine._reaper, engine._batcher._thread
+    reaper, batcher = engine.sessions._reaper, engine.runner.batcher._thread
     engine.close()
     engine.close()  # idempotent
     assert not reaper.is_alive() and not batcher.is_alive()
-    assert engine._model_thread._shutdown
+    assert engine.runner._model_thread._shutdown
     assert engine.describe().open_sessions == 0
 
 
 def test_an_engine_sharing_a_model_thread_leaves_it_running(target_engine):
-    from specdec.worker.engine import new_model_thread
+    from specdec.worker.runner import new_model_thread
     from target_service.engine import TargetEngine
 
     shared = new_model_thread()

@@ -206,7 +206,7 @@ def test_greedy_on_pages_matches_generate(paged_decoder, gamma):
         ids = target.tokenizer(prompt).input_ids
         result = decoder.generate(GenerationRequest(token_ids=ids, max_new_tokens=24, temperature=0, gamma=gamma))
         assert result.token_ids == reference(target, ids, 24)
-    assert target._forward.replays > 0 and (draft._forward.replays > 0 or gamma == 0)
+    assert target.runner.forward.replays > 0 and (draft.runner.forward.replays > 0 or gamma == 0)
 
 
 def test_a_target_on_pages_feeds_a_feature_head_exactly(paged_decoder, model_dirs, tmp_path):
@@ -253,7 +253,7 @@ def test_sampled_choices_on_pages_match_dynamic_caches(paged_decoder, target_eng
 
     decoder, target, draft = paged_decoder
     plain = SpeculativeDecoder(target_engine, draft_engine, target_engine.tokenizer)
-    free = target._pages.free_pages, draft._pages.free_pages
+    free = target.runner._pages.free_pages, draft.runner._pages.free_pages
 
     def request(i):
         ids = target.tokenizer(PROMPTS[i]).input_ids
@@ -264,7 +264,7 @@ def test_sampled_choices_on_pages_match_dynamic_caches(paged_decoder, target_eng
     for i, result in enumerate(ours):
         want = plain.generate(request(i))
         assert [c.token_ids for c in result.choices] == [c.token_ids for c in want.choices]
-    assert (target._pages.free_pages, draft._pages.free_pages) == free
+    assert (target.runner._pages.free_pages, draft.runner._pages.free_pages) == free
 
 
 CHAINED = {  # each session's sampling in a chain: greedy, coupled, or both kinds in one chain
@@ -327,10 +327,10 @@ def _check_chain(draft, reference, kind: str, p_min: float) -> None:
         return [ProposeCall(f"{name}-{i}", len(ids), [], g, params, seed=0, options=options)
                 for i, (ids, g, params) in enumerate(zip(prompts, gammas, sampling))]
 
-    passes, chained = draft._batcher.passes, draft._forward.chained_steps
+    passes, chained = draft.runner.batcher.passes, draft.runner.forward.chained_steps
     ours = draft.propose_batch(calls())
-    assert draft._batcher.passes - passes == 1  # the draft steps did not come back through the batcher
-    assert draft._forward.chained_steps - chained == max(gammas) - 1
+    assert draft.runner.batcher.passes - passes == 1  # the draft steps did not come back through the batcher
+    assert draft.runner.forward.chained_steps - chained == max(gammas) - 1
     theirs = reference.propose_batch(calls())
     for o, t in zip(ours, theirs):
         assert [p.token_id for p in o] == [p.token_id for p in t]
