@@ -146,7 +146,7 @@ class DraftEngine(WorkerEngine):
         params.validate().check_vocabulary(self.vocab_size)
         options.validate()
         if self.head:
-            options = dataclasses.replace(options, lookup=0, ahead=0, forced_tokens=False)
+            options = dataclasses.replace(options, lookup=0, ahead=0)
         elif features is not None:
             raise InvalidArgument("features are for a feature head; this draft is a model")
         session = self.session(session_id)
@@ -243,8 +243,8 @@ class DraftEngine(WorkerEngine):
         session.lock: appends the next proposals (at most `left`) to the session and to `drafted`;
         returns how many. `made`: proposals of the call so far."""
         base = len(session.tokens)
-        grammar = self.grammar_at(session, drafted.params, base) if drafted.options.grammar else None
-        forced = self._forced(grammar, left) if drafted.options.forced_tokens else []
+        grammar = self.grammar_at(session, drafted.params, base)
+        forced = self._forced(grammar, left) if not self.head else []  # a head computes a state at every token
         if forced:  # the grammar allows one token at each: q is a point mass there, no pass needed
             session.tokens.extend(forced)
             drafted.probs.extend([None] * len(forced))

@@ -100,14 +100,6 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--admin-token-file",
          help="file of admin bearer tokens: AddWorkers, and the workers' addresses in ListWorkers, need one "
               "(they also pass where client tokens are asked for). Without it AddWorkers is off"),
-    # experimental: benchmarks and ablations only (--help-experimental)
-    Flag("--draft-grammar", default="on", choices=["on", "off"], to_config=lambda v: v == "on", experimental=True,
-         help="structured output: the draft masks its proposals by the request's grammar (off: the ablation; "
-              "the output is the same)"),
-    Flag("--draft-forced-tokens", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
-         experimental=True,
-         help="structured output: the draft proposes the tokens a grammar forces without a forward pass (off: the "
-              "ablation; the output is the same)"),
 ], groups=[
     ("workers", ["--target", "--draft", "--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key",
                  "--resolve-interval"]),
@@ -150,8 +142,6 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
     draft_ahead: int = FLAGS.default("draft_ahead")
     suffix_cache_tokens: int = FLAGS.default("suffix_cache_tokens")
     suffix_drafts: bool = FLAGS.default("suffix_drafts")
-    draft_grammar: bool = FLAGS.default("draft_grammar")
-    draft_forced_tokens: bool = FLAGS.default("draft_forced_tokens")
     worker_timeout_s: float = FLAGS.default("worker_timeout_s")
     worker_keepalive_s: float = FLAGS.default("worker_keepalive_s")
     draft_timeout_s: float = FLAGS.default("draft_timeout_s")
@@ -179,8 +169,7 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
 
     @property
     def draft_options(self) -> DraftOptions:
-        return DraftOptions(self.draft_p_min, self.draft_min, self.draft_lookup, self.draft_ahead, self.draft_grammar,
-                            self.draft_forced_tokens)
+        return DraftOptions(self.draft_p_min, self.draft_min, self.draft_lookup, self.draft_ahead)
 
     @property
     def worker_tls(self) -> ClientTls:

@@ -3,8 +3,7 @@
 The tables are the one place a flag is defined (specdec/flags.py): orchestrator.config.FLAGS
 (role "orchestrator") and specdec.worker.config.FLAGS (roles "target" and "draft"; `Flag.roles`
 says which roles have a flag). For each flag the page gives its name, default, environment
-variable (`FlagTable.env_name`) and help; flags marked `experimental` (benchmarks and ablations
-only) get a section of their own under each table. `specdec serve`'s own flags are read from
+variable (`FlagTable.env_name`) and help, under the headings of the table's groups. `specdec serve`'s own flags are read from
 orchestrator.serve.add_arguments (how it routes the rest is written here), the environment
 variables that are no flag's from specdec/envs.py.
 
@@ -73,8 +72,7 @@ def _rows(table, flags, roles: tuple[str, ...]) -> list[str]:
 
 
 def _table_section(title: str, intro: list[str], table, roles: tuple[str, ...]) -> list[str]:
-    """The table's operator flags under a heading per group (as `--help` groups them), then the
-    experimental ones."""
+    """The table's flags under a heading per group (as `--help` groups them)."""
     if len(roles) > 1:
         header = ["| flag | roles | default | environment variable | description |", "|---|---|---|---|---|"]
     else:
@@ -82,19 +80,12 @@ def _table_section(title: str, intro: list[str], table, roles: tuple[str, ...]) 
     by_name = {f.name: f for f in table.flags}
     groups = [(name, [by_name[n] for n in names if n in by_name]) for name, names in table.groups]
     grouped = {f.name for _, flags in groups for f in flags}
-    rest = [f for f in table.flags if not f.experimental and f.name not in grouped]  # FlagTable refuses these
+    rest = [f for f in table.flags if f.name not in grouped]  # FlagTable refuses these
     if rest or not groups:
         groups.append(("other" if groups else "", rest))
     out = ["", f"## {title}", "", *intro]
     for name, flags in groups:
         out += ["", f"### {title}: {name}" if name else "", "", *header, *_rows(table, flags, roles)]
-    experimental = _rows(table, [f for f in table.flags if f.experimental], roles)
-    out += ["", f"### {title}: experimental (benchmarks and ablations only)", ""]
-    if experimental:
-        out += ["Never needed in production: `--help` leaves these out, `--help-experimental` lists them. Some "
-                "break exactness or cost speed, as each says.", "", *header, *experimental]
-    else:
-        out.append("None.")
     return out
 
 
@@ -171,7 +162,7 @@ def render() -> str:
         "(`orchestrator/config.py`, `specdec/worker/config.py`); a test fails when this page is stale.",
         "Every flag can also be set by its environment variable; a flag on the command line wins over",
         "its variable, which wins over the default. `--help` lists a service's flags with their",
-        "variables, `--help-experimental` the experimental ones.",
+        "variables.",
         "",
         "- [`specdec serve`](#specdec-serve)",
         "- [Orchestrator](#orchestrator)",

@@ -4,10 +4,7 @@ Each service keeps one table of `Flag`s. Its argparse parser, its frozen config 
 defaults and its `SPECDEC_<PREFIX>_<NAME>` environment variables all come from that table, so a
 default is written in exactly one place and `--help` names the variable of every flag.
 A flag given on the command line wins over its variable, which wins over the default.
-
-Flags marked `experimental` exist for benchmarks and ablations only (they may break exactness or
-cost speed): `--help` leaves them out and `--help-experimental` lists them, so an operator's help
-holds only what an operator sets.
+Benchmarks and ablations keep their switches on their own side (specdec_tools/), not here.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ class Flag:
     required: bool = False  # required unless its environment variable is set
     roles: Sequence[str] | None = None  # only these roles have the flag (None: every role)
     to_config: Callable[[Any], Any] | None = None  # parsed value -> config value (e.g. a choice -> bool)
-    experimental: bool = False  # benchmarks and ablations only: hidden from --help, shown by --help-experimental
 
     @property
     def key(self) -> str:
@@ -44,22 +40,22 @@ class FlagTable:
     def __init__(self, env_prefix: str, flags: Sequence[Flag], groups: Sequence[tuple[str, Sequence[str]]] = ()):
         """env_prefix: e.g. "SPECDEC_ORCHESTRATOR"; a worker table's "{role}" is filled per role.
         groups: (title, flag names) in the order `--help` and docs/configuration.md show them (as
-        vLLM groups its engine arguments); every flag an operator sets is in exactly one."""
+        vLLM groups its engine arguments); every flag is in exactly one."""
         self.env_prefix = env_prefix
         self.flags = tuple(flags)
         self._by_key = {f.key: f for f in self.flags}
         self.groups = tuple((title, tuple(names)) for title, names in groups)
         if self.groups:
             placed = [name for _, names in self.groups for name in names]
-            operator = {f.name for f in self.flags if not f.experimental}
+            operator = {f.name for f in self.flags}
             twice = {n for n in placed if placed.count(n) > 1}
             if set(placed) != operator or twice:
                 raise ValueError(f"{env_prefix}: flags in no group {sorted(operator - set(placed))}, in a group but "
                                  f"no flag {sorted(set(placed) - operator)}, in two groups {sorted(twice)}")
 
     def grouped(self, role: str = "") -> list[tuple[str, list[Flag]]]:
-        """The role's operator flags by group, in order (one untitled group when the table has none)."""
-        mine = {f.name: f for f in self.for_role(role) if not f.experimental}
+        """The role's flags by group, in order (one untitled group when the table has none)."""
+        mine = {f.name: f for f in self.for_role(role)}
         if not self.groups:
             return [("", list(mine.values()))]
         return [(title, [mine[n] for n in names if n in mine]) for title, names in self.groups
@@ -83,9 +79,6 @@ class FlagTable:
         p = argparse.ArgumentParser(prog=prog, description=description,
                                     usage=f"%(prog)s {needed + ' ' if needed else ''}[options]")
         p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-        experimental = argparse.ArgumentParser(
-            prog=prog, add_help=False, usage=argparse.SUPPRESS,
-            description="Experimental flags: for benchmarks and ablations only, never needed in production.")
         sections = {}
         for title, flags in self.grouped(role):
             section = p.add_argument_group(title) if title else p
@@ -98,30 +91,13 @@ class FlagTable:
             text = f"{flag.help} (env {env}{shown})".lstrip()
             sections.get(flag.name, p).add_argument(
                 flag.name, type=flag.type, default=default, choices=flag.choices,
-                required=flag.required and value is None, dest=flag.key,
-                help=argparse.SUPPRESS if flag.experimental else text)
-            if flag.experimental:
-                experimental.add_argument(flag.name, type=flag.type, choices=flag.choices, help=text)
-        p.add_argument("--help-experimental", action=_PrintHelp, parser=experimental,
-                       help="list the experimental flags (benchmarks and ablations only) and exit")
+                required=flag.required and value is None, dest=flag.key, help=text)
         return p
 
     def parse(self, argv: list[str] | None, prog: str, description: str, role: str = "") -> dict[str, Any]:
         """The config fields of this role, from argv over the environment over the defaults."""
         parsed = vars(self.parser(prog, description, role).parse_args(argv))
         return {f.key: f.to_config(parsed[f.key]) if f.to_config else parsed[f.key] for f in self.for_role(role)}
-
-
-class _PrintHelp(argparse.Action):
-    """Prints another parser's help and exits (--help-experimental)."""
-
-    def __init__(self, option_strings, dest, parser, help=None):
-        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS, help=help)
-        self.shown = parser
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        self.shown.print_help()
-        parser.exit()
 
 
 class ServedConfig:

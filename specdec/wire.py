@@ -235,10 +235,6 @@ class DraftOptions:
     min_drafts: int = 1
     lookup: int = 0
     ahead: int = 0
-    # structured output, for ablations: the draft ignores the grammar (q unmasked), or runs a pass
-    # even for the tokens it forces; the output is the same either way
-    grammar: bool = True
-    forced_tokens: bool = True
 
     def validate(self) -> "DraftOptions":
         if not 0.0 <= self.p_min <= 1.0 or not math.isfinite(self.p_min):
@@ -253,13 +249,11 @@ class DraftOptions:
 
     def to_proto(self) -> draft_pb2.DraftOptions:
         return draft_pb2.DraftOptions(p_min=self.p_min, min_drafts=self.min_drafts, lookup=self.lookup,
-                                      ahead=self.ahead, skip_grammar=not self.grammar,
-                                      skip_forced_tokens=not self.forced_tokens)
+                                      ahead=self.ahead)
 
     @classmethod
     def from_proto(cls, msg: draft_pb2.DraftOptions) -> "DraftOptions":
-        return cls(msg.p_min, msg.min_drafts or 1, msg.lookup, msg.ahead, not msg.skip_grammar,
-                   not msg.skip_forced_tokens)
+        return cls(msg.p_min, msg.min_drafts or 1, msg.lookup, msg.ahead)  # skip_*: deprecated, ignored
 
 
 @dataclass

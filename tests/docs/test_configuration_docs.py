@@ -60,10 +60,9 @@ def test_the_page_is_what_the_script_generates_now():
 ])
 def test_every_flag_of_every_table_is_on_the_page(title, table, roles):
     section = _section(DOC.read_text(), title)
-    operator, _, experimental = section.partition(f"### {title}: experimental (benchmarks and ablations only)")
     for role in roles:
         for flag in table.for_role(role):
-            rows = _rows(experimental if flag.experimental else operator)
+            rows = _rows(section)
             assert flag.name in rows, f"{flag.name} ({role}) is not in its section of docs/configuration.md"
             assert f"`{table.env_name(flag, role)}`" in rows[flag.name], f"{flag.name}: no {role} variable"
             if flag.default is not None and not flag.required:
@@ -81,15 +80,6 @@ def test_the_flags_stand_in_their_groups_as_help_shows_them(title, table):
         start = section.index(f"\n### {title}: {name}\n")
         end = section.find("\n### ", start + 1)
         assert set(_rows(section[start:end])) == set(flags), f"{title}: the group {name!r} is not what the table says"
-
-
-def test_experimental_flags_stand_apart_from_the_operator_flags():
-    section = _section(DOC.read_text(), "Orchestrator")
-    operator, _, experimental = section.partition("### Orchestrator: experimental (benchmarks and ablations only)")
-    flags = [f for f in ORCHESTRATOR_FLAGS.flags if f.experimental]
-    assert flags, "the orchestrator's table has experimental flags (e.g. --draft-grammar)"
-    for flag in flags:
-        assert flag.name in _rows(experimental) and flag.name not in _rows(operator)
 
 
 def test_serve_flags_and_worker_switches_are_documented():

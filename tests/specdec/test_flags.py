@@ -66,14 +66,8 @@ def test_help_names_each_variable_and_defaults_match_the_config(role, table):
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         parser.parse_args(["--help"])
     text = " ".join(out.getvalue().split()).replace("- ", "-")
-    experimental = io.StringIO()
-    with contextlib.redirect_stdout(experimental), pytest.raises(SystemExit):
-        table.parser("prog", "description", role).parse_args(["--help-experimental"])
-    hidden = " ".join(experimental.getvalue().split()).replace("- ", "-")
     for flag in table.for_role(role):
-        # an operator's help holds no benchmark-only flag; --help-experimental lists each of those
-        shown, other = (hidden, text) if flag.experimental else (text, hidden)
-        assert table.env_name(flag, role) in shown and f"{flag.name} " not in other
+        assert table.env_name(flag, role) in text and f"{flag.name} " in text
     config = OrchestratorConfig if role == "orchestrator" else WorkerConfig
     for f in fields(config):
         if f.name in {flag.key for flag in table.flags} and f.name not in ("port", "target", "model"):

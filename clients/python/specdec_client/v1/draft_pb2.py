@@ -25,25 +25,29 @@ _sym_db = _symbol_database.Default()
 from specdec_client.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xfc\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\r\n\x05gamma\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12)\n\x07options\x18\x07 \x01(\x0b\x32\x18.specdec.v1.DraftOptions\x12\x16\n\x0esession_secret\x18\x08 \x01(\x0c\x12&\n\x08\x66\x65\x61tures\x18\t \x01(\x0b\x32\x14.specdec.v1.Features\"\x82\x01\n\x0c\x44raftOptions\x12\r\n\x05p_min\x18\x01 \x01(\x02\x12\x12\n\nmin_drafts\x18\x02 \x01(\r\x12\x0e\n\x06lookup\x18\x03 \x01(\r\x12\r\n\x05\x61head\x18\x04 \x01(\r\x12\x14\n\x0cskip_grammar\x18\x05 \x01(\x08\x12\x1a\n\x12skip_forced_tokens\x18\x06 \x01(\x08\"\x8a\x01\n\x08Proposal\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12 \n\x05probs\x18\x03 \x01(\x0b\x32\x11.specdec.v1.Probs\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x12\n\nbatch_rows\x18\x06 \x01(\r\x12\x0e\n\x06pass_s\x18\x07 \x01(\x01J\x04\x08\x05\x10\x06\"@\n\x13ProposeBatchRequest\x12)\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1a.specdec.v1.ProposeRequest\"`\n\rProposeResult\x12\'\n\tproposals\x18\x01 \x03(\x0b\x32\x14.specdec.v1.Proposal\x12&\n\x06status\x18\x02 \x01(\x0b\x32\x16.specdec.v1.CallStatus\"B\n\x14ProposeBatchResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.specdec.v1.ProposeResult2\xc9\x03\n\x0b\x44raftWorker\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12=\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x14.specdec.v1.Proposal0\x01\x12Q\n\x0cProposeBatch\x12\x1f.specdec.v1.ProposeBatchRequest\x1a .specdec.v1.ProposeBatchResponse\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xfc\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\r\n\x05gamma\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12)\n\x07options\x18\x07 \x01(\x0b\x32\x18.specdec.v1.DraftOptions\x12\x16\n\x0esession_secret\x18\x08 \x01(\x0c\x12&\n\x08\x66\x65\x61tures\x18\t \x01(\x0b\x32\x14.specdec.v1.Features\"\x8a\x01\n\x0c\x44raftOptions\x12\r\n\x05p_min\x18\x01 \x01(\x02\x12\x12\n\nmin_drafts\x18\x02 \x01(\r\x12\x0e\n\x06lookup\x18\x03 \x01(\r\x12\r\n\x05\x61head\x18\x04 \x01(\r\x12\x18\n\x0cskip_grammar\x18\x05 \x01(\x08\x42\x02\x18\x01\x12\x1e\n\x12skip_forced_tokens\x18\x06 \x01(\x08\x42\x02\x18\x01\"\x8a\x01\n\x08Proposal\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12 \n\x05probs\x18\x03 \x01(\x0b\x32\x11.specdec.v1.Probs\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x12\n\nbatch_rows\x18\x06 \x01(\r\x12\x0e\n\x06pass_s\x18\x07 \x01(\x01J\x04\x08\x05\x10\x06\"@\n\x13ProposeBatchRequest\x12)\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1a.specdec.v1.ProposeRequest\"`\n\rProposeResult\x12\'\n\tproposals\x18\x01 \x03(\x0b\x32\x14.specdec.v1.Proposal\x12&\n\x06status\x18\x02 \x01(\x0b\x32\x16.specdec.v1.CallStatus\"B\n\x14ProposeBatchResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.specdec.v1.ProposeResult2\xc9\x03\n\x0b\x44raftWorker\x12>\n\x08\x44\x65scribe\x12\x1b.specdec.v1.DescribeRequest\x1a\x15.specdec.v1.ModelInfo\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12=\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x14.specdec.v1.Proposal0\x01\x12Q\n\x0cProposeBatch\x12\x1f.specdec.v1.ProposeBatchRequest\x1a .specdec.v1.ProposeBatchResponse\x12\x45\n\x08Truncate\x12\x1b.specdec.v1.TruncateRequest\x1a\x1c.specdec.v1.TruncateResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec_client.v1.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DRAFTOPTIONS'].fields_by_name['skip_grammar']._loaded_options = None
+  _globals['_DRAFTOPTIONS'].fields_by_name['skip_grammar']._serialized_options = b'\030\001'
+  _globals['_DRAFTOPTIONS'].fields_by_name['skip_forced_tokens']._loaded_options = None
+  _globals['_DRAFTOPTIONS'].fields_by_name['skip_forced_tokens']._serialized_options = b'\030\001'
   _globals['_PROPOSEREQUEST']._serialized_start=64
   _globals['_PROPOSEREQUEST']._serialized_end=316
   _globals['_DRAFTOPTIONS']._serialized_start=319
-  _globals['_DRAFTOPTIONS']._serialized_end=449
-  _globals['_PROPOSAL']._serialized_start=452
-  _globals['_PROPOSAL']._serialized_end=590
-  _globals['_PROPOSEBATCHREQUEST']._serialized_start=592
-  _globals['_PROPOSEBATCHREQUEST']._serialized_end=656
-  _globals['_PROPOSERESULT']._serialized_start=658
-  _globals['_PROPOSERESULT']._serialized_end=754
-  _globals['_PROPOSEBATCHRESPONSE']._serialized_start=756
-  _globals['_PROPOSEBATCHRESPONSE']._serialized_end=822
-  _globals['_DRAFTWORKER']._serialized_start=825
-  _globals['_DRAFTWORKER']._serialized_end=1282
+  _globals['_DRAFTOPTIONS']._serialized_end=457
+  _globals['_PROPOSAL']._serialized_start=460
+  _globals['_PROPOSAL']._serialized_end=598
+  _globals['_PROPOSEBATCHREQUEST']._serialized_start=600
+  _globals['_PROPOSEBATCHREQUEST']._serialized_end=664
+  _globals['_PROPOSERESULT']._serialized_start=666
+  _globals['_PROPOSERESULT']._serialized_end=762
+  _globals['_PROPOSEBATCHRESPONSE']._serialized_start=764
+  _globals['_PROPOSEBATCHRESPONSE']._serialized_end=830
+  _globals['_DRAFTWORKER']._serialized_start=833
+  _globals['_DRAFTWORKER']._serialized_end=1290
 # @@protoc_insertion_point(module_scope)
