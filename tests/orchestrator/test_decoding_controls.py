@@ -43,7 +43,7 @@ CONTROLS = {
 
 def params_of(decoder: SpeculativeDecoder, request: GenerationRequest, prompt: list[int]) -> SamplingParams:
     """The params the decoder sends its workers for this request (output_start, stop tokens)."""
-    return decoder.validate(request, len(prompt))
+    return decoder.checks.params(request, len(prompt))
 
 
 def reference(target_engine, prompt: list[int], params: SamplingParams, n: int = NEW, stops=frozenset(),

@@ -78,7 +78,7 @@ def decoder(target_engine, draft_engine):
 
 @pytest.mark.parametrize("choice", ["required", "get_weather", {"type": "function", "function": {"name": "get_time"}}])
 def test_required_and_named_choices_give_valid_calls_exactly_the_targets(decoder, target_engine, choice):
-    prompt = decoder.encode(GenerationRequest(messages=CHAT, tools=TOOLS))
+    prompt = decoder.checks.prompt(GenerationRequest(messages=CHAT, tools=TOOLS))
     spec = tool_calls.grammar(TOOLS, choice)
     expected = reference(target_engine, prompt, SamplingParams(0.0, output_start=len(prompt), grammar=spec), 160)
     for gamma in (0, 3, 6):
@@ -126,7 +126,7 @@ def test_tools_and_the_call_history_reach_the_chat_template(target_engine, draft
         {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                           "arguments": '{"city": "Lisbon", "unit": "c"}'}}]},
         {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}]
-    text = tok.decode(decoder.encode(GenerationRequest(messages=history, tools=TOOLS)))
+    text = tok.decode(decoder.checks.prompt(GenerationRequest(messages=history, tools=TOOLS)))
     assert '"get_weather"' in text and '"get_time"' in text  # the tools, as the template writes them
     assert '[get_weather {"city": "Lisbon", "unit": "c"}]' in text  # arguments as an object, not a string
     assert "tool:21 C;" in text
