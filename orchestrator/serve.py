@@ -50,7 +50,9 @@ SERVE_OWNS = ("--host", "--port", "--model", "--target", "--draft", "--http-port
 
 
 def say(message: str) -> None:
-    print(f"[specdec] {message}", file=sys.stderr, flush=True)
+    """One line on stderr, written whole: the children's watchers say theirs from threads of their own."""
+    sys.stderr.write(f"[specdec] {message}\n")
+    sys.stderr.flush()
 
 
 def free_port() -> int:
@@ -262,8 +264,11 @@ class Supervisor:
                     return
                 if time.monotonic() > next_note:
                     next_note += WAIT_NOTE_S
-                    say(f"{child.name} (pid {proc.pid}) not serving yet, "
-                        f"{time.monotonic() - child.started:.0f} s after its start")
+                    # the orchestrator serves once its workers do: while one loads, that one's note says it all
+                    if all(other.ready.is_set() for other in self.children if other is not child) \
+                            or child is not self.children[-1]:
+                        say(f"{child.name} (pid {proc.pid}) not serving yet, "
+                            f"{time.monotonic() - child.started:.0f} s after its start")
                 time.sleep(0.5)
 
         threading.Thread(target=watch, name=f"ready-{child.name}", daemon=True).start()
