@@ -602,11 +602,11 @@ class GammaPolicy:
         if self.adaptive:  # (the fixed policy's observe_* keep nothing)
             with self._lock:
                 self._loads.setdefault(step.target, collections.deque()).append((step.started, step.load))
-        own = step.own_pass and not step.overlapped and not step.faulted
         if step.own_pass:
             self.observe_pass(step.target, step.target_rows, step.target_pass_s)
-        catching_up = {r.draft for r, g in zip(step.requests, step.gammas) if g > 0 and r.lag > CATCH_UP_LAG}
         clean = not step.overlapped and not step.faulted  # the worker times its passes alone: those stand
+        own = clean and step.own_pass
+        catching_up = {r.draft for r, g in zip(step.requests, step.gammas) if g > 0 and r.lag > CATCH_UP_LAG}
         drafts = {address: (rows, pass_s, extra_s if clean else None)
                   for address, (rows, pass_s, extra_s) in step.drafts.items() if address not in catching_up}
         overhead = max(step.ended - step.draft_end - step.target_pass_s, 0.0) if own else None

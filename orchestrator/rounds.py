@@ -111,7 +111,6 @@ class Round:
     verification: Verification | None = None  # p_i (or argmax p_i) for i = 0..gamma
     result: SampleResult | None = None
     emitted: list[int] = field(default_factory=list)
-    chunk: GenerationChunk | None = None
     draft_s: float = 0.0
     verify_s: float = 0.0
     sampling_s: float = 0.0
@@ -183,14 +182,14 @@ def finish(req: RequestState, rnd: Round, answer: "Verification | ServiceError",
     accept(req, rnd)
     commit(req, rnd)
     learn(req, rnd)
-    rnd.chunk = emit(req, rnd)
+    chunk = emit(req, rnd)
     if span.is_recording():  # tracing off: build no attributes per round
         span.set_attributes({
             t.ROUND: req.stats.rounds - 1, t.GAMMA: rnd.gamma, t.DRAFTED: rnd.gamma,
             t.ACCEPTED: rnd.num_accepted, t.EMITTED: len(rnd.emitted), t.WIRE_BYTES: rnd.wire_bytes,
             t.ACCEPTED_BY_POSITION: [1] * rnd.num_accepted + [0] * (rnd.gamma - rnd.num_accepted),
         })
-    return rnd.chunk
+    return chunk
 
 
 def draft_call(req: RequestState, rnd: Round) -> ProposeCall:

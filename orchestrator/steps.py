@@ -218,10 +218,9 @@ class StepLoop:
         load = len(states) + loops.prefilling  # those joining soon too
         gammas = loops.policy.choose_step(self.address, requests, load=load)
         suffix = self._suffix_drafts(states, requests, gammas, load)
-        step = Step(tickets, states, [plan(s, g, suffix.get(j)) for j, (s, g) in enumerate(zip(states, gammas))],
+        return Step(tickets, states, [plan(s, g, suffix.get(j)) for j, (s, g) in enumerate(zip(states, gammas))],
                     [loops.tracer.start_span("round", context=tk.ctx) for tk in tickets],
                     StepRecord(self.address, requests, gammas, load, started), quiet, [None] * len(tickets))
-        return step
 
     def _suffix_drafts(self, states: list[RequestState], requests: list[StepRequest],
                        gammas: list[int], load: int) -> dict[int, tuple[list[int], list[float]]]:
@@ -372,5 +371,5 @@ class Step:
     spans: list
     record: StepRecord
     quiet: int | None  # StepLoops.quiet_since() when it began: a prefill that ran meanwhile changes it
-    errors: list[BaseException | None] = field(default_factory=list)  # a request's failure before finish
+    errors: list[BaseException | None]  # a request's failure before finish, by request
     answers: dict[int, object] = field(default_factory=dict)  # the target's answers (or faults), by request

@@ -47,11 +47,11 @@ class FlagTable:
         self.groups = tuple((title, tuple(names)) for title, names in groups)
         if self.groups:
             placed = [name for _, names in self.groups for name in names]
-            operator = {f.name for f in self.flags}
+            names = {f.name for f in self.flags}
             twice = {n for n in placed if placed.count(n) > 1}
-            if set(placed) != operator or twice:
-                raise ValueError(f"{env_prefix}: flags in no group {sorted(operator - set(placed))}, in a group but "
-                                 f"no flag {sorted(set(placed) - operator)}, in two groups {sorted(twice)}")
+            if set(placed) != names or twice:
+                raise ValueError(f"{env_prefix}: flags in no group {sorted(names - set(placed))}, in a group but "
+                                 f"no flag {sorted(set(placed) - names)}, in two groups {sorted(twice)}")
 
     def grouped(self, role: str = "") -> list[tuple[str, list[Flag]]]:
         """The role's flags by group, in order (one untitled group when the table has none)."""

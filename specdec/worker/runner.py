@@ -187,8 +187,8 @@ class ModelRunner:
 
     def run_calls(self, calls: list, program: Callable[[Any], Program], check: Callable[[str], Any]) -> list:
         """The calls of one batched RPC (an orchestrator's step), run side by side on this thread:
-        program(call) is the call's work as a generator that yields each Work it needs (see
-        `work`) and gets back its result; the Works the calls yield at one time go to the batcher
+        program(call) is the call's work as a generator that yields each Work it needs
+        (WorkerEngine.work) and gets back its result; the Works the calls yield at one time go to the batcher
         together and share a pass (draft step i of every Propose, every Verify). Returns, per call
         in order, the program's return value or the ServiceError it raised: each call succeeds or
         fails on its own. A second call on the same session is refused (INVALID_ARGUMENT): a

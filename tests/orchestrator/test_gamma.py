@@ -282,9 +282,8 @@ def test_a_step_cost_average_starts_as_the_plain_mean_then_forgets_slowly():
     assert late.value == pytest.approx(0.002 + (1 - DECAY) * 0.1)
 
 
-def test_the_load_level_counts_requests_still_prefilling():
-    """A wave of arrivals: one request already decodes, seven still prefill. The step is judged
-    at the level of eight (whose arms have measured that drafting loses there), not of one."""
+def drafting_lost_at_eight() -> GammaPolicy:
+    """A policy whose model would draft, but whose arms at eight requests measured that drafting loses."""
     from orchestrator.arms import PLAIN
 
     policy = GammaPolicy()
@@ -295,6 +294,13 @@ def test_the_load_level_counts_requests_still_prefilling():
     for arm, rate in (("draft", 20.0), ("plain", 40.0)):
         for _ in range(10):
             eight.rates[arm].observe(rate, 1.0)
+    return policy
+
+
+def test_the_load_level_counts_requests_still_prefilling():
+    """A wave of arrivals: one request already decodes, seven still prefill. The step is judged
+    at the level of eight (whose arms have measured that drafting loses there), not of one."""
+    policy = drafting_lost_at_eight()
     assert policy.choose_step("t", [StepRequest(4, "d")], load=8) == [0]
     policy.observe_outcome("t", 1, 0.1)
     assert policy.choose_step("t", [StepRequest(4, "d")]) == [4]  # alone: the model's choice
@@ -439,17 +445,9 @@ def test_a_steps_load_is_remembered_for_the_next_steps():
     seconds, from their records), not at a level of one, and alone again once that has passed."""
     import time
 
-    from orchestrator.arms import PLAIN
     from orchestrator.gamma import LOAD_MEMORY_S, StepRecord
 
-    policy = GammaPolicy()
-    policy._costs["t"], policy._costs["d"] = FLAT_TARGET, FLAT_DRAFT  # the model would draft
-    policy._acceptance[("t", "d")] = accepting(0.8)
-    eight = policy.arms.level("t", 8)
-    eight.running = PLAIN
-    for arm, rate in (("draft", 20.0), ("plain", 40.0)):
-        for _ in range(10):
-            eight.rates[arm].observe(rate, 1.0)
+    policy = drafting_lost_at_eight()
     lone = [StepRequest(4, "d")]
     assert policy.choose_step("t", lone) == [4]  # nothing remembered: alone
     policy.observe_outcome("t", 1, 0.1)
