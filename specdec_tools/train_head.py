@@ -74,11 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--intermediate", type=int, default=4096, help="the head's MLP width")
     t.add_argument("--draft-vocab", type=int, default=16384)
     t.add_argument("--top", type=int, default=32, help="target logits kept a row (the soft labels)")
+    t.add_argument("--prompt-rows", action=argparse.BooleanOptionalAction, default=False,
+                   help="train on the prompts' rows too (the target's distribution there; text it did not write)")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--batch-tokens", type=int, default=512,
                    help="completion rows an optimizer step, about (whole sequences: as many as make it on average)")
     t.add_argument("--holdout-every", type=int, default=20, help="prompt indices divisible by it are held out")
-    t.add_argument("--limit", type=int, default=0, help="train on the first N sequences only (0: all)")
+    t.add_argument("--limit", type=int, default=0, help="train on N of the sequences only, a sample fixed by --seed (0: all)")
     t.add_argument("--eval-every", type=int, default=0, help="held-out report every N optimizer steps (0: at the end)")
     t.add_argument("--checkpoint-minutes", type=float, default=10.0)
     t.add_argument("--variants", default="", metavar="K=V,..;..",
@@ -221,7 +223,8 @@ class Sequence:
     ids: torch.Tensor  # [n] prompt + completion
     start: int  # prompt length: rows start - 1 .. n - 2 predict completion tokens
     features: torch.Tensor  # [n, 3 d] bfloat16
-    top_ids: torch.Tensor  # [n - start + 1, top] int32 target ids, rows start - 1 .. n - 1
+    labels_from: int  # the first row with the target's distribution: start - 1, or 0 with prompt rows
+    top_ids: torch.Tensor  # [n - labels_from, top] int32 target ids, rows labels_from .. n - 1
     top_logits: torch.Tensor  # [.., top] float16
     lse: torch.Tensor  # [.., 2] float32: logsumexp of the full logits at temperature 1 and 0.7
 
@@ -239,20 +242,21 @@ class Teacher:
         self.forward = model_forward(self.model)
 
     @torch.inference_mode()
-    def run(self, record: dict, top: int) -> Sequence:
+    def run(self, record: dict, top: int, prompt_rows: bool = False) -> Sequence:
         from transformers import DynamicCache
 
         from specdec.worker.batching import RaggedCache
 
         ids = torch.tensor(record["prompt_ids"] + record["ids"], dtype=torch.long)
         n, start = len(ids), len(record["prompt_ids"])
+        labels_from = 0 if prompt_rows else start - 1
         cache = RaggedCache([DynamicCache(config=self.config)], [n])
-        keep = torch.arange(start - 1, n)
+        keep = torch.arange(labels_from, n)
         logits, features = self.forward(ids[None], torch.arange(n)[None], cache, keep, aux=self.layers)
         logits = logits[0].float()
         values, idx = torch.topk(logits, top, dim=-1)
         lse = torch.stack([torch.logsumexp(logits, -1), torch.logsumexp(logits / 0.7, -1)], -1)
-        return Sequence(record["prompt"], record["mode"], ids, start, features.to(torch.bfloat16),
+        return Sequence(record["prompt"], record["mode"], ids, start, features.to(torch.bfloat16), labels_from,
                         idx.to(torch.int32), values.to(torch.float16), lse)
 
 
@@ -345,22 +349,30 @@ class TrainHead(nn.Module):
 def soft_labels(seq: Sequence, t2d: torch.Tensor, rows: torch.Tensor):
     """The target's distribution over the draft vocabulary at target rows `rows` (renormalized over
     its top-k that the draft vocabulary holds): (draft indices [r, top] (0 where masked), probs)."""
-    local = rows - (seq.start - 1)
+    local = rows - seq.labels_from
     ids = seq.top_ids[local].long()
     draft = t2d[ids]
     logits = seq.top_logits[local].float().masked_fill(draft < 0, float("-inf"))
     return draft.clamp(min=0), torch.softmax(logits, -1).nan_to_num(0.0)
 
 
-def sequence_loss(head: TrainHead, seq: Sequence, t2d: torch.Tensor, steps: int, weights: list[float]):
+def loss_rows(seq: Sequence, prompt_rows: bool) -> int:
+    return len(seq.ids) - (1 if prompt_rows else seq.start)
+
+
+def sequence_loss(head: TrainHead, seq: Sequence, t2d: torch.Tensor, steps: int, weights: list[float],
+                  prompt_rows: bool = False):
     """(loss, rows, per-step (correct, count)) of one sequence: slot s step k learns the target's
-    row s + k, for rows start - 1 .. n - 2."""
-    first = max(seq.start - 2, 0)  # slot s = start - 2 is row start - 1 at step 1
+    row s + k, for rows start - 1 .. n - 2 (with prompt rows, 1 .. n - 2)."""
+    lowest = 1 if prompt_rows else seq.start - 1
+    if lowest < seq.labels_from:
+        raise ValueError("prompt rows asked for, but the teacher kept the completion's rows only")
+    first = max(lowest - 1, 0)  # slot s = lowest - 1 is row lowest at step 1
     total, rows, stats = 0.0, 0, []
     n = seq.ids.shape[0]
     for k, logits, slots in head.unroll(seq.ids, seq.features, steps, first):
         target_rows = torch.arange(first, slots) + k
-        valid = (target_rows >= seq.start - 1) & (target_rows <= n - 2)
+        valid = (target_rows >= lowest) & (target_rows <= n - 2)
         if not bool(valid.any()):
             continue
         logits, target_rows = logits[valid], target_rows[valid]
@@ -369,7 +381,7 @@ def sequence_loss(head: TrainHead, seq: Sequence, t2d: torch.Tensor, steps: int,
         loss = -(probs * logq.gather(1, idx)).sum(-1)
         total = total + weights[k - 1] * loss.sum()
         rows += loss.numel()
-        target_top = t2d[seq.top_ids[target_rows - (seq.start - 1), 0].long()]
+        target_top = t2d[seq.top_ids[target_rows - seq.labels_from, 0].long()]
         stats.append((k, int((logits.argmax(-1) == target_top).sum()), loss.numel()))
     return total, rows, stats
 
@@ -400,7 +412,7 @@ def evaluate(head: TrainHead, seqs: list[Sequence], t2d: torch.Tensor, d2t_ids: 
                 break
             logits = logits[:m]
             target_rows = torch.arange(first, first + m) + k
-            local = target_rows - (seq.start - 1)
+            local = target_rows - seq.labels_from
             top = seq.top_ids[local].long()
             draft = t2d[top]
             per_step_correct.append((d2t_ids[logits.argmax(-1)] == top[:, 0]).float())
@@ -510,8 +522,7 @@ def prepare(a) -> Prepared | None:
     teacher = Teacher(a.target, None, a.quantize)
     held = [r for r in records if r["prompt"] % a.holdout_every == 0 and r["mode"] == "greedy"]
     train = [r for r in records if r["prompt"] % a.holdout_every != 0]
-    if a.limit:
-        train = train[: a.limit]
+    train = subset(train, a.limit, a.seed)
     completion = torch.cat([torch.tensor(r["ids"]) for r in train])
     vocab = int(teacher.config.vocab_size)
     counts = torch.bincount(completion, minlength=vocab).sort(descending=True).values.cumsum(0) / completion.numel()
@@ -520,10 +531,11 @@ def prepare(a) -> Prepared | None:
          f"share of completion tokens in the most frequent N: {coverage}")
     seqs, held_seqs, t0 = [], [], time.monotonic()
     todo = train + held
+    prompt_rows = a.prompt_rows or any(v.get("prompt_rows") for v in parse_variants(a.variants))
     rows_total = sum(len(r["prompt_ids"]) + len(r["ids"]) for r in todo)
     rows_done = 0
     for i, r in enumerate(todo):
-        (seqs if i < len(train) else held_seqs).append(teacher.run(r, a.top))
+        (seqs if i < len(train) else held_seqs).append(teacher.run(r, a.top, prompt_rows))
         rows_done += len(r["prompt_ids"]) + len(r["ids"])
         if i % 20 == 0 or i == len(todo) - 1:
             el = time.monotonic() - t0
@@ -541,6 +553,13 @@ def prepare(a) -> Prepared | None:
     return prepared
 
 
+def subset(items: list, size: int, seed: int) -> list:
+    """size of the items (all where size is 0 or more), drawn by seed, in their order."""
+    if not size or size >= len(items):
+        return items
+    return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), size))]
+
+
 def fit(a, data: Prepared, out: Path, name: str = "") -> tuple[TrainHead, torch.Tensor, dict, float]:
     """Trains one head on data with a's settings (resuming from out/checkpoint.pt); returns (head,
     its draft vocabulary's target ids, the run's state with its held-out curve, seconds)."""
@@ -548,7 +567,8 @@ def fit(a, data: Prepared, out: Path, name: str = "") -> tuple[TrainHead, torch.
 
     config = data.config
     vocab = int(config.vocab_size)
-    records = [{"ids": s.ids[s.start:].tolist(), "prompt_ids": s.ids[: s.start].tolist()} for s in data.seqs]
+    seqs = subset(data.seqs, a.limit, a.seed)  # a variant may train on fewer than were prepared
+    records = [{"ids": s.ids[s.start:].tolist(), "prompt_ids": s.ids[: s.start].tolist()} for s in seqs]
     d2t_ids = draft_vocabulary(records, vocab, a.draft_vocab)
     t2d = torch.full((vocab,), -1, dtype=torch.long)
     t2d[d2t_ids] = torch.arange(len(d2t_ids))
@@ -559,12 +579,11 @@ def fit(a, data: Prepared, out: Path, name: str = "") -> tuple[TrainHead, torch.
     head = TrainHead(config.hidden_size, a.intermediate, heads, kv_heads, head_dim, len(data.feature_layers),
                      float(config.rms_norm_eps), float(rope.get("rope_theta", getattr(config, "rope_theta", 1e4))),
                      data.embed, target_output_rows(data.path, d2t_ids), data.final_norm)
-    seqs = data.seqs
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     weights = [0.8 ** k for k in range(a.ttt_steps)]
-    loss_rows = sum(len(s.ids) - s.start for s in seqs)
-    batch_seqs = max(1, round(a.batch_tokens * len(seqs) / max(loss_rows, 1)))  # sequences a step: ~batch_tokens rows
+    rows_all = sum(loss_rows(s, a.prompt_rows) for s in seqs)
+    batch_seqs = max(1, round(a.batch_tokens * len(seqs) / max(rows_all, 1)))  # sequences a step: ~batch_tokens rows
     total_steps = max(1, math.ceil(a.epochs * len(seqs) / batch_seqs))
     warmup = min(50, total_steps // 10)
 
@@ -613,12 +632,12 @@ def fit(a, data: Prepared, out: Path, name: str = "") -> tuple[TrainHead, torch.
             seq = seqs[orders[epoch][pos]]
             cursor += 1
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.bf16):
-                loss, rows, stats = sequence_loss(head, seq, t2d, a.ttt_steps, weights)
+                loss, rows, stats = sequence_loss(head, seq, t2d, a.ttt_steps, weights, a.prompt_rows)
             if rows == 0:
                 continue
             (loss / a.batch_tokens).backward()
-            batch_rows += len(seq.ids) - seq.start
-            batch_loss += float(loss)
+            batch_rows += loss_rows(seq, a.prompt_rows)
+            batch_loss += float(loss.detach())
             loss_rows_seen += rows
             for k, right, count in stats:
                 acc.setdefault(k, [0, 0])
@@ -650,7 +669,7 @@ def fit(a, data: Prepared, out: Path, name: str = "") -> tuple[TrainHead, torch.
 
 
 VARIANT_KEYS = {"ttt": "ttt_steps", "intermediate": "intermediate", "vocab": "draft_vocab", "epochs": "epochs",
-                "lr": "lr"}
+                "lr": "lr", "prompt": "prompt_rows", "sequences": "limit"}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -662,7 +681,8 @@ def parse_variants(text: str) -> list[dict]:
             key, _, value = pair.partition("=")
             if key.strip() not in VARIANT_KEYS:
                 raise argparse.ArgumentTypeError(f"--variants: {key!r} is not one of {', '.join(VARIANT_KEYS)}")
-            v[VARIANT_KEYS[key.strip()]] = float(value) if key.strip() in ("epochs", "lr") else int(value)
+            kind = {"epochs": float, "lr": float, "prompt": lambda x: bool(int(x))}.get(key.strip(), int)
+            v[VARIANT_KEYS[key.strip()]] = kind(value)
         variants.append(v)
     return variants
 
@@ -681,9 +701,9 @@ def cmd_train(a) -> int:
     _log(f"features took {data.feature_s / 60:.1f} min")
     head, d2t_ids, state, train_s = fit(a, data, out)
     r = state["curve"][-1]
-    loss_rows = sum(len(s.ids) - s.start for s in data.seqs)
+    rows_all = sum(loss_rows(s, a.prompt_rows) for s in data.seqs)
     meta = {"trained_by": "specdec train-head", "data": data_path(a).name, "sequences": len(data.seqs),
-            "completion_rows": loss_rows, "epochs": a.epochs, "ttt_steps": a.ttt_steps, "lr": a.lr,
+            "loss_rows": rows_all, "prompt_rows": a.prompt_rows, "epochs": a.epochs, "ttt_steps": a.ttt_steps, "lr": a.lr,
             "batch_tokens": a.batch_tokens, "draft_vocab": a.draft_vocab, "intermediate": a.intermediate,
             "steps": state["step"], "feature_minutes": round(data.feature_s / 60, 1),
             "train_minutes": round(train_s / 60, 1), "total_minutes": round((time.monotonic() - t_start) / 60, 1),
@@ -696,6 +716,8 @@ def cmd_train(a) -> int:
         va = argparse.Namespace(**{**vars(a), **overrides, "eval_every": 0})
         _, _, vstate, seconds = fit(va, data, out / "variants" / str(i), f"variant {overrides}: ")
         ablation.append((overrides, vstate["curve"][-1], seconds))
+        (out / "variants" / str(i) / "held_out.json").write_text(
+            json.dumps({"variant": overrides, "minutes": round(seconds / 60, 1), **vstate["curve"][-1]}, indent=1) + "\n")
     lines = [f"held-out acceptance ({r['roots']} round starts in {len(data.held)} held-out greedy completions; "
              f"mean tokens a round = kept drafts + 1):", "", *report_lines(r)]
     if ablation:

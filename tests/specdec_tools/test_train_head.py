@@ -166,3 +166,43 @@ def test_a_completions_file_cut_short_keeps_its_whole_records(tmp_path):
     path.write_bytes(whole[: len(whole) * 2 // 3])  # a run stopped while writing
     kept = train_head.read_completions(path)
     assert 0 < len(kept) < len(records) and kept == records[: len(kept)]
+
+
+def test_prompt_rows_add_the_prompts_rows_and_leave_the_completions_loss_as_it_was(tiny_target):
+    teacher = train_head.Teacher(str(tiny_target), None, "none")
+    record = {"prompt": 0, "mode": "greedy", "prompt_ids": list(range(3, 13)), "ids": list(range(40, 60))}
+    start, n = 10, 30
+    plain = teacher.run(record, 8)
+    wide = teacher.run(record, 8, prompt_rows=True)
+    assert (plain.labels_from, wide.labels_from) == (start - 1, 0)
+    assert wide.top_ids.shape[0] == n and plain.top_ids.shape[0] == n - start + 1
+    assert torch.equal(wide.top_ids[start - 1:], plain.top_ids)  # the same target, the same rows
+
+    c = teacher.config
+    torch.manual_seed(0)
+    head = train_head.TrainHead(c.hidden_size, 64, c.num_attention_heads, c.num_key_value_heads,
+                                c.hidden_size // c.num_attention_heads, 3, 1e-6, 10000.0,
+                                torch.randn(c.vocab_size, c.hidden_size), torch.randn(c.vocab_size, c.hidden_size) * 0.1,
+                                torch.ones(c.hidden_size))
+    t2d = torch.arange(c.vocab_size)
+    steps, weights = 3, [1.0, 0.8, 0.64]
+    with torch.no_grad():
+        loss, rows, _ = train_head.sequence_loss(head, plain, t2d, steps, weights)
+        same, same_rows, _ = train_head.sequence_loss(head, wide, t2d, steps, weights)
+        more, more_rows, _ = train_head.sequence_loss(head, wide, t2d, steps, weights, prompt_rows=True)
+    assert same_rows == rows and torch.allclose(same, loss)  # labels kept further back change nothing alone
+    assert more_rows - rows == (start - 2) * steps  # rows 1 .. start - 2, at every unrolled step
+    assert more > loss  # the completion's terms as before, plus the prompt's
+    assert train_head.loss_rows(wide, True) - train_head.loss_rows(wide, False) == start - 1
+    with pytest.raises(ValueError, match="prompt rows"):
+        train_head.sequence_loss(head, plain, t2d, steps, weights, prompt_rows=True)
+    assert train_head.parse_variants("prompt=1;ttt=1") == [{"prompt_rows": True}, {"ttt_steps": 1}]
+
+
+def test_a_smaller_training_set_is_a_seeded_sample_in_order():
+    items = list(range(100))
+    few = train_head.subset(items, 10, seed=0)
+    assert len(few) == 10 and few == sorted(few) and few == train_head.subset(items, 10, seed=0)
+    assert few != items[:10] and few != train_head.subset(items, 10, seed=1)  # drawn, not the first N
+    assert train_head.subset(items, 0, seed=0) is items and train_head.subset(items, 200, seed=0) is items
+    assert train_head.parse_variants("sequences=90") == [{"limit": 90}]
