@@ -69,7 +69,9 @@ class Drafted:
         """A call that puts token_ids at `start` can take the proposals after them: the session
         already holds those tokens there, and they reach into (or just up to) the proposals."""
         end = start + len(token_ids)
-        return (params == self.params and options == self.options and self.start <= end <= self.end
+        # how far to draft ahead changes no proposal's distribution (the orchestrator sets it per round)
+        same = options == self.options or dataclasses.replace(options, ahead=self.options.ahead) == self.options
+        return (params == self.params and same and self.start <= end <= self.end
                 and end <= len(session.tokens) and session.tokens[start:end] == token_ids)
 
 

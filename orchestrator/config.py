@@ -12,6 +12,16 @@ from specdec.errors import InvalidArgument
 from specdec.security import ClientTls
 from specdec.wire import DraftOptions
 
+
+def _ahead(value: str) -> str | int:
+    """--draft-ahead: "auto" or a count of tokens."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens, got {value!r}") from None
+
 DEFAULT_PORT = 50050
 
 FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
@@ -61,9 +71,11 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--suffix-drafts", default="on", choices=["on", "off"], to_config=lambda v: v == "on",
          help="suffix drafts at all (off: no draft without a draft pass, neither from the cache nor from a "
               "request's own tokens; rounds draft with the draft worker only)"),
-    Flag("--draft-ahead", int, 0, "tokens a model draft keeps drafting past each round's drafts while the target "
-         "verifies; the next round takes them when the round kept every draft. Pays only where the draft has "
-         "cores (or a GPU) of its own (0: off)"),
+    Flag("--draft-ahead", _ahead, "auto", to_config=lambda v: None if v == "auto" else v,
+         help="tokens a model draft keeps drafting past each round's drafts while the target verifies; the next "
+              "round takes them when the round kept every draft. auto: a round's drafts and one more where the "
+              "draft has hardware of its own (the workers' Describe says so: specdec/hardware.py), none where "
+              "it shares the target's (0: off)"),
     Flag("--worker-timeout", float, 120.0, "the longest any call to a worker may take; each call's own deadline is "
          "20x what its rows should cost at the worker's measured pace, at least 10 s, until measured this",
          field="worker_timeout_s"),
@@ -76,10 +88,10 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
     Flag("--startup-timeout", float, 3600.0, "seconds to wait for workers to load their models",
          field="startup_timeout_s"),
     Flag("--torch-threads", int, 1, "threads for the sampling math; more only adds spinning threads"),
-    Flag("--prefill", default="parallel", choices=["parallel", "sequential"], field="parallel_prefill",
-         to_config=lambda v: v == "parallel",
+    Flag("--prefill", default="auto", choices=["auto", "parallel", "sequential"],
          help="parallel hides the draft's prefill when workers have their own hardware; sequential is faster "
-              "when they share the same cores"),
+              "when they share the same cores; auto: parallel for a draft and a target on different hardware "
+              "(the workers' Describe says so), else sequential"),
     Flag("--drain-timeout", float, 20.0, "on SIGTERM: seconds requests in flight get to finish",
          field="drain_timeout_s"),
     Flag("--poll-interval", float, 1.0, "seconds between reads of each worker's load and health", field="poll_s"),
@@ -139,7 +151,7 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
     draft_p_min: float = FLAGS.default("draft_p_min")
     draft_min: int = FLAGS.default("draft_min")
     draft_lookup: int = FLAGS.default("draft_lookup")
-    draft_ahead: int = FLAGS.default("draft_ahead")
+    draft_ahead: int | None = FLAGS.default("draft_ahead")  # None: auto
     suffix_cache_tokens: int = FLAGS.default("suffix_cache_tokens")
     suffix_drafts: bool = FLAGS.default("suffix_drafts")
     worker_timeout_s: float = FLAGS.default("worker_timeout_s")
@@ -147,7 +159,7 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
     draft_timeout_s: float = FLAGS.default("draft_timeout_s")
     startup_timeout_s: float = FLAGS.default("startup_timeout_s")
     torch_threads: int = FLAGS.default("torch_threads")
-    parallel_prefill: bool = FLAGS.default("parallel_prefill")  # right when workers are on separate hosts
+    prefill: str = FLAGS.default("prefill")  # auto: parallel for workers on different hardware
     drain_timeout_s: float = FLAGS.default("drain_timeout_s")
     poll_s: float = FLAGS.default("poll_s")
     resolve_s: float = FLAGS.default("resolve_s")
@@ -169,7 +181,8 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
 
     @property
     def draft_options(self) -> DraftOptions:
-        return DraftOptions(self.draft_p_min, self.draft_min, self.draft_lookup, self.draft_ahead)
+        """What every Propose asks (ahead: the fixed --draft-ahead; auto is the decoder's, per round)."""
+        return DraftOptions(self.draft_p_min, self.draft_min, self.draft_lookup, self.draft_ahead or 0)
 
     @property
     def worker_tls(self) -> ClientTls:
@@ -181,7 +194,7 @@ class OrchestratorConfig(ServedConfig, GrammarConfig):
         try:
             parse_entries(values["target"]), parse_entries(values["draft"])
             DraftOptions(values["draft_p_min"], values["draft_min"], values["draft_lookup"],
-                         values["draft_ahead"]).validate()
+                         values["draft_ahead"] or 0).validate()
             if values["suffix_cache_tokens"] < 0:
                 raise ValueError(f"--suffix-cache-tokens must be at least 0, got {values['suffix_cache_tokens']}")
         except (ValueError, InvalidArgument) as exc:

@@ -100,7 +100,8 @@ class SpeculativeDecoder:
     """Runs requests against pools of targets and drafts (or one of each, in-process)."""
 
     def __init__(self, target: TargetWorker | WorkerPool, draft: DraftWorker | WorkerPool | None = None,
-                 tokenizer=None, *, parallel_prefill: bool = False, telemetry: Telemetry | None = None,
+                 tokenizer=None, *, prefill: str = "auto", draft_ahead: int | None = None,
+                 telemetry: Telemetry | None = None, drafts_left_out: bool = False,
                  limits: RequestLimits = RequestLimits(), gamma_policy: GammaPolicy | None = None,
                  draft_options: DraftOptions = DraftOptions(), sampling: str = "coupled",
                  grammar_limits=None, suffix_cache_tokens: int | None = 0):
@@ -121,12 +122,17 @@ class SpeculativeDecoder:
         self.eos = frozenset(self.target_info.eos_token_ids)
         self.max_context = min(i.max_context for i in (self.target_info, self.draft_info) if i is not None)
         # what a request may ask (orchestrator/validation.py), checked before any worker holds a session
+        # drafts_left_out: the configured drafts all failed to load (orchestrator/server.py): a request
+        # may still ask for drafts, and runs as with every draft down
         self.checks = RequestChecks(self.tokenizer, vocab_size=self.target_info.vocab_size, max_context=self.max_context,
-                                    limits=limits, eos=self.eos, has_draft=self.drafts is not None,
+                                    limits=limits, eos=self.eos, has_draft=self.drafts is not None or drafts_left_out,
                                     model_name=self.target_info.model_name, grammar_compiler=self.grammar_compiler)
         # prefilling both at once hides the draft's prefill when the workers have their own
-        # hardware; on shared cores (in-process, one host) it only makes them contend
-        self._prefill_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prefill") if parallel_prefill else None
+        # hardware; on shared cores (in-process, one host) it only makes them contend. auto: each
+        # request's placement decides from its workers' Describe (Placement.apart)
+        self.prefill = prefill
+        self._prefill_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="prefill") \
+            if prefill != "sequential" else None
         self.telemetry = telemetry or Telemetry.off()
         self.tracer = self.telemetry.tracer
         self.metrics = DecodingMetrics(self.telemetry.meter)
@@ -134,6 +140,9 @@ class SpeculativeDecoder:
         # --gamma-policy's (goodput by default)
         self.gamma_policy = gamma_policy or GammaPolicy(adaptive=False)
         self.draft_options = draft_options.validate()  # sent with every Propose (--draft-p-min, --draft-lookup)
+        # tokens drafted ahead (DraftOptions.ahead): a fixed count, or None: a round's drafts and
+        # one more where the request's draft has hardware of its own (rounds.RequestState.ahead)
+        self.draft_ahead = draft_ahead if draft_ahead is not None else (draft_options.ahead or None)
         # one step loop per target runs the rounds of all its requests together (orchestrator/steps.py)
         # (suffix drafts, when the gamma policy is goodput: a request's own tokens and, up to
         # --suffix-cache-tokens, ended requests'; None: no suffix drafts, --suffix-drafts off)
@@ -208,7 +217,7 @@ class SpeculativeDecoder:
         drafts = self.drafts if request.gamma > 0 else None
         n = request.n if 1 <= request.n <= MAX_N else 1  # checks.params refuses others, before any placement
         placements = [Placement(uuid.uuid4().hex, self.targets, drafts, self.tracer, self._prefill_pool,
-                                request.cache_scope) for _ in range(n)]
+                                request.cache_scope, prefill=self.prefill) for _ in range(n)]
         streams: list[Iterator[GenerationChunk]] = []
         try:
             prompt = self.checks.prompt(request)
@@ -304,7 +313,7 @@ class SpeculativeDecoder:
                              frozenset() if request.ignore_eos else self.eos, request.gamma,
                              request.max_new_tokens, list(prompt), stats, TextAssembler(self.tokenizer, request.stop),
                              started=time.perf_counter() - stats.prefill_s, policy=self.gamma_policy,
-                             draft_options=self.draft_options,
+                             draft_options=self.draft_options, draft_ahead=self.draft_ahead,
                              top_logprobs=request.top_logprobs if request.logprobs else None,
                              stop_token_ids=frozenset(request.stop_token_ids))
         yield from self.steps.join(state, ctx)  # leaving it (done, failed, cancelled) waits for the step

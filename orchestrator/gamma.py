@@ -13,8 +13,11 @@ where B is the number of sessions on that target (they share its passes, each wi
 and E(g) the expected tokens per round (Leviathan et al. 2023, with acceptance by position). The
 denominator is one cycle of all B sessions in step: g batched draft passes, then one target
 pass. It adds the draft's and the target's times, which is right where they share cores and
-their passes take turns (--pass-lock); where the draft has hardware of its own it is an upper
-bound. Times as a request sees them are no good here: under load they are mostly waiting for
+their passes take turns (--pass-lock). A draft with hardware of its own drafts the next round
+while the target verifies (DraftOptions.ahead): where the round kept every draft and the bonus
+token is the draft's guess, the next Propose finds its proposals made and its passes cost the
+step nothing. So each draft's passes are charged at X, the share of its drafting steps that
+still ran passes (learnt from the steps' records; 1 where it drafts no ahead). Times as a request sees them are no good here: under load they are mostly waiting for
 other sessions' passes, which does not grow with a pass's own rows, so drafts looked free
 (measured: gamma ~2 chosen at 4 and 8 clients, 0.6x the throughput of gamma 0).
 
@@ -180,6 +183,8 @@ class StepRecord:
     # reported them; 0 rows: not reported) and its phase's time beyond its passes (RPC, Python)
     drafts: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     draft_end: float = 0.0  # the draft phase's end (perf_counter)
+    # per draft that was asked to draft ahead: whether its phase ran no pass (every proposal made ahead)
+    hidden: dict[str, bool] = field(default_factory=dict)
     target_rows: int = 0  # rows of the target's pass (those of prefill chunks or other sessions included)
     target_pass_s: float = 0.0  # and its seconds
     own_rows: int = 0  # the rows this step brought to that pass
@@ -210,6 +215,8 @@ class StepCosts:
     acceptance: dict[str, Acceptance]
     overhead_s: float  # a step's time beyond the draft phase and the target's pass: RPC, sampling, Python
     draft_extra_s: dict[str, float] = field(default_factory=dict)  # per draft: its phase beyond its passes
+    exposed: dict[str, float] = field(default_factory=dict)  # per draft: X, the share of its drafting steps that
+    # ran passes (the others found their proposals drafted ahead); 1 where not known
 
 
 def expected(r: StepRequest, g: int, costs: StepCosts) -> float:
@@ -231,10 +238,10 @@ def step_estimate(gammas: list[int], requests: list[StepRequest], costs: StepCos
     requests share the target's pass of sum(g_j + 1) rows:
 
         tokens  = sum_j E_j(g_j)
-        seconds = overhead + max over drafts of [max g_j * D(n) + extra] + T(sum_j (g_j + 1))
+        seconds = overhead + max over drafts of [X max g_j * D(n) + extra] + T(sum_j (g_j + 1))
 
-    with D the draft's pass line, n the requests drafting on it, extra its phase's time beyond its
-    passes (Leviathan et al. 2023's E(g), acceptance by position, each request's own, taken with
+    with D the draft's pass line, n the requests drafting on it, X the share of its steps that ran
+    its passes (drafted ahead, the others cost none), extra its phase's time beyond its passes (Leviathan et al. 2023's E(g), acceptance by position, each request's own, taken with
     OPTIMISM). A drafting request whose draft lags (drafting was off for it, or its session opened
     lazily) adds its catch-up rows at the draft line's slope, spread over the steps it has left."""
     tokens, rows = 0.0, 0
@@ -255,8 +262,8 @@ def step_estimate(gammas: list[int], requests: list[StepRequest], costs: StepCos
         line = draft_line(costs, address)
         if line is not None:
             alpha, beta = line
-            draft_s = max(draft_s, steps * max(alpha + beta * n, 1e-6) + beta * catch_up +
-                          costs.draft_extra_s.get(address, 0.0))
+            draft_s = max(draft_s, costs.exposed.get(address, 1.0) * steps * max(alpha + beta * n, 1e-6) +
+                          beta * catch_up + costs.draft_extra_s.get(address, 0.0))
     return tokens, costs.overhead_s + draft_s + costs.target(rows)
 
 
@@ -285,7 +292,7 @@ class StepModel:
         self.requests, self.overhead = requests, costs.overhead_s
         self.target = costs.target.fit()
         self.lines = {d: line for d in costs.drafts if (line := draft_line(costs, d)) is not None}
-        self.extra = costs.draft_extra_s
+        self.extra, self.exposed = costs.draft_extra_s, costs.exposed
         self.caps = [max(r.cap, 0) if r.draft is not None else 0 for r in requests]
         self.e = [[1.0] + [expected(r, g, costs) for g in range(1, cap + 1)] for r, cap in zip(requests, self.caps)]
 
@@ -301,7 +308,8 @@ class StepModel:
         if line is None or n == 0:
             return 0.0
         alpha, beta = line
-        return steps * max(alpha + beta * n, 1e-6) + beta * catch_up + self.extra.get(address, 0.0)
+        return (self.exposed.get(address, 1.0) * steps * max(alpha + beta * n, 1e-6) + beta * catch_up
+                + self.extra.get(address, 0.0))
 
     def goodput(self, tokens: float, rows: int, draft_s: float) -> float:
         alpha, beta = self.target
@@ -415,6 +423,7 @@ class GammaPolicy:
         self._costs: dict[str, LinearCost] = {}
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
         self._draft_extra: dict[str, Average] = {}  # draft address -> its phase beyond its passes
+        self._exposed: dict[str, Average] = {}  # draft address -> the share of its steps drafting ahead that ran passes
         self._overhead: dict[str, Average] = {}  # target address -> a step's other time
         self._free: dict[str, Calibration] = {}  # target -> its suffix drafts' calibration, pooled
         self.arms = Arms()
@@ -446,7 +455,8 @@ class GammaPolicy:
         return StepCosts(self._cost(target), {d: self._cost(d) for d in drafts},
                          {d: self._acceptance.setdefault((target, d), Acceptance()) for d in drafts},
                          self._overhead.get(target, Average()).value,
-                         {d: a.value for d, a in self._draft_extra.items()})
+                         {d: a.value for d, a in self._draft_extra.items()},
+                         {d: a.value for d, a in self._exposed.items()})
 
     def suffix_calibration(self, target: str) -> "Calibration":
         """The pooled calibration of suffix drafts on `target` (a request's own starts from it)."""
@@ -611,6 +621,10 @@ class GammaPolicy:
                   for address, (rows, pass_s, extra_s) in step.drafts.items() if address not in catching_up}
         overhead = max(step.ended - step.draft_end - step.target_pass_s, 0.0) if own else None
         self.observe_step(step.target, overhead, drafts)
+        if self.adaptive and step.hidden:  # drafts asked to draft ahead: whether their passes showed
+            with self._lock:
+                for address, none_ran in step.hidden.items():
+                    self._exposed.setdefault(address, Average()).observe(0.0 if none_ran else 1.0)
         return self.observe_outcome(step.target, step.tokens, step.seconds, measured=own)
 
     def observe_outcome(self, target: str, tokens: int, seconds: float,

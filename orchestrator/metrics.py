@@ -47,6 +47,10 @@ class DecodingMetrics:
         self.step_seconds = meter.create_counter(
             "specdec.step.duration", unit="s",
             description="Seconds of step-loop steps, by arm (draft, plain) and whether the step explored")
+        self.ahead = meter.create_counter(
+            "specdec.draft.ahead_rounds", unit="{round}",
+            description="Rounds whose drafts were asked for ahead (while the target verified the round before), by "
+                        "outcome: hit (all made by then: no draft time in the round), miss (drafted on the spot)")
         self.regret = meter.create_counter(
             "specdec.policy.regret", unit="s",
             description="Seconds lost in steps of the arm that measured worse (draft or plain) at their load")
@@ -65,6 +69,9 @@ class DecodingMetrics:
         self.stage.record(verify_s, {t.STAGE: "verify"})
         self.stage.record(sampling_s, {t.STAGE: "sampling"})
         self.wire_bytes.add(wire_bytes)
+
+    def record_ahead(self, hit: bool) -> None:
+        self.ahead.add(1, {t.OUTCOME: "hit" if hit else "miss"})
 
     def record_step(self, arm: str, explored: bool, seconds: float, regret_s: float) -> None:
         self.step_seconds.add(seconds, {t.ARM: arm, t.EXPLORED: explored})

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from orchestrator.pool import Member, WorkerPool
+from specdec import hardware
 from specdec import telemetry as t
 from specdec.errors import WORKER_FAULTS, ServiceError, Unavailable
 from specdec.telemetry import current_context, run_in_context
@@ -35,14 +36,17 @@ class Placement:
     """A request's target and (optional) draft session, pinned until one fails."""
 
     def __init__(self, session_id: str, targets: WorkerPool, drafts: WorkerPool | None, tracer,
-                 prefill_pool: ThreadPoolExecutor | None = None, scope: str = ""):
-        """scope: the request's tenant, which the workers' prefix caches match within."""
+                 prefill_pool: ThreadPoolExecutor | None = None, scope: str = "", prefill: str = "parallel"):
+        """scope: the request's tenant, which the workers' prefix caches match within. prefill:
+        with a prefill_pool, "parallel" prefills both workers at once, "auto" only where they are
+        apart (on different hardware)."""
         self.session_id = session_id
         self.scope = scope
         self.cached_tokens = 0  # prompt tokens the target did not prefill (a cached prefix, a fork)
         self.targets, self.drafts = targets, drafts
         self.tracer = tracer
         self._prefill_pool = prefill_pool
+        self._prefill = prefill
         self.target: Member | None = None
         self.draft: Member | None = None
         self._held: list[tuple[WorkerPool, Member]] = []  # acquired members, released at close
@@ -53,7 +57,8 @@ class Placement:
         # With the prefills in sequence (workers sharing cores), the draft's session opens on the
         # first token only: its prefill waits for the first round that drafts, as that round's
         # catch-up, and never happens for a request that a loaded target serves at gamma 0.
-        self.lazy_draft = prefill_pool is None
+        # Decided once the workers are placed (_note_draft).
+        self.lazy_draft = True
         self.draft_synced = 0  # tokens the draft's session holds validly, set when it opens
         self.draft_prefilled = 0  # of them, those its model took in (not lazily opened, not a fork's copy)
         # a feature head drafts (specdec/eagle3.py): the target layers its features come from; the
@@ -71,9 +76,9 @@ class Placement:
                 self.draft = self._acquire(self.drafts)
             except Unavailable as exc:
                 self._drop_draft(exc)
-        self._note_draft_kind()
+        self._note_draft()
         pending = [m for m in (self.target, self.draft) if m is not None]
-        if self._prefill_pool is None:
+        if self.lazy_draft:
             results = [self._try_open(m, prompt) for m in pending]
         else:
             ctx = current_context()  # the pool's threads need it for the RPCs' spans
@@ -97,7 +102,7 @@ class Placement:
                 self.draft = self._acquire(self.drafts, prefer=parent.draft)
             except Unavailable as exc:
                 self._drop_draft(exc)
-        self._note_draft_kind()
+        self._note_draft()
         self.opened_features = parent.opened_features  # a forked target session ran no prefill
         for member in [m for m in (self.target, self.draft) if m is not None]:
             same = member is (parent.target if member is self.target else parent.draft) and member in parent._open
@@ -131,9 +136,21 @@ class Placement:
             self.cached_tokens = cached
         return None
 
-    def _note_draft_kind(self) -> None:
+    def _note_draft(self) -> None:
+        """What the placed draft decides: a feature head's layers, and whether the prefills run at
+        once (not lazily) or the draft's waits for its first round."""
         info = self.draft.info if self.draft is not None else None
         self.feature_layers = tuple(info.feature_layers) if info is not None else ()
+        self.lazy_draft = self._prefill_pool is None or self._prefill == "auto" and not self.apart
+
+    @property
+    def apart(self) -> bool:
+        """Whether the draft and the target run on different hardware, as their Describe says
+        (specdec/hardware.py): the draft may then work while the target does (prefills at once,
+        drafting ahead). False where unknown, or without a draft."""
+        if self.target is None or self.draft is None:
+            return False
+        return hardware.share(self.target.info, self.draft.info) is False
 
     def _acquire(self, pool: WorkerPool, exclude=(), prefer: Member | None = None) -> Member:
         member = pool.acquire(exclude, prefer)

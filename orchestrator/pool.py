@@ -5,7 +5,9 @@ A pool is built from address entries, HOST:PORT each; a host name may resolve to
 A monitor thread re-resolves names every `resolve_s` and polls each member's Describe every
 `poll_s`; Describe reports the sessions a worker holds for every orchestrator, so replicas of the
 orchestrator see each other's load. A new member must pass `accept` (same vocabulary as the
-target) before it gets sessions.
+target) before it gets sessions. A member whose model failed to load (its Describe answers
+FAILED_PRECONDITION) is `failed`, with the worker's reason, not one still starting: start-up
+stops waiting for a pool whose every member failed (wait_for_member raises LoadFailed).
 
 Placement: a new session goes to the serving member with the fewest sessions (ours, counted
 exactly, plus others', as of the last poll), ties to the one we used least. The session stays
@@ -34,6 +36,11 @@ log = logging.getLogger(__name__)
 
 # member states
 JOINING, SERVING, UNAVAILABLE, REFUSED, GONE, DRAINING = "joining", "serving", "unavailable", "refused", "gone", "draining"
+FAILED = "failed"  # it answers, but could not load its model (message: the worker's reason); it may be restarted
+
+
+class LoadFailed(FailedPrecondition):
+    """Every member of a pool answered that its model failed to load: waiting longer is no use."""
 
 
 def parse_entries(spec: str | Iterable[str] | None) -> list[str]:
@@ -177,23 +184,28 @@ class WorkerPool:
             members = [m for m in self._members.values() if m.state != GONE]
         for m in members:
             broken = False
+            info = None
             try:
                 info = m.worker.describe()
-                if (m.state in (JOINING, UNAVAILABLE) or m.info is None) and self.accept is not None:
+                if (m.state in (JOINING, UNAVAILABLE, FAILED) or m.info is None) and self.accept is not None:
                     self.accept(info)
                 state, message = (DRAINING, "shutting down") if info.draining else (SERVING, "")
-            except FailedPrecondition as exc:
-                info, state, message = None, REFUSED, exc.message
             except ServiceError as exc:
-                info, state, message = None, UNAVAILABLE, exc.message
-                broken = exc.code == grpc.StatusCode.UNAVAILABLE  # no connection (refused, reset, keepalive)
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                    # from accept (it answered): its model does not pair; from Describe: the worker
+                    # could not load its model, and says why
+                    state = REFUSED if info is not None else FAILED
+                else:
+                    state = UNAVAILABLE
+                    broken = exc.code == grpc.StatusCode.UNAVAILABLE  # no connection (refused, reset, keepalive)
+                info, message = None, exc.message
             except Exception as exc:  # noqa: BLE001 - a member must never take the pool down
                 info, state, message = None, UNAVAILABLE, f"{type(exc).__name__}: {exc}"
             with self._lock:
                 if m.state == JOINING and state == UNAVAILABLE:
                     state = JOINING  # not up yet (a worker starting refuses connections a while): no news
                 if m.state != state:  # a worker still starting is news, not a warning
-                    level = logging.WARNING if m.state == SERVING or state == REFUSED else logging.INFO
+                    level = logging.WARNING if m.state == SERVING or state in (REFUSED, FAILED) else logging.INFO
                     log.log(level, "%s pool: %s is %s %s", self.role, m.address, state, message)
                 # its calls in flight are given up on once it surely stopped answering: its connection
                 # is gone, or it missed two polls in a row (one late answer on a busy host is no fault)
@@ -245,16 +257,21 @@ class WorkerPool:
                 close()
 
     def wait_for_member(self, timeout_s: float) -> Member:
-        """Blocks until a member serves (FailedPrecondition if every member refused, Unavailable on timeout)."""
+        """Blocks until a member serves. A member's answer that it cannot serve is final, so this
+        does not wait out the timeout for it: LoadFailed if every member failed to load its model
+        (the message names each and why), FailedPrecondition if every member was refused or failed,
+        one refused at least; Unavailable on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
-                serving = [m for m in self._members.values() if m.state == SERVING]
+                members = list(self._members.values())
+                serving = [m for m in members if m.state == SERVING]
                 if serving:
                     return serving[0]
-                states = [m.state for m in self._members.values()]
-                if states and all(s == REFUSED for s in states):
-                    raise FailedPrecondition(next(iter(self._members.values())).message)
+                if members and all(m.state == FAILED for m in members):
+                    raise LoadFailed("; ".join(m.message for m in members))
+                if members and all(m.state in (REFUSED, FAILED) for m in members):
+                    raise FailedPrecondition(next(m for m in members if m.state == REFUSED).message)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Unavailable(f"no {self.role} worker is serving after {timeout_s:.0f} s: {self.summary()}")
@@ -293,6 +310,20 @@ class WorkerPool:
     def first_info(self) -> ModelInfo | None:
         with self._lock:
             return next((m.info for m in self._members.values() if m.state == SERVING), None)
+
+    def progress(self) -> str:
+        """What each member is doing, for a request that waits on this pool at start-up, e.g.
+        'the target worker at 10.0.0.7:50051 (model is still loading)'."""
+        with self._lock:
+            members = list(self._members.values())
+        if not members:
+            return f"the {self.role} workers at {', '.join(self._entries)} (not resolved yet)"
+        doing = []
+        for m in members:
+            # a worker's own answer starts with its name (RemoteWorker.peer): said once here
+            message = m.message.removeprefix(f"{self.role} worker at {m.address}: ")
+            doing.append(f"{m.address} ({message or m.state})")
+        return f"the {self.role} worker{'s' if len(members) > 1 else ''} at {'; '.join(doing)}"
 
     def summary(self) -> str:
         """One line per member; called with or without the lock (reads only)."""

@@ -71,6 +71,8 @@ class RequestState:
     started: float  # perf_counter at the request's start, for stats.total_s
     policy: GammaPolicy  # how many of `gamma` a round drafts (the decoder's)
     draft_options: DraftOptions = DraftOptions()  # how the draft proposes (the decoder's)
+    draft_ahead: int | None = 0  # tokens drafted ahead (None: auto, see `ahead`)
+    ahead_asked: bool = False  # its last Propose asked the draft to draft on while the target verified
     top_logprobs: int | None = None  # None: no logprobs; else each token's, and this many alternatives
     prompt_len: int = field(init=False)
     target_synced: int = field(init=False)  # how many of `tokens` the target's cache holds validly
@@ -93,6 +95,18 @@ class RequestState:
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    def ahead(self, gamma: int) -> int:
+        """Tokens the draft keeps drafting past a round of gamma drafts while the target verifies
+        it (DraftOptions.ahead). Auto: where the draft has hardware of its own, the bonus token's
+        guess and gamma more, what the next round takes if this one keeps every draft; where it
+        shares the target's, none (it would slow the verify). A feature head drafts none ahead (it
+        needs the target's features of every token)."""
+        if self.placement.feature_layers:
+            return 0
+        if self.draft_ahead is not None:
+            return self.draft_ahead
+        return gamma + 1 if self.placement.apart else 0
 
 
 @dataclass

@@ -16,8 +16,9 @@ SIGKILL (PR_SET_PDEATHSIG).
 
 Other flags go where their service's flag table has them: orchestrator flags to the orchestrator,
 worker flags to both workers (a draft-only flag to the draft), --log-level to all three;
---target-args / --draft-args give one worker flags of its own. On a CPU the two workers share
-cores: their passes take turns (--pass-lock) and the orchestrator prefills one after the other.
+--target-args / --draft-args give one worker flags of its own. Nothing here says whether the
+workers share cores: they find out themselves (specdec/hardware.py), as when the three services
+are started by hand.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -146,12 +146,7 @@ def build_children(a: argparse.Namespace, target_dir: str, draft_dir: str | None
     routed = route_flags(extra)
     target_flags = routed["target"] + shlex.split(a.target_args)
     draft_flags = routed["draft"] + shlex.split(a.draft_args)
-    on_cpu = all(not f.startswith("cuda") for f in _values(target_flags + draft_flags, "--device")) and \
-        not _has(target_flags + draft_flags, "--device-map")
     shared = ["--host", "127.0.0.1"]
-    if on_cpu and draft_dir is not None and not _has(target_flags + draft_flags, "--pass-lock"):
-        # both workers on this host's cores: their passes take turns (specdec.threads.PassLock)
-        shared += ["--pass-lock", os.path.join(tempfile.gettempdir(), f"specdec-serve-{os.getpid()}.lock")]
     py = [sys.executable, "-m"]
     taken = {a.port} | ({int(a.http_port)} if a.http_port.isdigit() else set())
     target_port, draft_port = [p for p in free_ports(4) if p not in taken][:2]
@@ -171,8 +166,6 @@ def build_children(a: argparse.Namespace, target_dir: str, draft_dir: str | None
         draft.argv += ["--port", str(draft.port)]
         children.append(draft)
         orchestrator_flags += ["--draft", f"127.0.0.1:{draft.port}"]
-        if on_cpu and not _has(routed["orchestrator"], "--prefill"):
-            orchestrator_flags += ["--prefill", "sequential"]  # the workers share cores
     if a.http_port != "off":
         orchestrator_flags += ["--http-port", str(a.http_port)]
     if not os.path.exists(a.target) and not _has(routed["orchestrator"], "--served-model-name"):
@@ -181,16 +174,6 @@ def build_children(a: argparse.Namespace, target_dir: str, draft_dir: str | None
     children.append(Child("orchestrator", [*py, "orchestrator", "--host", a.host, "--port", str(a.port),
                                            *orchestrator_flags, *routed["orchestrator"]], a.port))
     return children
-
-
-def _values(flags: list[str], name: str) -> list[str]:
-    out = []
-    for i, f in enumerate(flags):
-        if f == name and i + 1 < len(flags):
-            out.append(flags[i + 1])
-        elif f.startswith(name + "="):
-            out.append(f.split("=", 1)[1])
-    return out
 
 
 def serving(port: int, timeout_s: float = 2.0) -> bool:
@@ -294,13 +277,6 @@ class Supervisor:
                     say(f"{child.name} did not stop within {STOP_GRACE_S:.0f} s; killing it")
                     child.proc.kill()
                     child.proc.wait()
-        for path in _values(self.children[0].argv, "--pass-lock"):
-            if not os.path.basename(path).startswith("specdec-serve-"):
-                continue  # the user's own lock file stays
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

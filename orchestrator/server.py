@@ -3,8 +3,11 @@
 Without a ready decoder, a background thread builds the worker pools (orchestrator/pool.py),
 waits until a target (and, when configured, a draft) serves a model that pairs, fetches the
 target's tokenizer, then flips health to SERVING. The pools keep discovering and polling workers
-from then on. A draft pool that only ever offered mismatched models is refused for good: every
-request gets FAILED_PRECONDITION naming both models.
+from then on. Until then every request gets UNAVAILABLE naming the workers waited for and what
+each is doing. A draft pool that only ever offered mismatched models is refused for good: every
+request gets FAILED_PRECONDITION naming both models; so is a target pool whose every worker failed
+to load its model, naming each and why. A draft pool whose every worker failed to load is left
+out (logged at ERROR): requests run as with every draft down (target passes, suffix drafts).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from orchestrator.gamma import GammaPolicy
 from orchestrator.http.app import FrontDoor
 from orchestrator.http.transport import HttpServer
 from orchestrator.proposers.ngram import NGRAM_MODEL, NgramDraft
-from orchestrator.pool import WorkerPool, pair_pools, parse_entries
+from orchestrator.pool import LoadFailed, WorkerPool, pair_pools, parse_entries
 from orchestrator.remote import RemoteDraft, RemoteTarget
 from orchestrator.decoder import SpeculativeDecoder
 from orchestrator.servicer import DecoderSlot, OrchestratorServicer
@@ -63,14 +66,23 @@ def build_pools(config: OrchestratorConfig, telemetry: Telemetry) -> tuple[Worke
 
 def connect(config: OrchestratorConfig, slot: DecoderSlot, telemetry: Telemetry) -> SpeculativeDecoder:
     """Waits for the pools to have a serving member each; returns the decoder (raises
-    FailedPrecondition when every draft offered so far is a mismatch)."""
+    FailedPrecondition when every draft offered so far is a mismatch, or every target failed to
+    load its model). A draft pool whose every worker failed to load is left out (slot.without_drafts)."""
     targets, drafts = slot.pools
-    slot.waiting_for = f"a target worker at {config.target} to load its model"
+    slot.waiting_on = targets
     targets.wait_for_member(config.startup_timeout_s)
     if drafts is not None:
-        slot.waiting_for = f"a draft worker at {config.draft} to load its model"
-        drafts.wait_for_member(config.startup_timeout_s)
-    return SpeculativeDecoder(targets, drafts, parallel_prefill=config.parallel_prefill, telemetry=telemetry,
+        slot.waiting_on = drafts
+        try:
+            drafts.wait_for_member(config.startup_timeout_s)
+        except LoadFailed as exc:
+            # the draft is optional: a broken one must not keep the target from serving. The pool
+            # goes on polling (ListWorkers shows it), but this decoder never drafts with it
+            slot.without_drafts, drafts = exc.message, None
+            log.error("serving without drafts (target passes and suffix drafts only): %s; restart the "
+                      "orchestrator once a draft worker loads its model", exc.message)
+    return SpeculativeDecoder(targets, drafts, prefill=config.prefill, draft_ahead=config.draft_ahead,
+                              telemetry=telemetry, drafts_left_out=bool(slot.without_drafts),
                               gamma_policy=GammaPolicy(adaptive=config.gamma_policy != "fixed"),
                               limits=RequestLimits(config.max_new_tokens, config.max_prompt_tokens),
                               draft_options=config.draft_options, sampling=config.sampling,

@@ -14,20 +14,31 @@ from specdec.protocol import GenerationRequest, choice_of, chunk_to_proto, reque
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 class DecoderSlot:
-    """Holds the decoder once both workers answer and are paired; until then, UNAVAILABLE."""
+    """Holds the decoder once both workers answer and are paired; until then, UNAVAILABLE naming
+    the workers waited for and what each is doing."""
 
     def __init__(self, decoder: SpeculativeDecoder | None = None):
         self.decoder = decoder
         self.pools: tuple = (None, None)  # (targets, drafts), set by the server
         self.error: ServiceError | None = None  # a permanent refusal, e.g. a mismatched pair
-        self.waiting_for = "the workers"
+        self.waiting_on = None  # the pool start-up waits for now (orchestrator/server.py connect)
+        self.without_drafts = ""  # why it serves without the drafts it was given (their load failed)
 
     def get(self) -> SpeculativeDecoder:
         if self.decoder is not None:
             return self.decoder
         if self.error is not None:
             raise self.error
-        raise Unavailable(f"orchestrator is starting: waiting for {self.waiting_for}")
+        waiting_for = self.waiting_on.progress() if self.waiting_on is not None else "the workers"
+        raise Unavailable(f"orchestrator is starting: waiting for {waiting_for}")
+
+    def status(self) -> str:
+        """Why it is not serving, or what it serves without; "" when all is well."""
+        try:
+            self.get()
+        except ServiceError as exc:
+            return exc.message
+        return f"serving without drafts: {self.without_drafts}" if self.without_drafts else ""
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -96,6 +107,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise InvalidArgument(str(exc)) from None
         if entries[1] and drafts is None:
             raise FailedPrecondition("this orchestrator runs without drafts (no --draft); it cannot add one")
+        if entries[1] and self.slot.without_drafts:  # its decoder holds no draft pool to add to
+            raise FailedPrecondition(f"this orchestrator serves without drafts ({self.slot.without_drafts}); "
+                                     "restart it to draft")
         targets.add(entries[0])
         if entries[1]:
             drafts.add(entries[1])
@@ -108,12 +122,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             for m in pool.members() if pool is not None else ():
                 statuses.append(orchestrator_pb2.WorkerStatus(
                     role=pool.role, address=m.address if addresses else "", source=m.entry if addresses else "",
-                    state=m.state, message=m.message if addresses else _without_addresses(m.message),
+                    state=m.state, message=m.message if addresses else without_addresses(m.message),
                     model_name=m.info.model_name if m.info else "", open_sessions=m.info.open_sessions if m.info else 0,
                     active_sessions=m.active, placed_sessions=m.placed))
         return orchestrator_pb2.ListWorkersResponse(workers=statuses)
 
 
-def _without_addresses(message: str) -> str:
+def without_addresses(message: str) -> str:
     """A worker's state message for callers who may not see where workers are."""
     return re.sub(r"\b[\w.-]+:\d+\b", "<address>", message)

@@ -114,9 +114,9 @@ def _serve_section() -> list[str]:
         "`--name=VALUE`: an orchestrator flag goes to the orchestrator, a worker flag to both workers (a",
         "draft-only flag to the draft), `--log-level` to all three; a flag no service takes is refused.",
         f"The workers listen on free ports of 127.0.0.1. The draft gets `--draft-vocab {serve.DEFAULT_DRAFT_VOCAB}`",
-        "unless one is given. On a CPU (no `--device cuda...` and no `--device-map`), with a draft, both",
-        "workers get the same `--pass-lock` file and the orchestrator `--prefill sequential`, unless",
-        "given. A child that exits is restarted after 1 s, doubling to 30 s (back to 1 s once it has run",
+        "unless one is given. Whether the workers share cores is theirs to find out, as when the services",
+        "are started by hand (`--pass-lock auto`, `--prefill auto`, `--draft-ahead auto`).",
+        "A child that exits is restarted after 1 s, doubling to 30 s (back to 1 s once it has run",
         "a minute); SIGINT or SIGTERM stops the orchestrator first, then the workers.",
     ]
 

@@ -349,6 +349,8 @@ class GenerationStats:
     suffix_drafted_tokens: int = 0  # of drafted_tokens, those of suffix drafts (orchestrator/proposers/suffix.py)
     suffix_accepted_tokens: int = 0  # of accepted_tokens, those of suffix drafts
     draft_prefill_tokens: int = 0  # tokens the draft model took in beyond one a round (its prompt, catch-ups)
+    ahead_rounds: int = 0  # rounds whose drafts the draft was asked to make ahead (during the verify before) ...
+    ahead_hits: int = 0  # ... and those that found them all made
 
     def record_round(self, gamma: int, num_accepted: int, suffix: bool = False) -> None:
         if suffix:

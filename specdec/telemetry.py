@@ -67,6 +67,7 @@ WIRE_BYTES = "specdec.wire_bytes"
 POSITION = "specdec.position"
 STAGE = "specdec.stage"
 ARM = "specdec.arm"  # a step drafted ("draft") or not ("plain"): orchestrator/arms.py
+OUTCOME = "specdec.outcome"  # a round drafted ahead: its drafts all made in time ("hit") or not ("miss")
 EXPLORED = "specdec.explored"  # the step explored the arm not running
 ROLE = "specdec.role"
 TARGET_ADDRESS = "specdec.target.address"

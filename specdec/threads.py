@@ -26,7 +26,6 @@ This module imports nothing heavy: call `bound_openmp_spinning()` before anythin
 
 from __future__ import annotations
 
-import fcntl
 import os
 
 SPIN_COUNT = "200000"
@@ -37,34 +36,3 @@ def bound_openmp_spinning() -> None:
     environment already chose OMP_WAIT_POLICY or GOMP_SPINCOUNT."""
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
-
-
-class PassLock:
-    """An exclusive lock on a file, held by a worker around each forward pass (--pass-lock).
-
-    Workers that share cores (the draft and the target on one host) each run their passes with a
-    team of as many threads as there are cores. When a draft pass and a target pass run at once,
-    twice as many threads as cores take turns at every barrier and both passes crawl; that happens
-    as soon as two requests are in different phases of their rounds (one drafting while the other
-    verifies). With one lock file for all workers of a host, their passes take turns instead, each
-    with all the cores. A path of None makes the lock a no-op (workers with hardware of their own).
-    The kernel frees the lock of a worker that dies; one that is frozen mid-pass holds it.
-    """
-
-    def __init__(self, path: str | None):
-        self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600) if path else None
-
-    def __enter__(self) -> "PassLock":
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None

@@ -155,15 +155,19 @@ class ModelInfo:
     feature_size: int = 0  # a feature head's: the width of one position's features
     num_layers: int = 0  # a target's decoder layers ...
     hidden_size: int = 0  # ... and hidden size: what a feature head must fit
+    host_id: str = ""  # where it runs (specdec/hardware.py): its machine's boot id ...
+    cpus: tuple[int, ...] = ()  # ... the CPUs its passes may use (none on a GPU) ...
+    device_uuid: str = ""  # ... and its GPU's UUID: whether a draft and a target share hardware
 
     def to_proto(self) -> common_pb2.ModelInfo:
         return common_pb2.ModelInfo(**{**self.__dict__, "eos_token_ids": list(self.eos_token_ids),
-                                       "feature_layers": list(self.feature_layers)})
+                                       "feature_layers": list(self.feature_layers), "cpus": list(self.cpus)})
 
     @classmethod
     def from_proto(cls, msg: common_pb2.ModelInfo) -> "ModelInfo":
         return cls(**{f: getattr(msg, f) for f in cls.__dataclass_fields__}
-                   | {"eos_token_ids": tuple(msg.eos_token_ids), "feature_layers": tuple(msg.feature_layers)})
+                   | {"eos_token_ids": tuple(msg.eos_token_ids), "feature_layers": tuple(msg.feature_layers),
+                      "cpus": tuple(msg.cpus)})
 
 
 @dataclass

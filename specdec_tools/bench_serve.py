@@ -194,6 +194,17 @@ def parse_setups(text: str) -> list[str]:
     return names
 
 
+def parse_hosts(text: str) -> dict[str, str] | None:
+    """--hosts: None for one host, else the CPUs (taskset lists) of each process: the target's,
+    and the draft's, which the orchestrator shares (its work is small)."""
+    if text == "one":
+        return None
+    target, slash, draft = text.partition("/")
+    if not slash or not re.fullmatch(r"[0-9,-]+", target) or not re.fullmatch(r"[0-9,-]+", draft):
+        raise argparse.ArgumentTypeError(f"--hosts: 'one' or TARGET_CPUS/DRAFT_CPUS (e.g. 0/1), got '{text}'")
+    return {"target": target, "draft": draft, "orchestrator": draft}
+
+
 def parse_rtts(text: str) -> list[float]:
     try:
         rtts = list(dict.fromkeys(float(s) for s in text.split(",") if s.strip()))
@@ -293,7 +304,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="suffix drafts from ended requests of the same client (the orchestrator's "
                         "--suffix-cache-tokens), on as served (default on; a request's own tokens are searched either way)")
     p.add_argument("--pass-lock", choices=["on", "off"], default="on",
-                   help="the workers' passes take turns on the shared cores (--pass-lock); off: the ablation")
+                   help="on: the workers' --pass-lock default (auto: passes of workers whose CPUs overlap take "
+                        "turns); off: none (--pass-lock off, the ablation)")
+    p.add_argument("--hosts", default="one", metavar="one|TARGET_CPUS/DRAFT_CPUS",
+                   type=lambda text: (parse_hosts(text), text)[1],
+                   help="one: both workers on every core (one host); e.g. 0/1: two hosts on this machine, the "
+                        "target pinned to CPU 0, the draft and the orchestrator to CPU 1 (taskset, an OpenMP thread "
+                        "per CPU) (default one)")
     p.add_argument("--gamma", type=parse_modes, default=parse_modes("on,off"),
                    help="modes to compare: on (the server's default gamma), off (gamma 0) or a number "
                         "(default on,off); a mode named twice runs twice, the second as NAME-again (off,off: "
@@ -356,6 +373,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of them, those the target found in its prefix cache
     draft_prefill_tokens: int = 0  # tokens the draft model took in beyond one a round (its prompt, catch-ups)
+    ahead_rounds: int = 0  # rounds whose drafts were asked for ahead (a draft with hardware of its own) ...
+    ahead_hits: int = 0  # ... and found made
     rounds: int = 0
     gamma: int | None = None  # as the server's stats report it
     server_total_s: float = 0.0
@@ -431,6 +450,10 @@ def summarize_level(records: list[RequestRecord], wall_s: float) -> dict:
         "draft_prefill_share": _round(sum(r.draft_prefill_tokens for r in ok) /
                                       max(sum(r.prompt_tokens - r.cached_tokens for r in ok), 1), 3) if prompted else None,
         "cached_share": _round(sum(r.cached_tokens for r in ok) / prompted, 3) if prompted else None,
+        # of the rounds asked for ahead (the draft working while the target verified), those whose
+        # drafts were all made in time
+        "ahead_hit_rate": _round(sum(r.ahead_hits for r in ok) / sum(r.ahead_rounds for r in ok), 3)
+        if any(r.ahead_rounds for r in ok) else None,
         "ms_per_token_p50": _round(percentile([r.ms_per_token for r in ok if r.ms_per_token is not None], 50), 2),
         # each request's longest wait between two tokens, p95 over the requests: the stalls a user sees
         "longest_gap_p95_s": _round(percentile([r.longest_gap_s for r in ok if r.longest_gap_s is not None], 95)),
@@ -588,7 +611,8 @@ TABLE_COLUMNS = [
     ("mean_gamma", "gamma", "{:g}"), ("wire_bytes_per_round", "wire B/round", "{:,.0f}"),
     ("suffix_share", "suffix share of drafts", "{:.2f}"),
     ("suffix_acceptance", "suffix acceptance", "{:.3f}"), ("cached_share", "prompt cached", "{:.2f}"),
-    ("draft_prefill_share", "draft prefill / target's", "{:.2f}"),
+    ("draft_prefill_share", "draft prefill / target's", "{:.2f}"), ("ahead_hit_rate", "drafted ahead in time", "{:.2f}"),
+    ("busy_target", "target host busy", "{:.2f}"), ("busy_draft", "draft host busy", "{:.2f}"),
     ("cpu_target_ms_per_token", "CPU ms/token target", "{:.1f}"), ("cpu_draft_ms_per_token", "draft", "{:.1f}"),
     ("cpu_orchestrator_ms_per_token", "orchestrator", "{:.1f}"), ("rpcs_per_token", "RPCs/token", "{:.2f}"),
     ("rpcs_per_round", "RPCs/round", "{:.2f}"), ("bytes_per_token", "bytes/token", "{:,.0f}"),
@@ -599,7 +623,8 @@ TABLE_COLUMNS = [
 def format_table(rows: list[dict]) -> str:
     """The markdown table; columns no row fills (setup and link when not compared, link counts
     without --link-rtt-ms, temperature and sampling when every row is greedy) are left out."""
-    optional = {"api", "setup", "link_rtt_ms", "rpcs_per_token", "rpcs_per_round", "bytes_per_token", "vs_off_rounds"}
+    optional = {"api", "setup", "link_rtt_ms", "rpcs_per_token", "rpcs_per_round", "bytes_per_token", "vs_off_rounds",
+                "ahead_hit_rate", "busy_target", "busy_draft"}
     sampled = any(r.get("temperature") for r in rows)
     columns = [(key, title, fmt) for key, title, fmt in TABLE_COLUMNS
                if (sampled if key in ("temperature", "sampling") else
@@ -789,7 +814,7 @@ def run_level(address: str, mode: Mode, level: int, prompt_ids: list[int], a: ar
                 rec.accepted_tokens = stats.get("accepted_tokens", 0)
                 rec.suffix_drafted_tokens = stats.get("suffix_drafted_tokens", 0)
                 rec.suffix_accepted_tokens = stats.get("suffix_accepted_tokens", 0)
-                for k in ("prompt_tokens", "cached_tokens", "draft_prefill_tokens"):
+                for k in ("prompt_tokens", "cached_tokens", "draft_prefill_tokens", "ahead_rounds", "ahead_hits"):
                     setattr(rec, k, stats.get(k, 0))
                 rec.rounds = stats.get("rounds", 0)
                 rec.sampling, rec.wire_bytes = stats.get("sampling", ""), stats.get("wire_bytes", 0)
@@ -867,6 +892,16 @@ def cpu_per_token(cpu: dict[str, float], tokens: int) -> dict:
     """Each role's CPU time (all its processes on this host, every thread) per generated token,
     in ms: where a mode's work goes beside its wall time (a draft that never drafts should cost ~0)."""
     return {f"cpu_{role}_ms_per_token": round(1e3 * s / tokens, 2) for role, s in cpu.items() if tokens}
+
+
+def busy_shares(cpu: dict[str, float], wall_s: float, hosts: dict[str, str] | None) -> dict:
+    """With --hosts, the share of each worker's CPUs its process kept busy over the runs (CPU
+    seconds over wall seconds times its CPUs): how much of the time a host of its own worked."""
+    if not hosts or wall_s <= 0:
+        return {}
+    count = lambda cpus: sum(int(b) - int(a) + 1 if "-" in part else 1  # noqa: E731
+                             for part in cpus.split(",") for a, _, b in [part.partition("-")])
+    return {f"busy_{role}": round(cpu.get(role, 0.0) / wall_s / count(hosts[role]), 3) for role in ("target", "draft")}
 
 
 def link_rates(counts, records: list[RequestRecord]) -> dict:
@@ -1014,6 +1049,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         orchestrator_args = ("--http-port", str(http_port)) if http_port else ()
         stack = ProcessStack(target_dir, draft_dir, device=a.device, dtype=a.dtype, draft_vocab=draft_vocab,
                              pass_lock=a.pass_lock == "on", orchestrator_args=orchestrator_args,
+                             cores=parse_hosts(a.hosts),
                              prefix_cache=a.prefix_cache == "on", suffix_cache=a.suffix_cache == "on",
                              synthetic_acceptance=a.synthetic_acceptance)
         links: dict[float, tuple] = {}
@@ -1095,6 +1131,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                         if a.rounds > 1:
                             row["round_tok_s"] = run["tok_s"]
                         row.update(cpu_per_token(run["cpu"], row["generated_tokens"]))
+                        row.update(busy_shares(run["cpu"], sum(walls), parse_hosts(a.hosts)))
                         if run["moved"]:
                             row.update(link_rates(sum(run["moved"], LinkCounts()), recs))
                         rows.append(row)
@@ -1146,7 +1183,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                      "max_new_tokens": a.max_new_tokens, "rounds": a.rounds, "modes": [asdict(m) for m in modes],
                      "temperature": a.temperature, "sampling_mode": a.sampling_mode, "prompts": prompt_ids,
                      "users": a.users,
-                     "prefix_cache": a.prefix_cache, "suffix_cache": a.suffix_cache},
+                     "prefix_cache": a.prefix_cache, "suffix_cache": a.suffix_cache, "pass_lock": a.pass_lock,
+                     "hosts": a.hosts},
         "outputs": comparison if greedy else "not compared (temperature > 0)" if 0 not in a.temperature
         else "not compared (no prompt is sent twice)",
     }

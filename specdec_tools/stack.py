@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -61,9 +60,12 @@ class ProcessStack:
                  cores: dict[str, str] | None = None, orchestrator_args: tuple[str, ...] = (),
                  draft_args: tuple[str, ...] = (), prefix_cache: bool = False, suffix_cache: bool = False,
                  synthetic_acceptance: float = 0.0):
-        """cores: {"target": "0", "draft": "1"} pins each worker to CPUs of its own (taskset -c,
-        as many OpenMP threads as CPUs) and drops the pass lock: the workers no longer share
-        cores. orchestrator_args / draft_args: more flags for the orchestrator (e.g. --draft-ahead
+        """Every process runs with its default flags where they matter to speed: the workers find
+        out whether they share cores (--pass-lock auto) and the orchestrator whether they share
+        hardware (--prefill auto, --draft-ahead auto). pass_lock False: the workers take no lock
+        (--pass-lock off, as before they found out). cores: {"target": "0", "draft": "1"} pins
+        each worker to CPUs of its own (taskset -c, as many OpenMP threads as CPUs): two hosts on
+        one machine. orchestrator_args / draft_args: more flags for the orchestrator (e.g. --draft-ahead
         4) / the draft worker (e.g. --quantize int8-rows: the last one wins). prefix_cache: the
         workers keep ended requests' KV (--prefix-cache-tokens' default); off by default here, as
         benchmarks send their prompts again and again and must prefill each time, as the first did.
@@ -74,12 +76,8 @@ class ProcessStack:
         orchestrator makes no suffix drafts (the coin would keep theirs too)."""
         self.ports = {name: free_port() for name in ("target", "draft", "orchestrator")}
         self.cores = cores or {}
-        pass_lock = pass_lock and not self.cores
-        # both workers share this host's cores: their passes take turns (specdec.threads.PassLock)
-        self.pass_lock = os.path.join(tempfile.gettempdir(), f"specdec-passes-{self.ports['target']}.lock") \
-            if pass_lock else None
         common = ["--host", "127.0.0.1", "--device", device, "--dtype", dtype, "--quantize", quantization,
-                  *(["--pass-lock", self.pass_lock] if pass_lock else []),
+                  *([] if pass_lock else ["--pass-lock", "off"]),
                   *([] if prefix_cache else ["--prefix-cache-tokens", "0"])]
         synthetic = ["specdec_tools.synthetic_target", "--synthetic-acceptance", str(synthetic_acceptance)]
         self.commands = [
@@ -87,8 +85,7 @@ class ProcessStack:
             ["draft_service", "--model", draft_dir, "--port", str(self.ports["draft"]), *common,
              *(["--target-model", target_dir] if _is_head_dir(draft_dir) else ["--draft-vocab", str(draft_vocab)]),
              *draft_args],
-            ["orchestrator", "--host", "127.0.0.1", "--port", str(self.ports["orchestrator"]), "--prefill",
-             "sequential",  # all three share this host's cores
+            ["orchestrator", "--host", "127.0.0.1", "--port", str(self.ports["orchestrator"]),
              "--target", f"127.0.0.1:{self.ports['target']}", "--draft", f"127.0.0.1:{self.ports['draft']}",
              *([] if suffix_cache else ["--suffix-cache-tokens", "0"]),
              *(["--suffix-drafts", "off"] if synthetic_acceptance else []), *orchestrator_args],
@@ -184,11 +181,6 @@ class ProcessStack:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-        if self.pass_lock and all(p.poll() is not None for p in self.procs):
-            try:
-                os.remove(self.pass_lock)
-            except FileNotFoundError:
-                pass
 
     def __enter__(self) -> "ProcessStack":
         return self.start()

@@ -26,6 +26,7 @@ from orchestrator.http.errors import OpenAIError, error_response, from_service_e
 from orchestrator.http.render import Answer
 from orchestrator.http.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from orchestrator.http.transport import Guard, bearer
+from orchestrator.servicer import without_addresses
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationChunk, GenerationRequest
 from specdec.security import TokenSet
@@ -214,7 +215,11 @@ class FrontDoor:
         @app.get("/health")
         async def health():
             ok = self._serving() and self.slot.decoder is not None
-            return JSONResponse({"status": "serving" if ok else "not serving"}, status_code=200 if ok else 503)
+            body = {"status": "serving" if ok else "not serving"}
+            # what it waits for, why it refuses, or what it serves without (this needs no token:
+            # no worker's address in it)
+            message = without_addresses(self.slot.status())
+            return JSONResponse({**body, "message": message} if message else body, status_code=200 if ok else 503)
 
         @app.get("/metrics")
         async def prometheus_metrics():

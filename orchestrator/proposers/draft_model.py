@@ -10,6 +10,8 @@ is what it computed for them, whoever proposed the rest.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from specdec.wire import Proposal, ProposeCall, Verification
 
 
@@ -18,8 +20,12 @@ class DraftWorkerProposer:
 
     def call(self, req, rnd, seed: int) -> ProposeCall:
         """The round's Propose (seed: the draw the request's generator made for it)."""
+        options = req.draft_options
+        ahead = req.ahead(rnd.gamma)
+        if ahead != options.ahead:
+            options = replace(options, ahead=ahead)
         return ProposeCall(req.placement.session_id, req.draft_synced, req.tokens[req.draft_synced:], rnd.gamma,
-                           req.params, seed, req.draft_options, self.features(req))
+                           req.params, seed, options, self.features(req))
 
     def features(self, req):
         return None

@@ -54,8 +54,10 @@ FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--cuda-graphs", default="on", choices=["on", "off"],
          help="on CUDA: decoding passes replay CUDA graphs captured at start-up over a KV cache of pages "
               "(off: the same passes eager, as vLLM's --enforce-eager)"),
-    Flag("--pass-lock", help="a file to lock around each forward pass: give the workers that share this host's "
-         "cores the same one, so their passes take turns instead of oversubscribing the cores"),
+    Flag("--pass-lock", default="auto",
+         help="what to lock around each forward pass, so that the passes of workers sharing cores take turns "
+              "instead of oversubscribing them: auto (on CPU: a file per CPU this worker may run on, in the temp "
+              "folder, shared by every worker of this user on this host; on a GPU: nothing), off, or one file"),
     *grammar_flags(),
     log_level_flag(),
     reflection_flag(),
@@ -94,7 +96,7 @@ class WorkerConfig(ServedConfig, GrammarConfig):
     max_batch_tokens: int = FLAGS.default("max_batch_tokens")
     max_prefill_tokens_while_decoding: int | None = FLAGS.default("max_prefill_tokens_while_decoding")  # None: by device
     cuda_graphs: str = FLAGS.default("cuda_graphs")  # on CUDA: replay captured decoding passes
-    pass_lock: str | None = None  # workers sharing cores lock this file around each pass
+    pass_lock: str = FLAGS.default("pass_lock")  # auto, off, or a file: workers sharing cores take turns
     log_level: str = FLAGS.default("log_level")
     tls_cert: str | None = None  # serve TLS with this PEM certificate chain ...
     tls_key: str | None = None  # ... and key

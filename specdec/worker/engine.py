@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 from opentelemetry import metrics, trace
 
+from specdec import hardware
 from specdec import telemetry as t
 from specdec.errors import FailedPrecondition, InvalidArgument, OutOfRange, ServiceError, Unavailable
 from specdec.modeling import LoadedModel, eos_token_ids, vocab_fingerprint
@@ -103,6 +104,10 @@ class WorkerEngine:
             feature_size=self.model.feature_size if self.head else 0,
             num_layers=0 if self.head else int(config.num_hidden_layers),
             hidden_size=int(config.hidden_size),
+            host_id=hardware.host_id(),
+            cpus=() if self.input_device.type == "cuda" else hardware.cpus(),
+            device_uuid=str(torch.cuda.get_device_properties(self.input_device).uuid)
+            if self.input_device.type == "cuda" else "",
         )
         log.info("passes run on %s kernels, weights %s", self.info.kernels, self.info.dtype)
         self._tokenizer_files: dict[str, bytes] | None = None

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from specdec import telemetry as t
 from specdec.eagle3 import Eagle3Head, HeadForward
 from specdec.errors import InvalidArgument, ServiceError
-from specdec.threads import PassLock
+from specdec.hardware import PassLock
 from specdec.wire import Features
 from specdec.worker.batching import (CPU_MAX_PREFILL_TOKENS_WHILE_DECODING, DEFAULT_MAX_BATCH_TOKENS, Batcher,
                                      Pass, RaggedCache, Work, grow_append, use_ragged_attention)
@@ -141,7 +141,8 @@ class ModelRunner:
         if max_prefill_tokens_while_decoding is None:  # on a GPU an eager prefill pass costs about the same at any size
             max_prefill_tokens_while_decoding = max_batch_tokens if cuda else CPU_MAX_PREFILL_TOKENS_WHILE_DECODING
         self.batcher = Batcher(self._run_pass, max_batch_tokens, max_prefill_tokens_while_decoding)
-        self.pass_lock = PassLock(pass_lock)  # specdec/threads.py: passes of co-located workers take turns
+        # passes of workers that share CPUs take turns (specdec/hardware.py); a GPU's need no lock
+        self.pass_lock = PassLock.from_flag(pass_lock, on_cpu=not cuda)
         self.instrument(None, None, "worker")
 
     def instrument(self, tracer, meter, role: str) -> None:

@@ -2,8 +2,9 @@
 
 A `WorkerRole` (draft_service/role.py, target_service/role.py) says what differs: the engine it
 loads, the servicer it registers, its default port. Everything else is here: the session RPCs
-both roles answer, the engine slot (UNAVAILABLE until the model is loaded), loading in the
-background while health says NOT_SERVING, and draining on SIGTERM.
+both roles answer, the engine slot (UNAVAILABLE until the model is loaded; FAILED_PRECONDITION
+naming why, for good, once loading failed), loading in the background while health says
+NOT_SERVING, and draining on SIGTERM.
 
 Servicers are thin: proto in, a call on the engine, proto out. Errors are raised as
 ServiceError and mapped to statuses by specdec.errors.ErrorInterceptor.
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from specdec.errors import ServiceError, Unavailable
+from specdec.errors import FailedPrecondition, ServiceError, Unavailable
 from specdec.grammar import GrammarLimits, compiler_ready
 from specdec.grpc_server import ServerParts, build_server, serve_until_signalled
 from specdec.telemetry import Telemetry
@@ -56,18 +57,22 @@ class WorkerRole:
 
 
 class EngineSlot:
-    """Holds the engine once it is loaded; RPCs before that get UNAVAILABLE."""
+    """Holds the engine once it is loaded; RPCs before that get UNAVAILABLE (worth waiting for),
+    and after a load that failed FAILED_PRECONDITION with the reason (not worth waiting for: the
+    orchestrator tells its clients why, and may serve without this worker)."""
 
     def __init__(self, engine: WorkerEngine | None = None):
         self._engine = engine
-        self.error: str | None = None
+        self.error: str | None = None  # why loading failed
 
     def set(self, engine: WorkerEngine) -> None:
         self._engine = engine
 
     def get(self) -> WorkerEngine:
         if self._engine is None:
-            raise Unavailable(f"model failed to load: {self.error}" if self.error else "model is still loading")
+            if self.error is not None:
+                raise FailedPrecondition(f"model load failed: {self.error}")
+            raise Unavailable("model is still loading")
         return self._engine
 
     def close(self) -> None:
@@ -163,9 +168,12 @@ def load_in_background(
             engine.instrument(parts.telemetry, config.role)
             compiler_ready(engine)  # SERVING means ready at full speed
             slot.set(engine)
-        except Exception as exc:  # noqa: BLE001 - reported through health and UNAVAILABLE
-            slot.error = f"{type(exc).__name__}: {exc}"
-            log.exception("%s worker: loading %s failed", config.role, config.model)
+        except Exception as exc:  # noqa: BLE001 - every RPC says why (EngineSlot.get); health stays NOT_SERVING
+            # a ValueError is a loader's refusal worded for the operator (a head made for another
+            # target, say); anything else needs its type to be understood
+            slot.error = str(exc) if isinstance(exc, ValueError) and str(exc) else f"{type(exc).__name__}: {exc}"
+            log.exception("%s worker: loading %s failed; every call is refused (FAILED_PRECONDITION) until "
+                          "it is restarted", config.role, config.model)
             return
         parts.set_serving(True)
         log.info("%s worker SERVING %s after %.1f s", config.role, config.model, time.perf_counter() - t0)
@@ -178,7 +186,8 @@ def load_in_background(
 def create_server(role: WorkerRole, config: WorkerConfig, engine: WorkerEngine | None = None,
                   telemetry: Telemetry | None = None) -> tuple[ServerParts, int]:
     """Starts a worker server; with no engine, loads the model in the background
-    (health NOT_SERVING and RPCs UNAVAILABLE until it is ready). Returns (parts, port).
+    (health NOT_SERVING and RPCs UNAVAILABLE until it is ready, FAILED_PRECONDITION if it
+    cannot be). Returns (parts, port).
     Stopping the parts closes the engine the server loaded (not one it was given)."""
     slot = EngineSlot(engine)
     parts = build_server(config.address, lambda s: role.add_servicer(role.servicer_class(slot), s), [role.service_name],
@@ -204,8 +213,8 @@ def main(role: WorkerRole, argv: list[str] | None = None) -> None:
     def drain():
         try:
             engine = parts.slot.get()
-        except Unavailable:
-            return  # still loading: nothing to hand back
+        except (Unavailable, FailedPrecondition):
+            return  # still loading, or failed to: nothing to hand back
         left = engine.drain(config.drain_timeout_s)
         if left:
             log.warning("%d sessions still open after %.0f s; their orchestrators move them", left,

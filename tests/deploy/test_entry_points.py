@@ -59,7 +59,7 @@ def test_compose_orchestrator_points_at_the_worker_services(variant):
     assert orch.draft == f"draft:{parsed['draft'][1].port}"
     # on CPU the worker containers share the host's cores (prefill one after the other); with
     # the GPU override each worker has a GPU of its own (prefill both at once)
-    assert orch.parallel_prefill == (variant == "gpu")
+    assert orch.prefill == ("parallel" if variant == "gpu" else "sequential")
 
 
 def test_compose_devices():
@@ -105,7 +105,7 @@ def test_k8s_orchestrator_points_at_the_worker_services():
         assert host == f"specdec-{role}", address
         assert int(port) == parsed[f"specdec-{role}"].port
         assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]], (address, "not a port of the Service")
-    assert orch.parallel_prefill
+    assert orch.prefill == "parallel"
 
 
 # ------------------------------------------------------------------------------- Dockerfile --

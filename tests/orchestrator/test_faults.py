@@ -40,9 +40,15 @@ def workers(model_dirs):
 
 
 def orchestrator_for(targets, drafts, **kwargs):
+    """An orchestrator whose pools serve every worker given (the start-up waits for one of each;
+    a fault test needs the others there too, or a failover finds none)."""
     parts, address = start_orchestrator([w.address for w in targets], [w.address for w in drafts],
                                         poll_s=0.2, worker_timeout_s=10, **kwargs)
-    return parts, Client(address, timeout_s=120, token=ADMIN_TOKEN)
+    client = Client(address, timeout_s=120, token=ADMIN_TOKEN)
+    addresses = {w.address for w in (*targets, *drafts)}
+    _eventually(lambda: {w["address"] for w in client.workers() if w["state"] == "serving"} >= addresses,
+                what="every worker serving in the pools")
+    return parts, client
 
 
 def holder(client, role):

@@ -234,7 +234,7 @@ def test_on_shared_cores_a_request_served_at_gamma_0_never_prefills_its_draft(st
 
     tport, dport, _ = stack["ports"]
     parts, address = start_orchestrator([f"127.0.0.1:{tport}"], [f"127.0.0.1:{dport}"], gamma_policy="goodput",
-                                        parallel_prefill=False)
+                                        prefill="sequential")
     ids = target_engine.tokenizer("def lazy(x): return x * 2  # a prompt longer than a probe's lag").input_ids
     assert len(ids) > 16
     try:
@@ -457,3 +457,37 @@ def test_a_steps_load_is_remembered_for_the_next_steps():
     policy.observe_outcome("t", 1, 0.1)
     policy._loads["t"][0] = (now - LOAD_MEMORY_S - 1, 8)  # as if the wave's last step were older
     assert policy.choose_step("t", lone) == [4]
+
+
+def test_a_draft_drafting_ahead_is_charged_only_for_the_steps_that_ran_its_passes():
+    """A draft with hardware of its own drafts the next round while the target verifies: the
+    steps that found their proposals made cost no draft time. Charged in full (a shared host),
+    a draft costing 0.6 of the target per step does not pay at acceptance 0.6; hidden in 4 of 5
+    steps it does, and more drafts pay too."""
+    from orchestrator.gamma import step_estimate
+
+    target, draft = measured(lambda r: 0.100 + 0.017 * r), measured(lambda r: 0.060 + 0.002 * r)
+    one = [StepRequest(8, "d")]
+
+    def costs(exposed):
+        return StepCosts(target, {"d": draft}, {"d": accepting(0.6)}, 0.0, exposed=exposed)
+
+    shared, apart = costs({}), costs({"d": 0.2})
+    assert best_step_gammas(one, shared) == [0]
+    assert best_step_gammas(one, apart)[0] >= 2
+    tokens, seconds = step_estimate([3], one, shared)
+    tokens_apart, seconds_apart = step_estimate([3], one, apart)
+    assert tokens == tokens_apart and seconds - seconds_apart == pytest.approx(0.8 * 3 * draft(1), rel=1e-6)
+
+
+def test_the_share_of_steps_whose_draft_passes_showed_is_learnt_from_the_records():
+    """Only steps whose draft was asked to draft ahead teach it (StepRecord.hidden); a draft that
+    never is, is charged in full."""
+    from orchestrator.gamma import StepRecord
+
+    policy = GammaPolicy()
+    for hidden in [True, True, True, False] * 10:
+        policy.choose_step("t", [StepRequest(4, "d")])
+        policy.observe(StepRecord("t", [StepRequest(4, "d")], [4], 1, 0.0, hidden={"d": hidden}, ended=0.1))
+    exposed = policy._step_costs("t", [StepRequest(4, "d"), StepRequest(4, "e")]).exposed
+    assert exposed["d"] == pytest.approx(0.25, abs=0.05) and "e" not in exposed

@@ -301,3 +301,51 @@ def test_a_worker_still_starting_is_joining_and_no_news(caplog):
         pool.poll()
     assert [m.state for m in pool.members()] == [SERVING]
     assert [r.getMessage() for r in caplog.records] == ["target pool: in-process-target-0 is serving "]
+
+
+def test_a_member_whose_model_failed_to_load_is_failed_not_starting(caplog):
+    """A worker whose load failed answers Describe FAILED_PRECONDITION with its reason
+    (specdec/worker/server.py; tests/orchestrator/test_startup.py runs the real one): the pool keeps
+    the reason, start-up stops waiting for a pool where every member failed, and a member
+    restarted with a model that loads serves again."""
+    import logging
+
+    from orchestrator.pool import FAILED, JOINING, LoadFailed
+    from specdec.errors import FailedPrecondition
+
+    worker = _Stalled()
+    worker.address = "x:1"
+    # as the orchestrator's client raises a worker's status (specdec.errors.from_rpc_error)
+    worker.error = ServiceError("draft worker at x:1: model is still loading", grpc.StatusCode.UNAVAILABLE)
+    pool = WorkerPool.fixed("draft", [worker])
+    with caplog.at_level(logging.INFO, logger="orchestrator.pool"):
+        pool.poll()
+        assert [m.state for m in pool.members()] == [JOINING]
+        assert pool.progress() == "the draft worker at x:1 (model is still loading)"
+        worker.error = ServiceError("draft worker at x:1: model load failed: head h was made for another target",
+                                    grpc.StatusCode.FAILED_PRECONDITION)
+        pool.poll()
+        pool.poll()
+    assert [(m.state, m.message) for m in pool.members()] == [(FAILED, worker.error.message)]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", f"draft pool: x:1 is failed {worker.error.message}")]  # once, when it changed
+    assert pool.progress() == "the draft worker at x:1 (model load failed: head h was made for another target)"
+    with pytest.raises(LoadFailed) as e:  # at once: the answer is final, no start-up timeout to wait out
+        pool.wait_for_member(120)
+    assert e.value.message == worker.error.message
+
+    # beside a member refused for its model, it is the refusal start-up reports (no serving without it)
+    def refuse(info):
+        raise FailedPrecondition("draft 'm' differs")
+
+    mixed = WorkerPool.fixed("draft", [worker, _Stalled()])
+    mixed.accept = refuse
+    mixed.poll()
+    assert sorted(m.state for m in mixed.members()) == [FAILED, REFUSED]
+    with pytest.raises(FailedPrecondition) as e:
+        mixed.wait_for_member(120)
+    assert not isinstance(e.value, LoadFailed) and e.value.message == "draft 'm' differs"
+
+    worker.error = None  # restarted, and its model loads
+    pool.poll()
+    assert [m.state for m in pool.members()] == [SERVING] and pool.wait_for_member(0).address == "x:1"

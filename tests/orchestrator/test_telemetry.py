@@ -50,7 +50,8 @@ def traced(model_dirs):
     # engines of their own: instrumenting the session-wide ones would reroute other tests' spans
     target_engine = TargetEngine(load_model(str(model_dirs["target"]), dtype="float64"))
     draft_engine = DraftEngine(load_model(str(model_dirs["draft"]), dtype="float64"))
-    stack = start_stack(target_engine, draft_engine,
+    # both workers prefill at the request's start (as on hosts of their own): their prefill spans show
+    stack = start_stack(target_engine, draft_engine, prefill="parallel",
                         telemetry={name.removeprefix("specdec-"): tel[name] for name in SERVICES})
     with Client(stack["address"], timeout_s=120) as client:
         yield {"spans": spans, "readers": readers, "client": client, "telemetry": tel,

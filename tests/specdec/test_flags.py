@@ -41,6 +41,8 @@ def _value_for(flag) -> str:
         return "host:9"
     if flag.name == "--draft-p-min":  # a probability
         return "0.5"
+    if flag.name == "--draft-ahead":  # auto or a count
+        return "3"
     return SAMPLE[flag.type]
 
 

@@ -54,44 +54,6 @@ def test_the_cli_and_the_image_set_it_too():
     assert "GOMP_SPINCOUNT=200000" in (ROOT / "Dockerfile").read_text()
 
 
-def test_workers_with_one_pass_lock_file_take_turns(tmp_path):
-    """Two holders of the same file (two workers on one host) never run a pass at the same time."""
-    import threading
-
-    from specdec.threads import PassLock
-
-    path = str(tmp_path / "passes.lock")
-    first, second = PassLock(path), PassLock(path)
-    entered = threading.Event()
-
-    def other_worker():
-        with second:
-            entered.set()
-
-    with first:
-        thread = threading.Thread(target=other_worker)
-        thread.start()
-        assert not entered.wait(0.3), "the second worker ran its pass while the first held the lock"
-    thread.join(10)
-    assert entered.is_set()
-    for lock in (first, second):
-        lock.close()
-    with PassLock(None):  # no file: a no-op (workers with cores of their own)
-        pass
-
-
-def test_the_one_host_stack_gives_both_workers_the_same_pass_lock():
-    from specdec_tools.stack import ProcessStack
-
-    def lock_of(cmd):
-        return cmd[cmd.index("--pass-lock") + 1]
-
-    stack = ProcessStack("t", "d")
-    target, draft, orchestrator = stack.commands
-    assert lock_of(target) == lock_of(draft)
-    assert "--pass-lock" not in ProcessStack("t", "d", pass_lock=False).commands[0]
-
-
 def test_benchmark_stacks_keep_no_prefix_cache_unless_asked():
     """Benchmarks send the same prompts again and again: their workers prefill each time."""
     from specdec_tools.stack import ProcessStack

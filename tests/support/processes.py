@@ -12,13 +12,19 @@ from specdec_tools.stack import free_port
 
 
 class WorkerProcess:
-    def __init__(self, role: str, model_dir, *extra: str, netns=None):
-        """netns: a specdec_tools.netns.Netns to run in, reached at its address only."""
+    def __init__(self, role: str, model_dir, *extra: str, netns=None, cpus: str | None = None):
+        """netns: a specdec_tools.netns.Netns to run in, reached at its address only. cpus: a
+        taskset CPU list to pin it to (a host of its own on this machine)."""
         self.role, self.port = role, free_port()
         host = netns.address if netns is not None else "127.0.0.1"
         self.address = f"{host}:{self.port}"
         self.args = [sys.executable, "-m", f"{role}_service", "--model", str(model_dir), "--host", host,
-                     "--port", str(self.port), "--dtype", "float64", "--quantize", "none", *extra]
+                     "--port", str(self.port), "--dtype", "float64", "--quantize", "none",
+                     # each stands for a host of its own: one frozen mid-pass (SIGSTOP) must not hold the
+                     # others' passes, as the CPU locks of workers sharing cores would (specdec/hardware.py)
+                     "--pass-lock", "off", *extra]
+        if cpus is not None:
+            self.args = ["taskset", "-c", cpus, *self.args]
         if netns is not None:
             self.args = netns.command(self.args)
         self.proc = None

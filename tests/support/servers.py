@@ -38,6 +38,25 @@ def create_draft(config, engine=None, telemetry=None):
     return create_server(DRAFT, config, engine, telemetry)
 
 
+def start_unloadable(role: str, target_dir, head_dir) -> tuple:
+    """A real worker of `role` whose model fails to load, as one given a feature head made for
+    another target does: an EAGLE-3 head (built in head_dir) for a target of hidden size 48, with
+    the tiny target (64) as the target it drafts for. (parts, address), once its load has failed."""
+    import json
+
+    from specdec_tools.testing.tiny_models import build_head_dir
+
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    assert config["hidden_size"] == 64, "the head is made to be wrong for this target"
+    head = build_head_dir(Path(head_dir), target_hidden=48, target_vocab=config["vocab_size"], seed=5,
+                          feature_layers=(0, 1, 1))  # layers the tiny target has: only the width is wrong
+    parts, port = (create_target if role == "target" else create_draft)(
+        WorkerConfig(role, str(head), host=HOST, dtype="float64", target_model=str(target_dir)))
+    parts.loader.join(120)
+    assert parts.slot.error is not None, "the worker loaded a head made for another target"
+    return parts, f"{HOST}:{port}"
+
+
 def start_orchestrator(targets: list[str], drafts: list[str] = (), *, telemetry=None, **config):
     """An orchestrator server paired with these worker addresses and SERVING: (parts, address).
     Rounds draft the request's gamma (the fixed policy) unless gamma_policy says otherwise: on the

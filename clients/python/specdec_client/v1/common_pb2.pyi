@@ -77,7 +77,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "bos_token_id", "pad_token_id", "max_context", "device", "dtype", "max_gamma", "open_sessions", "draining", "held_tokens", "kernels", "draft_kind", "feature_layers", "feature_size", "num_layers", "hidden_size")
+    __slots__ = ("model_name", "vocab_size", "vocab_fingerprint", "eos_token_ids", "bos_token_id", "pad_token_id", "max_context", "device", "dtype", "max_gamma", "open_sessions", "draining", "held_tokens", "kernels", "draft_kind", "feature_layers", "feature_size", "num_layers", "hidden_size", "host_id", "cpus", "device_uuid")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,9 @@ class ModelInfo(_message.Message):
     FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     vocab_fingerprint: str
@@ -116,7 +119,10 @@ class ModelInfo(_message.Message):
     feature_size: int
     num_layers: int
     hidden_size: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_gamma: _Optional[int] = ..., open_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., held_tokens: _Optional[int] = ..., kernels: _Optional[str] = ..., draft_kind: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    host_id: str
+    cpus: _containers.RepeatedScalarFieldContainer[int]
+    device_uuid: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_gamma: _Optional[int] = ..., open_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., held_tokens: _Optional[int] = ..., kernels: _Optional[str] = ..., draft_kind: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ..., feature_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., host_id: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("start", "rows", "width", "bfloat16_le")

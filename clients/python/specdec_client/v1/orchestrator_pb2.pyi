@@ -173,7 +173,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "drafted_by_position", "accepted_by_position", "target_forward_passes", "wire_bytes", "wire_bytes_per_round", "prefill_s", "draft_s", "verify_s", "sampling_s", "total_s", "tokens_per_second", "gamma", "draft_compute_s", "verify_compute_s", "target_failovers", "draft_failovers", "mean_gamma", "sampling", "seed", "cached_tokens", "suffix_drafted_tokens", "suffix_accepted_tokens", "draft_prefill_tokens")
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "drafted_by_position", "accepted_by_position", "target_forward_passes", "wire_bytes", "wire_bytes_per_round", "prefill_s", "draft_s", "verify_s", "sampling_s", "total_s", "tokens_per_second", "gamma", "draft_compute_s", "verify_compute_s", "target_failovers", "draft_failovers", "mean_gamma", "sampling", "seed", "cached_tokens", "suffix_drafted_tokens", "suffix_accepted_tokens", "draft_prefill_tokens", "ahead_rounds", "ahead_hits")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,8 @@ class GenerationStats(_message.Message):
     SUFFIX_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     rounds: int
@@ -234,7 +236,9 @@ class GenerationStats(_message.Message):
     suffix_drafted_tokens: int
     suffix_accepted_tokens: int
     draft_prefill_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_bytes_per_round: _Optional[float] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampling_s: _Optional[float] = ..., total_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., gamma: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., target_failovers: _Optional[int] = ..., draft_failovers: _Optional[int] = ..., mean_gamma: _Optional[float] = ..., sampling: _Optional[str] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., suffix_drafted_tokens: _Optional[int] = ..., suffix_accepted_tokens: _Optional[int] = ..., draft_prefill_tokens: _Optional[int] = ...) -> None: ...
+    ahead_rounds: int
+    ahead_hits: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., drafted_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., target_forward_passes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., wire_bytes_per_round: _Optional[float] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampling_s: _Optional[float] = ..., total_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., gamma: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., target_failovers: _Optional[int] = ..., draft_failovers: _Optional[int] = ..., mean_gamma: _Optional[float] = ..., sampling: _Optional[str] = ..., seed: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., suffix_drafted_tokens: _Optional[int] = ..., suffix_accepted_tokens: _Optional[int] = ..., draft_prefill_tokens: _Optional[int] = ..., ahead_rounds: _Optional[int] = ..., ahead_hits: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "logprobs", "tool_calls", "choices")

@@ -1,0 +1,82 @@
+"""A draft and a target that find out whether they share hardware (specdec/hardware.py), started
+with default flags as a user would: pinned to CPUs of their own they are apart, so the
+orchestrator prefills both at once and the draft drafts each next round while the target
+verifies; on the same cores they take turns. Greedy output stays the target's own either way."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from orchestrator.client import Client
+from tests.orchestrator.conftest import LONG
+from tests.support.processes import WorkerProcess
+from tests.support.servers import start_orchestrator
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two hosts need two CPUs")
+
+
+@pytest.fixture
+def pair(model_dirs):
+    started = []
+
+    def start(target_cpus=None, draft_cpus=None):
+        # the workers' own defaults (--pass-lock auto), not the fault tests' "a host each, no lock"
+        target = WorkerProcess("target", model_dirs["target"], "--pass-lock", "auto", cpus=target_cpus)
+        draft = WorkerProcess("draft", model_dirs["draft"], "--pass-lock", "auto", cpus=draft_cpus)
+        started.extend((target, draft))
+        for w in (target, draft):
+            w.wait_serving()
+        return target, draft
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def _describe(worker):
+    client = worker.client()
+    try:
+        return client.describe()
+    finally:
+        client.close()
+
+
+def test_pinned_apart_the_draft_drafts_ahead_by_default_and_greedy_stays_exact(pair, prompt, expected):
+    from specdec import hardware
+
+    cpus = sorted(os.sched_getaffinity(0))
+    target, draft = pair(str(cpus[0]), str(cpus[1]))
+    t_info, d_info = _describe(target), _describe(draft)
+    assert t_info.cpus == (cpus[0],) and d_info.cpus == (cpus[1],) and t_info.host_id == d_info.host_id
+    assert hardware.share(t_info, d_info) is False
+    parts, address = start_orchestrator([target.address], [draft.address])  # --prefill auto, --draft-ahead auto
+    try:
+        with Client(address, timeout_s=120) as client:
+            r = client.generate(token_ids=prompt, max_new_tokens=LONG, temperature=0, gamma=3)
+        assert r.token_ids == expected
+        stats = r.stats
+        # every round after the first was asked for ahead; with a draft this close to its target
+        # most rounds keep every draft, and those find their proposals made
+        assert stats["ahead_rounds"] == stats["rounds"] - 1 and stats["drafted_tokens"] > 0
+        assert 0 < stats["ahead_hits"] <= stats["ahead_rounds"]
+        # both prefilled at once: the draft took in the whole prompt at the start, not lazily
+        assert stats["draft_prefill_tokens"] == len(prompt)
+    finally:
+        parts.stop(None)
+
+
+def test_on_the_same_cores_nothing_is_drafted_ahead_and_the_draft_opens_lazily(pair, prompt, expected):
+    from specdec import hardware
+
+    target, draft = pair()
+    assert hardware.share(_describe(target), _describe(draft)) is True
+    parts, address = start_orchestrator([target.address], [draft.address])
+    try:
+        with Client(address, timeout_s=120) as client:
+            r = client.generate(token_ids=prompt, max_new_tokens=40, temperature=0, gamma=3)
+        assert r.token_ids == expected[:40]
+        assert r.stats["ahead_rounds"] == 0 and r.stats["drafted_tokens"] > 0
+    finally:
+        parts.stop(None)
