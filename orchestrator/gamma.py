@@ -16,8 +16,12 @@ pass. It adds the draft's and the target's times, which is right where they shar
 their passes take turns (--pass-lock). A draft with hardware of its own drafts the next round
 while the target verifies (DraftOptions.ahead): where the round kept every draft and the bonus
 token is the draft's guess, the next Propose finds its proposals made and its passes cost the
-step nothing. So each draft's passes are charged at X, the share of its drafting steps that
-still ran passes (learnt from the steps' records; 1 where it drafts no ahead). Times as a request sees them are no good here: under load they are mostly waiting for
+step nothing; after a round that rejected a draft they are never made. So a request whose last
+round kept every draft is expected to find them made with H, the rate at which such requests of
+its draft did (learnt from the steps' records), and the draft's passes are charged in a step at
+1 - (the product of its drafting requests' chances): all of them must find theirs made for the
+step to skip the passes. After a rejection the passes are charged in full, so the policy drafts
+less there, and more where the next round's drafts are likely made already. Times as a request sees them are no good here: under load they are mostly waiting for
 other sessions' passes, which does not grow with a pass's own rows, so drafts looked free
 (measured: gamma ~2 chosen at 4 and 8 clients, 0.6x the throughput of gamma 0).
 
@@ -167,6 +171,8 @@ class StepRequest:
     # the catch-up charged whole to the step: GammaPolicy._catch_ups_charged)
     explorable: bool = True  # may draft in a step that explores drafting: its draft holds its prompt and
     # lags by at most EXPLORE_MAX_LAG (exploring prefills a draft session only for a request alone on its target)
+    made_ahead: bool = False  # its draft drafted this step's proposals ahead from the last round's outcome,
+    # which kept every draft: they are there unless the bonus token was not the draft's guess
 
 
 @dataclass
@@ -183,8 +189,8 @@ class StepRecord:
     # reported them; 0 rows: not reported) and its phase's time beyond its passes (RPC, Python)
     drafts: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     draft_end: float = 0.0  # the draft phase's end (perf_counter)
-    # per draft that was asked to draft ahead: whether its phase ran no pass (every proposal made ahead)
-    hidden: dict[str, bool] = field(default_factory=dict)
+    # per request that was made_ahead: whether its proposals were all there (no pass ran for it)
+    found_made: dict[int, bool] = field(default_factory=dict)
     target_rows: int = 0  # rows of the target's pass (those of prefill chunks or other sessions included)
     target_pass_s: float = 0.0  # and its seconds
     own_rows: int = 0  # the rows this step brought to that pass
@@ -215,8 +221,8 @@ class StepCosts:
     acceptance: dict[str, Acceptance]
     overhead_s: float  # a step's time beyond the draft phase and the target's pass: RPC, sampling, Python
     draft_extra_s: dict[str, float] = field(default_factory=dict)  # per draft: its phase beyond its passes
-    exposed: dict[str, float] = field(default_factory=dict)  # per draft: X, the share of its drafting steps that
-    # ran passes (the others found their proposals drafted ahead); 1 where not known
+    made: dict[str, float] = field(default_factory=dict)  # per draft: H, the share of made_ahead requests whose
+    # proposals were there (0 where not known)
 
 
 def expected(r: StepRequest, g: int, costs: StepCosts) -> float:
@@ -240,12 +246,13 @@ def step_estimate(gammas: list[int], requests: list[StepRequest], costs: StepCos
         tokens  = sum_j E_j(g_j)
         seconds = overhead + max over drafts of [X max g_j * D(n) + extra] + T(sum_j (g_j + 1))
 
-    with D the draft's pass line, n the requests drafting on it, X the share of its steps that ran
-    its passes (drafted ahead, the others cost none), extra its phase's time beyond its passes (Leviathan et al. 2023's E(g), acceptance by position, each request's own, taken with
+    with D the draft's pass line, n the requests drafting on it, X = 1 - prod_j H_j the chance
+    that its passes run (H_j: request j's chance of finding its proposals made ahead, 0 unless
+    made_ahead), extra its phase's time beyond its passes (Leviathan et al. 2023's E(g), acceptance by position, each request's own, taken with
     OPTIMISM). A drafting request whose draft lags (drafting was off for it, or its session opened
     lazily) adds its catch-up rows at the draft line's slope, spread over the steps it has left."""
     tokens, rows = 0.0, 0
-    per_draft: dict[str, list[float]] = {}  # draft -> [requests drafting, most drafts, catch-up rows a step]
+    per_draft: dict[str, list[float]] = {}  # draft -> [requests drafting, most drafts, catch-up rows a step, prod H_j]
     for gj, r in zip(gammas, requests):
         rows += gj + 1
         if gj == 0 or r.draft is None:
@@ -253,17 +260,18 @@ def step_estimate(gammas: list[int], requests: list[StepRequest], costs: StepCos
             continue
         e = expected(r, gj, costs)
         tokens += e
-        d = per_draft.setdefault(r.draft, [0, 0, 0.0])
+        d = per_draft.setdefault(r.draft, [0, 0, 0.0, 1.0])
         d[0], d[1] = d[0] + 1, max(d[1], gj)
+        d[3] *= costs.made.get(r.draft, 0.0) if r.made_ahead else 0.0
         if r.lag > 1:  # its draft first takes in what it missed: spread over the steps it has left
             d[2] += (r.lag - 1) / max(1.0, r.remaining / e) if r.remaining else r.lag - 1
     draft_s = 0.0
-    for address, (n, steps, catch_up) in per_draft.items():
+    for address, (n, steps, catch_up, made) in per_draft.items():
         line = draft_line(costs, address)
         if line is not None:
             alpha, beta = line
-            draft_s = max(draft_s, costs.exposed.get(address, 1.0) * steps * max(alpha + beta * n, 1e-6) +
-                          beta * catch_up + costs.draft_extra_s.get(address, 0.0))
+            draft_s = max(draft_s, (1 - made) * steps * max(alpha + beta * n, 1e-6) + beta * catch_up +
+                          costs.draft_extra_s.get(address, 0.0))
     return tokens, costs.overhead_s + draft_s + costs.target(rows)
 
 
@@ -292,7 +300,9 @@ class StepModel:
         self.requests, self.overhead = requests, costs.overhead_s
         self.target = costs.target.fit()
         self.lines = {d: line for d in costs.drafts if (line := draft_line(costs, d)) is not None}
-        self.extra, self.exposed = costs.draft_extra_s, costs.exposed
+        self.extra = costs.draft_extra_s
+        # H_j: request j's chance of finding its proposals made ahead
+        self.made = [costs.made.get(r.draft, 0.0) if r.made_ahead else 0.0 for r in requests]
         self.caps = [max(r.cap, 0) if r.draft is not None else 0 for r in requests]
         self.e = [[1.0] + [expected(r, g, costs) for g in range(1, cap + 1)] for r, cap in zip(requests, self.caps)]
 
@@ -303,35 +313,45 @@ class StepModel:
             return 0.0
         return (r.lag - 1) / max(1.0, r.remaining / self.e[j][g]) if r.remaining else r.lag - 1
 
-    def _draft_s(self, address: str, n: int, steps: int, catch_up: float) -> float:
+    def _draft_s(self, address: str, n: int, steps: int, catch_up: float, made: float) -> float:
         line = self.lines.get(address)
         if line is None or n == 0:
             return 0.0
         alpha, beta = line
-        return (self.exposed.get(address, 1.0) * steps * max(alpha + beta * n, 1e-6) + beta * catch_up
-                + self.extra.get(address, 0.0))
+        return (1 - made) * steps * max(alpha + beta * n, 1e-6) + beta * catch_up + self.extra.get(address, 0.0)
 
     def goodput(self, tokens: float, rows: int, draft_s: float) -> float:
         alpha, beta = self.target
         return tokens / (self.overhead + draft_s + max(alpha + beta * rows, 1e-6))
 
     def sums(self, gammas: list[int]) -> tuple[float, int, dict[str, list]]:
-        """tokens, rows, and per draft [requests drafting, {gamma: requests}, catch-up rows]."""
+        """tokens, rows, and per draft [requests drafting, {gamma: requests}, catch-up rows,
+        {H_j: requests}] (step_estimate's prod H_j, kept as counts so that one request can leave)."""
         tokens, rows, per_draft = 0.0, 0, {}
         for j, (g, r) in enumerate(zip(gammas, self.requests)):
             rows += g + 1
             tokens += self.e[j][g]
             if g:
-                d = per_draft.setdefault(r.draft, [0, {}, 0.0])
+                d = per_draft.setdefault(r.draft, [0, {}, 0.0, {}])
                 d[0] += 1
                 d[1][g] = d[1].get(g, 0) + 1
                 d[2] += self.catch_up(j, g)
+                d[3][self.made[j]] = d[3].get(self.made[j], 0) + 1
         return tokens, rows, per_draft
+
+    @staticmethod
+    def _product(made: dict[float, int], leave: float | None = None) -> float:
+        """prod H_j over the counts, with one request of H = leave left out."""
+        product = 1.0
+        for h, count in made.items():
+            product *= h ** (count - (h == leave))
+        return product
 
     def step(self, gammas: list[int]) -> float:
         """step_goodput(gammas, requests, costs)."""
         tokens, rows, per_draft = self.sums(gammas)
-        draft_s = max((self._draft_s(a, n, max(gs), c) for a, (n, gs, c) in per_draft.items()), default=0.0)
+        draft_s = max((self._draft_s(a, n, max(gs), c, self._product(m)) for a, (n, gs, c, m) in per_draft.items()),
+                      default=0.0)
         return self.goodput(tokens, rows, draft_s)
 
     def without(self, gammas: list[int], sums, j: int) -> float:
@@ -339,13 +359,13 @@ class StepModel:
         tokens, rows, per_draft = sums
         g, mine = gammas[j], self.requests[j].draft
         draft_s = 0.0
-        for address, (n, gs, catch_up) in per_draft.items():
+        for address, (n, gs, catch_up, made) in per_draft.items():
             if address == mine:
                 left = [k for k, count in gs.items() if count > (k == g)]
                 draft_s = max(draft_s, self._draft_s(address, n - 1, max(left, default=0),
-                                                     catch_up - self.catch_up(j, g)))
+                                                     catch_up - self.catch_up(j, g), self._product(made, self.made[j])))
             else:
-                draft_s = max(draft_s, self._draft_s(address, n, max(gs), catch_up))
+                draft_s = max(draft_s, self._draft_s(address, n, max(gs), catch_up, self._product(made)))
         return self.goodput(tokens - self.e[j][g] + 1.0, rows - g, draft_s)
 
 
@@ -423,7 +443,7 @@ class GammaPolicy:
         self._costs: dict[str, LinearCost] = {}
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
         self._draft_extra: dict[str, Average] = {}  # draft address -> its phase beyond its passes
-        self._exposed: dict[str, Average] = {}  # draft address -> the share of its steps drafting ahead that ran passes
+        self._made: dict[str, Average] = {}  # draft address -> H, the share of made_ahead requests that found theirs
         self._overhead: dict[str, Average] = {}  # target address -> a step's other time
         self._free: dict[str, Calibration] = {}  # target -> its suffix drafts' calibration, pooled
         self.arms = Arms()
@@ -456,7 +476,7 @@ class GammaPolicy:
                          {d: self._acceptance.setdefault((target, d), Acceptance()) for d in drafts},
                          self._overhead.get(target, Average()).value,
                          {d: a.value for d, a in self._draft_extra.items()},
-                         {d: a.value for d, a in self._exposed.items()})
+                         {d: a.value for d, a in self._made.items()})
 
     def suffix_calibration(self, target: str) -> "Calibration":
         """The pooled calibration of suffix drafts on `target` (a request's own starts from it)."""
@@ -621,10 +641,10 @@ class GammaPolicy:
                   for address, (rows, pass_s, extra_s) in step.drafts.items() if address not in catching_up}
         overhead = max(step.ended - step.draft_end - step.target_pass_s, 0.0) if own else None
         self.observe_step(step.target, overhead, drafts)
-        if self.adaptive and step.hidden:  # drafts asked to draft ahead: whether their passes showed
+        if self.adaptive and step.found_made:  # requests whose proposals were drafted ahead: found or not
             with self._lock:
-                for address, none_ran in step.hidden.items():
-                    self._exposed.setdefault(address, Average()).observe(0.0 if none_ran else 1.0)
+                for j, found in step.found_made.items():
+                    self._made.setdefault(step.requests[j].draft, Average()).observe(1.0 if found else 0.0)
         return self.observe_outcome(step.target, step.tokens, step.seconds, measured=own)
 
     def observe_outcome(self, target: str, tokens: int, seconds: float,

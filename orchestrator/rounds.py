@@ -73,6 +73,7 @@ class RequestState:
     draft_options: DraftOptions = DraftOptions()  # how the draft proposes (the decoder's)
     draft_ahead: int | None = 0  # tokens drafted ahead (None: auto, see `ahead`)
     ahead_asked: bool = False  # its last Propose asked the draft to draft on while the target verified
+    kept_all: bool = False  # its last round drafted with the model and kept every draft
     top_logprobs: int | None = None  # None: no logprobs; else each token's, and this many alternatives
     prompt_len: int = field(init=False)
     target_synced: int = field(init=False)  # how many of `tokens` the target's cache holds validly
@@ -99,14 +100,15 @@ class RequestState:
     def ahead(self, gamma: int) -> int:
         """Tokens the draft keeps drafting past a round of gamma drafts while the target verifies
         it (DraftOptions.ahead). Auto: where the draft has hardware of its own, the bonus token's
-        guess and gamma more, what the next round takes if this one keeps every draft; where it
-        shares the target's, none (it would slow the verify). A feature head drafts none ahead (it
-        needs the target's features of every token)."""
+        guess and the drafts of the next round if this one keeps every draft (as many as this
+        one's, or as the request asks where this one drafts fewer: the policy drafts more where the
+        drafts are likely made); where it shares the target's, none (it would slow the verify). A
+        feature head drafts none ahead (it needs the target's features of every token)."""
         if self.placement.feature_layers:
             return 0
         if self.draft_ahead is not None:
             return self.draft_ahead
-        return gamma + 1 if self.placement.apart else 0
+        return min(max(gamma, self.gamma), MAX_GAMMA) + 1 if self.placement.apart else 0
 
 
 @dataclass
@@ -152,7 +154,8 @@ def step_request(req: RequestState, prefilling: bool) -> StepRequest:
     cap = 0 if lag > CATCH_UP_LAG and (prefilling or not req.generated) else gamma_cap(req)
     return StepRequest(cap, req.placement.draft.address if req.placement.draft is not None else None, lag,
                        req.acceptance, req.max_new_tokens - req.generated,
-                       explorable=lag <= EXPLORE_MAX_LAG and req.draft_synced >= req.prompt_len)
+                       explorable=lag <= EXPLORE_MAX_LAG and req.draft_synced >= req.prompt_len,
+                       made_ahead=req.ahead_asked and req.kept_all)
 
 
 def suffix_eligible(req: RequestState) -> int:
@@ -196,6 +199,10 @@ def finish(req: RequestState, rnd: Round, answer: "Verification | ServiceError",
     accept(req, rnd)
     commit(req, rnd)
     learn(req, rnd)
+    # what the draft drafted ahead during this verify is what the next round needs only if this
+    # one kept every draft of the model's (a round without its drafts leaves nothing made ahead)
+    req.kept_all = rnd.propose is not None and 0 < rnd.gamma == rnd.num_accepted
+    req.ahead_asked = req.ahead_asked and rnd.propose is not None
     chunk = emit(req, rnd)
     if span.is_recording():  # tracing off: build no attributes per round
         span.set_attributes({

@@ -263,7 +263,6 @@ class StepLoop:
             results = [run(work[0])] if len(work) == 1 else list(self.loops.drafts.map(run, work))
             elapsed = time.perf_counter() - started
             for (member, members), answers in zip(work, results):
-                asked = any(states[i].ahead_asked for i in members)  # their proposals may have been made ahead
                 for i, answer in zip(members, answers):
                     step.record.faulted |= isinstance(answer, ServiceError)  # a stalled draft's wait is no cost
                     try:
@@ -271,10 +270,8 @@ class StepLoop:
                             drafted(states[i], rounds[i], answer)
                     except BaseException as exc:  # noqa: BLE001 - not a worker fault, or failover failed
                         step.errors[i] = exc
-                    self._ahead_outcome(states[i], rounds[i], answer)
+                    self._ahead_outcome(step, i, answer)
                 ran = [rounds[i] for i in members if rounds[i].draft_rows]  # reported by the last proposal
-                if asked:  # whether the draft's work all fell in the verify before (its passes ran then)
-                    step.record.hidden[member.address] = not ran and not step.record.faulted
                 if ran:
                     widest = max(ran, key=lambda r: r.draft_rows)  # the sessions shared passes: the widest saw them all
                     model_s = max(r.draft_pass_s * r.gamma for r in ran)
@@ -284,16 +281,20 @@ class StepLoop:
                 rnd.draft_s = elapsed
         step.record.draft_end = time.perf_counter()
 
-    def _ahead_outcome(self, state: RequestState, rnd: Round, answer) -> None:
+    def _ahead_outcome(self, step: "Step", i: int, answer) -> None:
         """Counts a round whose drafts its last Propose asked the draft to make ahead: a hit where
         they were all made (no pass ran for this one), else a miss (the round before did not keep
-        every draft, or the bonus token was not the draft's guess, or the draft fell behind)."""
+        every draft, or the bonus token was not the draft's guess, or the draft fell behind). The
+        step's record gets the outcome of each request the policy expected to find them made."""
+        state, rnd = step.states[i], step.rounds[i]
         failed = isinstance(answer, ServiceError)
         if state.ahead_asked and not failed:
             hit = not rnd.draft_rows  # the worker reports the rows of the passes a call ran: none
             state.stats.ahead_rounds += 1
             state.stats.ahead_hits += hit
             self.loops.metrics.record_ahead(hit)
+            if step.record.requests[i].made_ahead:
+                step.record.found_made[i] = hit
         state.ahead_asked = bool(rnd.propose.options.ahead) and not failed
 
     def _phase(self, name: str, members: list[int], spans) -> dict:

@@ -459,35 +459,51 @@ def test_a_steps_load_is_remembered_for_the_next_steps():
     assert policy.choose_step("t", lone) == [4]
 
 
-def test_a_draft_drafting_ahead_is_charged_only_for_the_steps_that_ran_its_passes():
-    """A draft with hardware of its own drafts the next round while the target verifies: the
-    steps that found their proposals made cost no draft time. Charged in full (a shared host),
-    a draft costing 0.6 of the target per step does not pay at acceptance 0.6; hidden in 4 of 5
-    steps it does, and more drafts pay too."""
+def test_a_draft_drafting_ahead_is_charged_only_where_the_proposals_may_be_missing():
+    """A draft with hardware of its own drafts the next round while the target verifies. After a
+    round that kept every draft (made_ahead) its proposals are likely there and the step costs
+    no draft time; after a rejection they are not. Charged in full, a draft costing 0.6 of the
+    target per step does not pay at acceptance 0.6; found made 4 times in 5, it does."""
     from orchestrator.gamma import step_estimate
 
     target, draft = measured(lambda r: 0.100 + 0.017 * r), measured(lambda r: 0.060 + 0.002 * r)
-    one = [StepRequest(8, "d")]
+    missed, made = [StepRequest(8, "d")], [StepRequest(8, "d", made_ahead=True)]
+    costs = StepCosts(target, {"d": draft}, {"d": accepting(0.6)}, 0.0, made={"d": 0.8})
+    assert best_step_gammas(missed, costs) == [0]
+    assert best_step_gammas(made, costs)[0] >= 2
+    tokens, seconds = step_estimate([3], missed, costs)
+    tokens_made, seconds_made = step_estimate([3], made, costs)
+    assert tokens == tokens_made and seconds - seconds_made == pytest.approx(0.8 * 3 * draft(1), rel=1e-6)
+    # several requests on one draft: its passes are skipped only if every one finds its proposals
+    both = [StepRequest(8, "d", made_ahead=True), StepRequest(8, "d", made_ahead=True)]
+    one = [StepRequest(8, "d", made_ahead=True), StepRequest(8, "d")]
+    full = step_estimate([3, 3], one, costs)[1]
+    assert full - step_estimate([3, 3], both, costs)[1] == pytest.approx(0.64 * 3 * draft(2), rel=1e-6)
 
-    def costs(exposed):
-        return StepCosts(target, {"d": draft}, {"d": accepting(0.6)}, 0.0, exposed=exposed)
 
-    shared, apart = costs({}), costs({"d": 0.2})
-    assert best_step_gammas(one, shared) == [0]
-    assert best_step_gammas(one, apart)[0] >= 2
-    tokens, seconds = step_estimate([3], one, shared)
-    tokens_apart, seconds_apart = step_estimate([3], one, apart)
-    assert tokens == tokens_apart and seconds - seconds_apart == pytest.approx(0.8 * 3 * draft(1), rel=1e-6)
+def test_the_search_prices_a_request_left_out_with_the_chances_of_the_others():
+    """StepModel's shortcut for a step without request j equals step_goodput of that step."""
+    from orchestrator.gamma import StepModel, step_goodput
+
+    target, draft = measured(lambda r: 0.100 + 0.017 * r), measured(lambda r: 0.060 + 0.002 * r)
+    requests = [StepRequest(4, "d", made_ahead=True), StepRequest(4, "d"), StepRequest(4, "d", made_ahead=True)]
+    costs = StepCosts(target, {"d": draft}, {"d": accepting(0.7)}, 0.0, made={"d": 0.7})
+    model, gammas = StepModel(requests, costs), [3, 3, 2]
+    sums = model.sums(gammas)
+    assert model.step(gammas) == pytest.approx(step_goodput(gammas, requests, costs))
+    for j in range(3):
+        left = [0 if k == j else g for k, g in enumerate(gammas)]
+        assert model.without(gammas, sums, j) == pytest.approx(step_goodput(left, requests, costs))
 
 
-def test_the_share_of_steps_whose_draft_passes_showed_is_learnt_from_the_records():
-    """Only steps whose draft was asked to draft ahead teach it (StepRecord.hidden); a draft that
-    never is, is charged in full."""
+def test_the_chance_of_finding_proposals_made_is_learnt_from_the_records():
+    """Only requests the step expected to find their proposals made teach it (StepRecord.found_made)."""
     from orchestrator.gamma import StepRecord
 
     policy = GammaPolicy()
-    for hidden in [True, True, True, False] * 10:
-        policy.choose_step("t", [StepRequest(4, "d")])
-        policy.observe(StepRecord("t", [StepRequest(4, "d")], [4], 1, 0.0, hidden={"d": hidden}, ended=0.1))
-    exposed = policy._step_costs("t", [StepRequest(4, "d"), StepRequest(4, "e")]).exposed
-    assert exposed["d"] == pytest.approx(0.25, abs=0.05) and "e" not in exposed
+    request = StepRequest(4, "d", made_ahead=True)
+    for found in [True, True, True, False] * 10:
+        policy.choose_step("t", [request])
+        policy.observe(StepRecord("t", [request], [4], 1, 0.0, found_made={0: found}, ended=0.1))
+    made = policy._step_costs("t", [request, StepRequest(4, "e")]).made
+    assert made["d"] == pytest.approx(0.75, abs=0.05) and "e" not in made
