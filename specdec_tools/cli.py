@@ -5,12 +5,12 @@ these where this package is installed).
   specdec timeline SPANS|JAEGER_URL --out timeline.png                  draw one request's trace
   specdec bench ...                                                    benchmarks (see specdec_tools/bench.py)
   specdec bench-tracing / specdec loadtest                             telemetry cost / load with faults
-  specdec bench-serve                                                  throughput and latency against concurrency
+  specdec bench-serve [--hosts 0/1]                                    throughput and latency against concurrency
+                                                                       (one host, or two hosts on this machine)
   specdec bench-kernels                                                forward passes under each CPU quantization
   specdec bench-head                                                   a feature head's draft step against a target pass
   specdec train-head [--generate] --out DIR                            train a feature head from the target's completions
   specdec bench-coupling                                               coupled vs rejection sampling
-  specdec bench-ahead                                                  drafting ahead on split cores vs target alone
   specdec bench-anchor --llama-server PATH                             beside llama.cpp's server on the same GGUF files
   specdec bench-structured                                             JSON-schema output: speedup, draft mask, forced tokens
 """
@@ -91,12 +91,6 @@ def add_commands(sub) -> dict[str, Callable[[list[str]], int]]:
     bc = sub.add_parser("bench-coupling", help="coupled vs rejection sampling: acceptance on the same contexts")
     bench_coupling.add_arguments(bc)
     bc.set_defaults(func=bench_coupling.cmd_bench_coupling)
-
-    from specdec_tools import bench_ahead
-
-    ba = sub.add_parser("bench-ahead", help="drafting ahead, draft and target on cores of their own, side by side")
-    bench_ahead.add_arguments(ba)
-    ba.set_defaults(func=bench_ahead.cmd_bench_ahead)
 
     from specdec_tools import bench_anchor
 

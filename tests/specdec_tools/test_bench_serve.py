@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 
 import numpy as np
 import pytest
@@ -473,3 +474,23 @@ def test_smoke_temperatures_and_both_sampling_modes(tmp_path, capsys, monkeypatc
         assert coupled < 1.5 * greedy and 10 * coupled < rejection, (greedy, coupled, rejection)
     assert summary["outputs"]["checked"] == 4 and summary["outputs"]["identical"]  # greedy: 2 requests x 2 modes
     assert "| 1 | rejection | on | 2 |" in printed and "| 0 | greedy | off | 1 |" in printed
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two hosts need two CPUs")
+def test_smoke_two_hosts_on_this_machine(tmp_path, capsys):
+    """--hosts: the target on one CPU, the draft and the orchestrator on the other, default flags:
+    the services find out they are apart, so the draft drafts ahead; the table says how often its
+    drafts were made in time and how busy each host was."""
+    from orchestrator.cli import main
+
+    cpus = sorted(os.sched_getaffinity(0))
+    out = tmp_path / "hosts"
+    assert main(["bench-serve", "--tiny", "--hosts", f"{cpus[0]}/{cpus[1]}", "--concurrency", "1",
+                 "--requests-per-level", "2", "--max-new-tokens", "12", "--gamma", "3,off",
+                 "--setups", "gamma-policy=fixed", "--out", str(out),
+                 "--startup-timeout", "240"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    drafting = next(r for r in summary["levels"] if r["mode"] != "off")
+    assert drafting["ahead_hit_rate"] is not None and 0 <= drafting["busy_draft"] and 0 < drafting["busy_target"]
+    assert summary["settings"]["hosts"] == f"{cpus[0]}/{cpus[1]}"
+    assert "drafted ahead in time" in capsys.readouterr().out

@@ -1,8 +1,7 @@
-"""bench-ahead's pieces: the split stack's pinned commands and the summary's ratios."""
+"""The benchmark stacks as two hosts on one machine (bench-serve --hosts): each worker pinned."""
 
 from __future__ import annotations
 
-from specdec_tools.bench_ahead import format_table, summarize
 from specdec_tools.stack import ProcessStack
 
 
@@ -25,16 +24,19 @@ def test_shared_stack_runs_unpinned():
     assert all(stack._argv(cmd)[0][0] != "taskset" for cmd in stack.commands)
 
 
-def test_summary_ratios_are_against_each_sets_first_configuration():
-    def rec(s, prompt, config, tokens, seconds, rounds):
-        return {"set": s, "prompt": prompt, "config": config, "token_ids": tokens, "seconds": seconds,
-                "stats": {"rounds": rounds, "drafted_tokens": rounds * 3}}
+def test_bench_serve_hosts_pins_the_orchestrator_beside_the_draft():
+    import argparse
 
-    records = [rec("fresh", 0, "base", [1, 2, 3, 4], 4.0, 4), rec("fresh", 0, "fast", [1, 2, 3, 4], 2.0, 1),
-               rec("edit", 0, "base", [5, 6], 2.0, 2), rec("edit", 0, "fast", [5, 7], 0.5, 1)]
-    rows = summarize(records, ["base", "fast"], greedy=True)
-    by = {(r["set"], r["config"]): r for r in rows}
-    assert by["fresh", "fast"]["vs_baseline"] == 2.0 and by["fresh", "fast"]["same_tokens"] == "1/1"
-    assert by["edit", "fast"]["vs_baseline"] == 4.0 and by["edit", "fast"]["same_tokens"] == "0/1"
-    assert by["fresh", "fast"]["tokens_per_round"] == 4.0 and by["fresh", "fast"]["drafts_per_round"] == 3.0
-    assert format_table(rows).count("\n") == len(rows) + 1
+    import pytest
+
+    from specdec_tools.bench_serve import busy_shares, parse_hosts
+
+    assert parse_hosts("one") is None
+    assert parse_hosts("0/1") == {"target": "0", "draft": "1", "orchestrator": "1"}
+    for bad in ("0", "a/b", "0/"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_hosts(bad)
+    # CPU seconds over wall seconds and the host's CPUs
+    assert busy_shares({"target": 5.0, "draft": 3.0}, 10.0, {"target": "0", "draft": "1-2"}) == \
+        {"busy_target": 0.5, "busy_draft": 0.15}
+    assert busy_shares({"target": 5.0}, 10.0, None) == {}
