@@ -67,6 +67,35 @@ def test_pinned_apart_the_draft_drafts_ahead_by_default_and_greedy_stays_exact(p
         parts.stop(None)
 
 
+def test_a_draft_killed_while_it_drafts_ahead_loses_nothing(model_dirs, prompt, expected):
+    """SIGKILL the draft holding the session of a request whose rounds it drafts ahead: the
+    session moves to the other draft (apart too, so drafting ahead goes on there) and greedy
+    output is the undisturbed run's."""
+    import signal
+
+    from tests.orchestrator.test_faults import kill_mid_request, orchestrator_for
+
+    cpus = sorted(os.sched_getaffinity(0))
+    target = WorkerProcess("target", model_dirs["target"], "--pass-lock", "auto", cpus=str(cpus[0]))
+    drafts = [WorkerProcess("draft", model_dirs["draft"], "--pass-lock", "auto", cpus=str(cpus[1])) for _ in range(2)]
+    try:
+        for w in (target, *drafts):
+            w.wait_serving()
+        parts, client = orchestrator_for([target], drafts)
+        try:
+            tokens, stats, victim = kill_mid_request(client, prompt, "draft", {d.address: d for d in drafts},
+                                                     sig=signal.SIGKILL)
+            assert tokens == expected
+            assert stats["draft_failovers"] == 1 and stats["target_failovers"] == 0
+            assert stats["ahead_hits"] > 0 and stats["drafted_tokens"] > 0
+        finally:
+            client.close()
+            parts.stop(None)
+    finally:
+        for w in (target, *drafts):
+            w.stop()
+
+
 def test_on_the_same_cores_nothing_is_drafted_ahead_and_the_draft_opens_lazily(pair, prompt, expected):
     from specdec import hardware
 
