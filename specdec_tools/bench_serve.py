@@ -897,11 +897,11 @@ def cpu_per_token(cpu: dict[str, float], tokens: int) -> dict:
 def busy_shares(cpu: dict[str, float], wall_s: float, hosts: dict[str, str] | None) -> dict:
     """With --hosts, the share of each worker's CPUs its process kept busy over the runs (CPU
     seconds over wall seconds times its CPUs): how much of the time a host of its own worked."""
+    from specdec_tools.stack import cpu_count
+
     if not hosts or wall_s <= 0:
         return {}
-    count = lambda cpus: sum(int(b) - int(a) + 1 if "-" in part else 1  # noqa: E731
-                             for part in cpus.split(",") for a, _, b in [part.partition("-")])
-    return {f"busy_{role}": round(cpu.get(role, 0.0) / wall_s / count(hosts[role]), 3) for role in ("target", "draft")}
+    return {f"busy_{role}": round(cpu.get(role, 0.0) / wall_s / cpu_count(hosts[role]), 3) for role in ("target", "draft")}
 
 
 def link_rates(counts, records: list[RequestRecord]) -> dict:

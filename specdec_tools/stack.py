@@ -52,6 +52,12 @@ def child_env(module: str) -> dict:
     return env
 
 
+def cpu_count(cpus: str) -> int:
+    """The CPUs of a taskset list ("0", "1-2", "0,3-4")."""
+    return sum(int(b) - int(a) + 1 if "-" in part else 1
+               for part in cpus.split(",") for a, _, b in [part.partition("-")])
+
+
 class ProcessStack:
     """Target, draft and orchestrator as child processes on loopback."""
 
@@ -119,9 +125,7 @@ class ProcessStack:
         if role not in self.cores:
             return [sys.executable, "-m", *cmd], env
         cpus = self.cores[role]
-        count = sum(int(b) - int(a) + 1 if "-" in part else 1
-                    for part in cpus.split(",") for a, _, b in [part.partition("-")])
-        env["OMP_NUM_THREADS"] = str(count)
+        env["OMP_NUM_THREADS"] = str(cpu_count(cpus))
         return ["taskset", "-c", cpus, sys.executable, "-m", *cmd], env
 
     @property
