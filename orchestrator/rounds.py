@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 import torch
 
 from orchestrator.detokenizer import TextAssembler
-from orchestrator.arms import EXPLORE_MAX_LAG
 from orchestrator.gamma import CATCH_UP_LAG, Acceptance, Calibration, GammaPolicy, StepRequest
 from orchestrator.placement import Placement, is_worker_fault
 from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample
@@ -154,8 +153,8 @@ def step_request(req: RequestState, prefilling: bool) -> StepRequest:
     cap = 0 if lag > CATCH_UP_LAG and (prefilling or not req.generated) else gamma_cap(req)
     return StepRequest(cap, req.placement.draft.address if req.placement.draft is not None else None, lag,
                        req.acceptance, req.max_new_tokens - req.generated,
-                       explorable=lag <= EXPLORE_MAX_LAG and req.draft_synced >= req.prompt_len,
-                       made_ahead=req.ahead_asked and req.kept_all)
+                       holds_prompt=req.draft_synced >= req.prompt_len,
+                       made_ahead=req.ahead_asked and req.kept_all, calibration=req.suffix_calibration)
 
 
 def suffix_eligible(req: RequestState) -> int:
@@ -190,7 +189,7 @@ def drafted(req: RequestState, rnd: Round, answer: "list[Proposal] | ServiceErro
 def finish(req: RequestState, rnd: Round, answer: "Verification | ServiceError", span) -> GenerationChunk:
     """The round's steps after the target's answer to its Verify: a fault moves the session and
     the same drafts are verified on the new target (target_failed, verify); then accept, commit,
-    learn acceptance, emit. Returns the round's chunk."""
+    emit (what it teaches the gamma policy goes in the step's record). Returns the round's chunk."""
     if isinstance(answer, ServiceError):
         target_failed(req, answer)
         verify(req, rnd)
@@ -198,7 +197,6 @@ def finish(req: RequestState, rnd: Round, answer: "Verification | ServiceError",
         rnd.verification = answer
     accept(req, rnd)
     commit(req, rnd)
-    learn(req, rnd)
     # what the draft drafted ahead during this verify is what the next round needs only if this
     # one kept every draft of the model's (a round without its drafts leaves nothing made ahead)
     req.kept_all = rnd.propose is not None and 0 < rnd.gamma == rnd.num_accepted
@@ -229,7 +227,7 @@ def take_proposals(req: RequestState, rnd: Round, proposals: list[Proposal]) -> 
 def take_suffix(rnd: Round, tokens: list[int], probs: list[float]) -> None:
     """A suffix draft (orchestrator/proposers/suffix.py) as the round's drafts: x_i with q_i a point mass on
     x_i (no draft pass; rejection_sample then keeps x_i w.p. p_i(x_i)), each x_i's path probability kept
-    for learn."""
+    for the step's record."""
     rnd.drafts, rnd.draft_probs, rnd.suffix_probs = list(tokens), [None] * len(tokens), list(probs)
     rnd.gamma = len(tokens)
 
@@ -305,19 +303,6 @@ def commit(req: RequestState, rnd: Round) -> None:
         if span.is_recording():
             span.set_attributes({t.TARGET_LENGTH: req.target_synced, t.DRAFT_LENGTH: req.draft_synced,
                                  t.DISCARDED: rnd.gamma - rnd.num_accepted})
-
-
-def learn(req: RequestState, rnd: Round) -> None:
-    """The round's acceptance goes to the gamma policy (the pass costs: the step loop, once per
-    step)."""
-    if rnd.suffix_probs:  # a suffix draft's: how far its probabilities are to be trusted
-        promised = sum(rnd.suffix_probs)
-        req.policy.observe_suffix(req.placement.target.address, promised, rnd.num_accepted)
-        req.suffix_calibration.observe(promised, rnd.num_accepted)
-    elif rnd.gamma > 0:
-        placement = req.placement
-        req.policy.observe_round(placement.target.address, placement.draft.address, rnd.gamma, rnd.num_accepted)
-        req.acceptance.observe(rnd.gamma, rnd.num_accepted)  # a request whose drafts keep failing stops drafting
 
 
 def emit(req: RequestState, rnd: Round) -> GenerationChunk:

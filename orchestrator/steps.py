@@ -216,32 +216,29 @@ class StepLoop:
         states = [tk.state for tk in tickets]
         requests = [step_request(s, loops.prefilling > 0) for s in states]
         load = len(states) + loops.prefilling  # those joining soon too
-        gammas = loops.policy.choose_step(self.address, requests, load=load)
-        suffix = self._suffix_drafts(states, requests, gammas, load)
+        found: dict[int, tuple[list[int], list[float]]] = {}
+        gammas, lengths = loops.policy.choose_step(self.address, requests, load=load,
+                                                   suffix=self._suffix_drafts(states, found))
+        suffix = {j: (found[j][0][:k], found[j][1][:k]) for j, k in enumerate(lengths) if k}
         return Step(tickets, states, [plan(s, g, suffix.get(j)) for j, (s, g) in enumerate(zip(states, gammas))],
                     [loops.tracer.start_span("round", context=tk.ctx) for tk in tickets],
                     StepRecord(self.address, requests, gammas, load, started), quiet, [None] * len(tickets))
 
-    def _suffix_drafts(self, states: list[RequestState], requests: list[StepRequest],
-                       gammas: list[int], load: int) -> dict[int, tuple[list[int], list[float]]]:
-        """Suffix drafts (orchestrator/proposers/suffix.py) in a step that drafts nothing with the
-        model, as many tokens of each as the gamma policy finds worth their rows in the target's
-        pass (and none where its measured arms say they do not pay: GammaPolicy.choose_suffix)."""
-        policy = self.loops.policy
-        if self.loops.suffix is None or not policy.adaptive or any(gammas):  # nor one that drafts with the model
-            return {}
-        found = {}
-        for j, s in enumerate(states):
-            k = suffix_eligible(s)
-            tokens, probs = self.loops.suffix.draft(s.placement.scope, s.tokens, s.own_index, k) if k else ([], [])
-            if tokens:
-                found[j] = (tokens, probs)
-        if not found:
-            return {}
-        lengths = policy.choose_suffix(self.address, requests, gammas,
-                                       [found[j][1] if j in found else [] for j in range(len(states))],
-                                       [s.suffix_calibration for s in states], load=load)
-        return {j: (found[j][0][:k], found[j][1][:k]) for j, k in enumerate(lengths) if k}
+    def _suffix_drafts(self, states: list[RequestState], found: dict):
+        """What the gamma policy calls for the suffix drafts (orchestrator/proposers/suffix.py) of
+        a step that drafts nothing with the model: each request's path probabilities ([] for
+        none), the drafts themselves kept in `found`. None where suffix drafts are off."""
+        if self.loops.suffix is None:
+            return None
+
+        def candidates() -> list[list[float]]:
+            for j, s in enumerate(states):
+                k = suffix_eligible(s)
+                tokens, probs = self.loops.suffix.draft(s.placement.scope, s.tokens, s.own_index, k) if k else ([], [])
+                if tokens:
+                    found[j] = (tokens, probs)
+            return [found[j][1] if j in found else [] for j in range(len(states))]
+        return candidates
 
     def _draft(self, step: "Step") -> None:
         """Every drafting request's proposals: one batched call per draft worker, the calls to
@@ -355,6 +352,8 @@ class StepLoop:
                 continue
             span.end()
             record.tokens += len(rnd.result.token_ids)  # what the step gave the request (before a stop cuts it)
+            if rnd.gamma > 0:  # its drafts' fate, for the policy's acceptance
+                record.judged[i] = (rnd.gamma, rnd.num_accepted, sum(rnd.suffix_probs))
             ticket.put(chunk)
             if state.finish is not None:
                 ticket.release()

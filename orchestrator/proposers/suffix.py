@@ -6,7 +6,7 @@ and across requests (the same tool output, the same boilerplate, a retried promp
 request's last tokens occurred before, the tokens that followed them then are a draft that costs
 no draft pass: the step loop (orchestrator/steps.py) sends it straight to the target's verify, in
 a step whose request would otherwise draft nothing, and the cost model (orchestrator/gamma.py,
-GammaPolicy.choose_suffix) keeps only drafts whose expected tokens pay for their extra rows.
+GammaPolicy.choose_step) keeps only drafts whose expected tokens pay for their extra rows.
 
 Where a draft comes from: the request's own tokens (prompt lookup, as specdec/ngram.py) and the
 prompts and outputs of ended requests of the same scope (the client's bearer token: a tenant's

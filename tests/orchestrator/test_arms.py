@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.arms import (DRAFT, EXPLORE_GAP, EXPLORE_RUN, EXPLORE_SHARE, FAR, HYSTERESIS, MIN_STEPS, PLAIN,
-                               Arms, Level, level_of)
+from orchestrator.arms import DRAFT, EXPLORE_SHARE, MARGIN, MIN_STEPS, PLAIN, Arms, Level, level_of
+
+EXPLORE_RUN = MIN_STEPS + 1
+EXPLORE_GAP = 4 * MIN_STEPS
 
 
 def run(arms: Arms, level: Level, predicted: str, rate: dict[str, float], steps: int, step_s: float = 0.1,
@@ -39,9 +41,9 @@ def test_whichever_way_the_model_errs_the_better_measured_arm_runs(predicted, be
     assert level.explore_s / level.total_s <= EXPLORE_SHARE + 0.01
 
 
-def test_arms_within_the_hysteresis_do_not_flap():
+def test_arms_within_the_margin_do_not_flap():
     arms, level = Arms(), Level()
-    run(arms, level, DRAFT, {DRAFT: 30.0, PLAIN: 30.0 * (1 + HYSTERESIS / 2)}, steps=2000)
+    run(arms, level, DRAFT, {DRAFT: 30.0, PLAIN: 30.0 * (1 + MARGIN / 2)}, steps=2000)
     assert level.switches == 0 and level.running == DRAFT
 
 
@@ -116,17 +118,3 @@ def test_a_lighter_load_starts_drafting_where_drafting_won_at_a_heavier_one():
     run(arms, heavy, PLAIN, {DRAFT: 40.0, PLAIN: 20.0}, steps=300)
     assert heavy.running == DRAFT
     assert run(arms, arms.level("t", 2), PLAIN, {DRAFT: 40.0, PLAIN: 20.0}, steps=10) == [DRAFT] * 10
-
-
-def test_an_arm_measured_far_worse_is_explored_at_a_quarter_of_the_budget():
-    """Both arms measured, the other one more than FAR slower: a quarter of the exploring share
-    (it keeps being explored, in case things change); one within FAR gets the whole share."""
-    shares = {}
-    for ratio in (1 - 2 * FAR, 1 - FAR / 2):
-        arms, level = Arms(), Level()
-        run(arms, level, PLAIN, {DRAFT: 40.0 * ratio, PLAIN: 40.0}, steps=4000)
-        assert level.running == PLAIN
-        shares[ratio] = level.explore_s / level.total_s
-    assert 0 < shares[1 - 2 * FAR] <= EXPLORE_SHARE / 4 + 0.005
-    assert shares[1 - FAR / 2] > EXPLORE_SHARE / 2
-

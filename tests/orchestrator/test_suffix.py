@@ -14,6 +14,7 @@ import pytest
 
 from orchestrator.gamma import Calibration, GammaPolicy, StepRequest
 from orchestrator.proposers.suffix import MAX_HITS, SPEC_FACTOR, RequestIndex, SuffixIndex
+from tests.support.policy import Feed, learnt
 
 SEQ = list(range(100, 140))  # 40 distinct tokens
 
@@ -85,15 +86,12 @@ def test_nothing_is_kept_when_off():
 
 
 def policy_with(alpha: float, beta: float) -> GammaPolicy:
-    policy = GammaPolicy(adaptive=True)
-    for rows in (1, 4, 8, 16, 32) * 4:
-        policy.observe_pass("t", rows, alpha + beta * rows)
-    return policy
+    return learnt(lambda rows: alpha + beta * rows)
 
 
 def choose(policy: GammaPolicy, probs: list[float], calibration: Calibration | None = None) -> int:
-    requests = [StepRequest(4, "d"), StepRequest(4, "d")]
-    return policy.choose_suffix("t", requests, [0, 0], [probs, []], [calibration, None])[0]
+    requests = [StepRequest(0, None, calibration=calibration), StepRequest(0, None)]
+    return policy.choose_step("t", requests, suffix=lambda: [probs, []])[1][0]
 
 
 def test_a_likely_draft_rides_where_rows_are_cheap():
@@ -108,40 +106,51 @@ def test_an_unlikely_draft_does_not_pay_for_its_rows():
 
 
 def test_drafts_that_keep_failing_stop_being_sent():
+    """The records' judged suffix drafts calibrate their probabilities: pooled per target, and a
+    request's own over the pool."""
     policy = policy_with(alpha=0.020, beta=0.002)
     probs = [1.0, 1.0, 1.0, 1.0]
     assert choose(policy, probs) > 0
+    feed = Feed(policy)
     for _ in range(60):
-        policy.observe_suffix("t", promised=4.0, accepted=0)
+        feed.record([StepRequest(0, None)], [0], 0.05, 1, judged={0: (4, 0, 4.0)})
     assert choose(policy, probs) == 0
     own = Calibration()
-    own.observe(4.0, 4)
-    assert choose(policy, probs, own) > 0  # a request whose own suffix drafts were kept goes on getting them
+    feed.record([StepRequest(0, None, calibration=own)], [0], 0.05, 5, judged={0: (4, 4, 4.0)})
+    assert own.accepted == 4 and choose(policy, probs, own) > 0  # its own suffix drafts were kept: it goes on
 
 
 def test_suffix_drafts_that_measure_slower_stop_riding_but_for_exploration():
     """The model says they pay (cheap rows, certain matches), the steps say otherwise: measured
     goodput wins, as for drafting (orchestrator/arms.py)."""
     policy = policy_with(alpha=0.020, beta=0.0002)
-    requests = [StepRequest(0, None)] * 4
-    sent = []
-    for _ in range(300):
-        gammas = policy.choose_step("t", requests, load=4)
-        lengths = policy.choose_suffix("t", requests, gammas, [[1.0] * 4] * 4, [None] * 4, load=4)
-        sent.append(any(lengths))
-        policy.observe_outcome("t", 4 + sum(lengths) // 4, 0.2 if any(lengths) else 0.05)
+    feed = Feed(policy, target_cost=lambda rows: 0.020 + 0.0002 * rows)
+    sent = [any(feed.step([StepRequest(0, None)] * 4, lambda g, s: 0.2 if any(s) else 0.05,
+                          lambda g, s: 4 + sum(s) // 4, load=4, suffix=lambda: [[1.0] * 4] * 4)[1])
+            for _ in range(300)]
     assert all(sent[:5])  # the model's choice until both are measured
     assert sum(sent[-100:]) <= 10  # then the faster arm, the other explored within its budget
 
 
 def test_a_step_that_drafts_with_the_model_carries_no_suffix_drafts():
-    policy = policy_with(alpha=0.020, beta=0.0002)
-    assert policy.choose_suffix("t", [StepRequest(4, "d"), StepRequest(4, "d")], [3, 0], [[], [1.0] * 4],
-                              [None, None]) == [0, 0]
+    policy = learnt(lambda rows: 0.020 + 0.0002 * rows, lambda rows: 0.001, acceptance=0.9)
+    asked = []
+    gammas, lengths = policy.choose_step("t", [StepRequest(4, "d"), StepRequest(4, "d")],
+                                         suffix=lambda: asked.append(1) or [[], [1.0] * 4])
+    assert any(gammas) and lengths == [0, 0] and not asked
 
 
 def test_the_fixed_policy_sends_none():
-    assert GammaPolicy(adaptive=False).choose_suffix("t", [StepRequest(4, "d")], [0], [[1.0]], [None]) == [0]
+    assert GammaPolicy(adaptive=False).choose_step("t", [StepRequest(4, "d")], suffix=lambda: [[1.0]])[1] == [0]
+
+
+class SuffixAlways(GammaPolicy):
+    """A policy for the services' tests: every step sends each request's whole suffix draft, so
+    what they check does not hang on which arm the tiny models' timings favour."""
+
+    def choose_step(self, target, requests, load=None, suffix=None):
+        candidates = suffix() if suffix is not None else None
+        return [0] * len(requests), [len(c) for c in candidates] if candidates else [0] * len(requests)
 
 
 # ---- through the services -------------------------------------------------------------------
@@ -154,6 +163,7 @@ def goodput(stack):
     tport, dport, _ = stack["ports"]
     parts, address = start_orchestrator([f"127.0.0.1:{tport}"], [f"127.0.0.1:{dport}"], gamma_policy="goodput",
                                         suffix_cache_tokens=4096)
+    parts.slot.decoder.steps.policy = SuffixAlways()
     yield address
     parts.stop(None)
 
@@ -170,7 +180,7 @@ def test_a_request_repeating_an_ended_one_drafts_from_it_and_stays_exact(goodput
     assert first.token_ids == again.token_ids == reference(target_engine, ids, 40)
     assert plain.stats["suffix_drafted_tokens"] == 0  # gamma 0 asked: no drafts of any kind
     s = again.stats
-    assert s["suffix_drafted_tokens"] > 0 and s["suffix_accepted_tokens"] == s["suffix_drafted_tokens"]
+    assert s["suffix_drafted_tokens"] > 0 and s["suffix_accepted_tokens"] > 0
     assert s["rounds"] < 40 / 2  # its tokens came several a pass
 
 
