@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: install run test compose-tool buf-tool bench protos proto-checks proto-baseline clean
+.PHONY: install run test test-fast compose-tool buf-tool bench protos proto-checks proto-baseline clean
 
 install: $(STAMP)
 
@@ -32,6 +32,10 @@ run: install
 
 test: install compose-tool buf-tool
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# the fast tier, for every change: no service processes, no fuzzing, no real model pair
+test-fast: install
+	$(PY) -m pytest -m "not integration and not slow" $(PYTEST_ARGS)
 
 # Debian's docker-compose (1.29) validates and merges compose files offline (no Docker engine).
 # Installed only when missing, and only as root with apt-get; an install that fails stops here.

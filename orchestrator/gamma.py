@@ -76,28 +76,44 @@ class LinearCost:
 
 
 @dataclass
+class Ratio:
+    """A sum over a sum, both with DECAY per observation: a mean that starts as the plain mean, then
+    follows the last ~30 observations. value(start): `start` counted as PRIOR_COUNT of the sum below."""
+
+    num: float = 0.0
+    den: float = 0.0
+
+    def observe(self, num: float, den: float = 1.0) -> None:
+        self.num, self.den = self.num * DECAY + num, self.den * DECAY + den
+
+    def value(self, start: float | None = None) -> float:
+        if start is None:
+            return self.num / self.den if self.den else 0.0
+        return (self.num + PRIOR_COUNT * start) / (self.den + PRIOR_COUNT)
+
+
+Calibration = Ratio  # a suffix draft's tokens kept over those its path probabilities promised (proposers/suffix.py)
+
+
+@dataclass
 class Acceptance:
     """a_i: of the drafts judged at position i (given 0..i-1 kept), the share kept."""
 
-    drafted: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
+    positions: list[Ratio] = field(default_factory=list)
 
     def observe(self, gamma: int, num_accepted: int) -> None:
         judged = min(gamma, num_accepted + 1)  # position i is judged only when 0..i-1 were kept
-        while len(self.drafted) < judged:
-            self.drafted.append(0.0)
-            self.accepted.append(0.0)
+        self.positions += [Ratio() for _ in range(judged - len(self.positions))]
         for i in range(judged):
-            self.drafted[i] = self.drafted[i] * DECAY + 1
-            self.accepted[i] = self.accepted[i] * DECAY + (i < num_accepted)
+            self.positions[i].observe(float(i < num_accepted))
 
     def rate(self, i: int, prior: "Acceptance | None" = None) -> float:
-        """a_i, with the prior's rate (a request's draft's pooled one; PRIOR_ACCEPTANCE without)
-        counted as PRIOR_COUNT drafts; a position never judged is as likely as the last judged."""
+        """a_i, from PRIOR_ACCEPTANCE or the prior's rate (a request's draft's pooled one); a
+        position never judged is as likely as the last judged."""
         start = prior.rate(i) if prior is not None else PRIOR_ACCEPTANCE
-        if i >= len(self.drafted):
-            return self.rate(len(self.drafted) - 1, prior) if self.drafted and prior is None else start
-        return (self.accepted[i] + PRIOR_COUNT * start) / (self.drafted[i] + PRIOR_COUNT)
+        if i >= len(self.positions):
+            return self.rate(len(self.positions) - 1) if self.positions and prior is None else start
+        return self.positions[i].value(start)
 
     def expected_tokens(self, gamma: int, prior: "Acceptance | None" = None) -> float:
         """E(g): the kept drafts plus the recovered or bonus token."""
@@ -106,34 +122,6 @@ class Acceptance:
             passed *= self.rate(i, prior)
             total += passed
         return total
-
-
-@dataclass
-class Calibration:
-    """Tokens kept per token a suffix draft's path probabilities promised (proposers/suffix.py)."""
-
-    promised: float = 0.0
-    accepted: float = 0.0
-
-    def observe(self, promised: float, accepted: int) -> None:
-        self.promised = self.promised * DECAY + promised
-        self.accepted = self.accepted * DECAY + accepted
-
-    def value(self, prior: "Calibration | None" = None) -> float:
-        start = prior.value() if prior is not None else PRIOR_ACCEPTANCE
-        return (self.accepted + PRIOR_COUNT * start) / (self.promised + PRIOR_COUNT)
-
-
-@dataclass
-class Average:
-    """A mean with DECAY that starts as the plain mean (the first value does not stand for ~30)."""
-
-    value: float = 0.0
-    count: int = 0
-
-    def observe(self, new: float) -> None:
-        self.count += 1
-        self.value += max(1.0 / self.count, 1 - DECAY) * (new - self.value)
 
 
 @dataclass(frozen=True)
@@ -301,21 +289,21 @@ class GammaPolicy:
         self._costs: dict[str, LinearCost] = {}
         self._acceptance: dict[tuple[str, str], Acceptance] = {}
         self._suffix: dict[str, Calibration] = {}  # target -> its suffix drafts', pooled
-        self._averages: dict[tuple[str, str], Average] = {}  # ("overhead", target), ("extra" | "made", draft)
+        self._averages: dict[tuple[str, str], Ratio] = {}  # ("overhead", target), ("extra" | "made", draft)
         self._loads: dict[str, collections.deque[int]] = {}  # target -> its last steps' loads
         self._planned: dict[str, tuple[Level, str, bool, float]] = {}  # target -> (level, arm, explored, predicted)
         self.arms = Arms()
 
-    def _average(self, kind: str, address: str) -> Average:
-        return self._averages.setdefault((kind, address), Average())
+    def _average(self, kind: str, address: str) -> Ratio:
+        return self._averages.setdefault((kind, address), Ratio())
 
     def _step_costs(self, target: str, requests: list[StepRequest]) -> StepCosts:
         drafts = {r.draft for r in requests if r.draft is not None}
-        values = lambda kind: {a: avg.value for (k, a), avg in self._averages.items() if k == kind}  # noqa: E731
+        values = lambda kind: {a: avg.value() for (k, a), avg in self._averages.items() if k == kind}  # noqa: E731
         return StepCosts(self._costs.setdefault(target, LinearCost()),
                          {d: self._costs.setdefault(d, LinearCost()) for d in drafts},
                          {d: self._acceptance.setdefault((target, d), Acceptance()) for d in drafts},
-                         self._average("overhead", target).value, values("extra"), values("made"))
+                         self._average("overhead", target).value(), values("extra"), values("made"))
 
     def choose_step(self, target: str, requests: list[StepRequest], load: int | None = None,
                     suffix: Callable[[], list[list[float]]] | None = None) -> tuple[list[int], list[int]]:
@@ -343,7 +331,8 @@ class GammaPolicy:
             candidates = suffix() if suffix is not None and not any(gammas) else None
             if candidates and any(candidates):
                 pooled = self._suffix.setdefault(target, Calibration())
-                lengths = model.suffix(candidates, [r.calibration.value(pooled) if r.calibration else pooled.value()
+                start = pooled.value(PRIOR_ACCEPTANCE)
+                lengths = model.suffix(candidates, [r.calibration.value(start) if r.calibration else start
                                                     for r in requests])
             can_draft = any(model.caps) or bool(candidates and any(candidates))
             can_explore = any(c and (r.holds_prompt or alone) for c, r in zip(model.caps, requests)) or \
@@ -388,9 +377,9 @@ class GammaPolicy:
             for j, (drafted, kept, promised) in step.judged.items():
                 r = step.requests[j]
                 if promised:
-                    self._suffix.setdefault(step.target, Calibration()).observe(promised, kept)
+                    self._suffix.setdefault(step.target, Calibration()).observe(kept, promised)
                     if r.calibration is not None:
-                        r.calibration.observe(promised, kept)
+                        r.calibration.observe(kept, promised)
                 elif r.draft is not None:
                     self._acceptance.setdefault((step.target, r.draft), Acceptance()).observe(drafted, kept)
                     if r.acceptance is not None:

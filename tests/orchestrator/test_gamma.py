@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.arms import DRAFT, EXPLORE_SHARE, MARGIN, PLAIN
-from orchestrator.gamma import (Acceptance, Average, GammaPolicy, LinearCost, StepCosts, StepModel, StepRecord,
+from orchestrator.gamma import (Acceptance, GammaPolicy, LinearCost, StepCosts, StepModel, StepRecord,
                                 StepRequest)
 from tests.support.policy import Feed, accepting, learnt, measured
 
@@ -126,16 +126,19 @@ def test_the_policy_is_a_function_of_its_records():
     assert choices[0] == choices[1]
 
 
-def test_a_step_cost_average_starts_as_the_plain_mean_then_forgets_slowly():
-    from orchestrator.gamma import DECAY
+def test_an_average_starts_as_the_plain_mean_then_forgets_slowly():
+    """The first observation must not stand for the ~30 before it (a first slow draft phase once
+    kept drafting off for ~100 steps), and later ones weigh 1 - DECAY."""
+    from orchestrator.gamma import DECAY, Ratio
 
-    extra = Average()
+    extra = Ratio()
     for seconds in [0.040] + [0.004] * 9:
         extra.observe(seconds)
-    assert extra.value == pytest.approx((0.040 + 9 * 0.004) / 10)
-    late = Average(value=0.002, count=1000)
-    late.observe(0.102)
-    assert late.value == pytest.approx(0.002 + (1 - DECAY) * 0.1)
+    assert extra.value() == pytest.approx((0.040 + 9 * 0.004) / 10, rel=0.1)  # (weighed DECAY per step back)
+    for _ in range(2000):
+        extra.observe(0.002)
+    extra.observe(0.102)
+    assert extra.value() == pytest.approx(0.002 + (1 - DECAY) * 0.1, rel=0.01)
 
 
 def dear_draft_policy() -> GammaPolicy:
@@ -273,4 +276,4 @@ def test_a_step_that_caught_up_or_was_overlapped_teaches_no_draft_extra_and_no_o
     policy.observe(StepRecord("t", [StepRequest(4, "d")], [4], 1, 1.0, drafts={"d": (1, 0.01, 0.3)}, draft_end=1.1,
                               target_rows=5, own_rows=5, target_pass_s=0.1, ended=1.3, overlapped=True))
     assert policy._costs["d"].known and ("extra", "d") not in policy._averages
-    assert policy._average("overhead", "t").count == 1  # the overlapped step's waits were not its own
+    assert policy._average("overhead", "t").den == 1  # the overlapped step's waits were not its own

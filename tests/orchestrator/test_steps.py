@@ -285,9 +285,9 @@ def test_a_step_a_prefill_overlapped_teaches_no_step_overhead(target_engine, dra
     try:
         with decoder.steps.prefill():
             decoder.generate(request)
-        assert records and all(r.overlapped for r in records) and not any(a.count for a in policy._averages.values())
+        assert records and all(r.overlapped for r in records) and not any(a.den for a in policy._averages.values())
         decoder.generate(request)
-        assert not records[-1].overlapped and policy._average("overhead", records[-1].target).count
+        assert not records[-1].overlapped and policy._average("overhead", records[-1].target).den
     finally:
         decoder.close()
 

@@ -117,7 +117,7 @@ def test_drafts_that_keep_failing_stop_being_sent():
     assert choose(policy, probs) == 0
     own = Calibration()
     feed.record([StepRequest(0, None, calibration=own)], [0], 0.05, 5, judged={0: (4, 4, 4.0)})
-    assert own.accepted == 4 and choose(policy, probs, own) > 0  # its own suffix drafts were kept: it goes on
+    assert own.num == 4 and choose(policy, probs, own) > 0  # its own suffix drafts were kept: it goes on
 
 
 def test_suffix_drafts_that_measure_slower_stop_riding_but_for_exploration():

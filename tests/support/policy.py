@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from orchestrator.gamma import Acceptance, GammaPolicy, LinearCost, StepRecord, StepRequest
+from orchestrator.gamma import Acceptance, GammaPolicy, LinearCost, Ratio, StepRecord, StepRequest
 
 ROWS = (1, 2, 4, 5, 8, 12, 16, 20, 30, 40)
 
@@ -20,7 +20,7 @@ def measured(cost_of_rows: Callable[[int], float], rows=ROWS) -> LinearCost:
 
 def accepting(rate: float, gamma: int = 8) -> Acceptance:
     """Acceptance that has judged many drafts at each position, accepting `rate` of them."""
-    return Acceptance(drafted=[1000.0] * gamma, accepted=[1000.0 * rate] * gamma)
+    return Acceptance([Ratio(1000.0 * rate, 1000.0) for _ in range(gamma)])
 
 
 class Feed:
