@@ -128,29 +128,26 @@ def cmd_workers(a: argparse.Namespace) -> int:
 COMMANDS_GROUP = "specdec.commands"  # entry points: name -> add(subparsers, name), returning a main or None
 
 
-def _tool_commands() -> list:
-    """The tools' commands (entry points of COMMANDS_GROUP) whose code is installed here. The
-    service image installs this distribution without specdec_tools: its entry points are listed
-    but their module is missing, so they are left out."""
+def _tool_commands() -> dict:
+    """The tools' commands (entry points of COMMANDS_GROUP: name -> add) whose code is installed
+    here. The service image installs this distribution without specdec_tools: its entry points
+    are listed but their module is missing, so they are left out."""
     from importlib.metadata import entry_points
 
-    found, seen = [], set()
+    found = {}
     for ep in entry_points(group=COMMANDS_GROUP):
-        if ep.name in seen or ep.name in SERVICE_COMMANDS:
+        if ep.name in found or ep.name in SERVICE_COMMANDS:
             continue
         try:
-            add = ep.load()
+            found[ep.name] = ep.load()
         except ModuleNotFoundError as err:
             if err.name is None or not (ep.module == err.name or ep.module.startswith(err.name + ".")):
                 raise  # the tool's module is there, but something it imports is not: say so
-            continue
-        seen.add(ep.name)
-        found.append((ep.name, add))
-    return sorted(found, key=lambda command: command[0])
+    return found
 
 
-def main(argv: list[str] | None = None, commands=None) -> int:
-    """The command; commands: the tools' (name, add) pairs, instead of the installed entry points
+def main(argv: list[str] | None = None, commands: dict | None = None) -> int:
+    """The command; commands: the tools' (name -> add), instead of the installed entry points
     (`python -m specdec_tools.cli` passes its own, for a checkout that was never installed)."""
     from specdec.threads import bound_openmp_spinning
 
@@ -159,7 +156,7 @@ def main(argv: list[str] | None = None, commands=None) -> int:
     from specdec import __version__
 
     argv = sys.argv[1:] if argv is None else argv
-    tools = _tool_commands() if commands is None else sorted(commands, key=lambda command: command[0])
+    tools = sorted(dict(_tool_commands() if commands is None else commands).items())  # by name
     parser = argparse.ArgumentParser(
         prog="specdec", description="Speculative decoding over gRPC.",
         epilog=None if tools else f"The benchmarks and tools (run, bench-serve, loadtest, timeline, ...) are not "
@@ -193,13 +190,9 @@ def main(argv: list[str] | None = None, commands=None) -> int:
     w.set_defaults(func=cmd_workers)
 
     if tools:
-        own = {}  # the tools' commands that parse their own arguments: name -> main(arguments after it)
-        for name, add in tools:
-            own_main = add(sub, name)
-            if own_main is not None:
-                own[name] = own_main
-        if argv[:1] and argv[0] in own:
-            return own[argv[0]](argv[1:])
+        mains = {name: add(sub, name) for name, add in tools}  # a main where it parses its own arguments
+        if argv[:1] and mains.get(argv[0]) is not None:
+            return mains[argv[0]](argv[1:])
     elif argv[:1] and not argv[0].startswith("-") and argv[0] not in SERVICE_COMMANDS:
         print(f"specdec {argv[0]}: not a command of the service; the benchmarks and tools are not installed here "
               f"({TOOLS_EXTRA})", file=sys.stderr)

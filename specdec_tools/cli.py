@@ -20,16 +20,22 @@ main.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Callable
 
 Main = Callable[[list[str]], int]
 
 
-def _add(sub, name: str, help: str, add_arguments, func) -> None:
-    p = sub.add_parser(name, help=help)
-    add_arguments(p)
-    p.set_defaults(func=func)
+def _tool(module: str, func: str, help: str) -> Callable:
+    """add(subparsers, name) for specdec_tools.<module>: its add_arguments(parser), and func runs it."""
+    def add(sub, name: str) -> None:
+        tool = importlib.import_module(f"specdec_tools.{module}")
+        p = sub.add_parser(name, help=help)
+        tool.add_arguments(p)
+        p.set_defaults(func=getattr(tool, func))
+
+    return add
 
 
 def add_timeline(sub, name: str) -> Main:
@@ -49,83 +55,30 @@ def add_run(sub, name: str) -> None:
     from orchestrator.cli import add_sampling_args
     from specdec_tools import stack
 
-    def add_arguments(p) -> None:
-        stack.add_arguments(p)
-        add_sampling_args(p)
-
-    _add(sub, name, "start target, draft and orchestrator on loopback and answer a prompt", add_arguments,
-         stack.cmd_run)
+    r = sub.add_parser(name, help="start target, draft and orchestrator on loopback and answer a prompt")
+    stack.add_arguments(r)
+    add_sampling_args(r)
+    r.set_defaults(func=stack.cmd_run)
 
 
-def add_bench(sub, name: str) -> None:
-    from specdec_tools import bench
-
-    _add(sub, name, "compare target alone, HF assisted, and specdec in-process and over gRPC",
-         bench.add_arguments, bench.cmd_bench)
-
-
-def add_bench_tracing(sub, name: str) -> None:
-    from specdec_tools import bench_tracing
-
-    _add(sub, name, "what tracing and metrics cost: telemetry off vs on, side by side",
-         bench_tracing.add_arguments, bench_tracing.cmd_bench_tracing)
-
-
-def add_loadtest(sub, name: str) -> None:
-    from specdec_tools import loadtest
-
-    _add(sub, name, "many clients for minutes on tiny models, workers killed and restarted",
-         loadtest.add_arguments, loadtest.cmd_loadtest)
-
-
-def add_bench_serve(sub, name: str) -> None:
-    from specdec_tools import bench_serve
-
-    _add(sub, name, "throughput and latency against concurrency through the three services",
-         bench_serve.add_arguments, bench_serve.cmd_bench_serve)
-
-
-def add_bench_kernels(sub, name: str) -> None:
-    from specdec_tools import bench_kernels
-
-    _add(sub, name, "forward passes under each CPU quantization: speed, exactness, quality",
-         bench_kernels.add_arguments, bench_kernels.cmd_bench_kernels)
-
-
-def add_bench_head(sub, name: str) -> None:
-    from specdec_tools import bench_head
-
-    _add(sub, name, "a feature head's draft step against a target pass (c), by sessions",
-         bench_head.add_arguments, bench_head.cmd_bench_head)
-
-
-def add_train_head(sub, name: str) -> None:
-    from specdec_tools import train_head
-
-    _add(sub, name, "train a feature head (EAGLE-3) on the target's own completions",
-         train_head.add_arguments, train_head.cmd_train_head)
-
-
-def add_bench_coupling(sub, name: str) -> None:
-    from specdec_tools import bench_coupling
-
-    _add(sub, name, "coupled vs rejection sampling: acceptance on the same contexts",
-         bench_coupling.add_arguments, bench_coupling.cmd_bench_coupling)
-
-
-def add_bench_anchor(sub, name: str) -> None:
-    from specdec_tools import bench_anchor
-
-    _add(sub, name, "this project beside llama.cpp's own server on the same GGUF files",
-         bench_anchor.add_arguments, bench_anchor.cmd_bench_anchor)
-
-
-def add_bench_structured(sub, name: str) -> None:
-    from specdec_tools import bench_structured
-
-    _add(sub, name, "structured output: speculation with and without a schema, ablated",
-         bench_structured.add_arguments, bench_structured.cmd_bench_structured)
-
+add_bench = _tool("bench", "cmd_bench", "compare target alone, HF assisted, and specdec in-process and over gRPC")
+add_bench_tracing = _tool("bench_tracing", "cmd_bench_tracing",
+                          "what tracing and metrics cost: telemetry off vs on, side by side")
+add_loadtest = _tool("loadtest", "cmd_loadtest",
+                     "many clients for minutes on tiny models, workers killed and restarted")
+add_bench_serve = _tool("bench_serve", "cmd_bench_serve",
+                        "throughput and latency against concurrency through the three services")
+add_bench_kernels = _tool("bench_kernels", "cmd_bench_kernels",
+                          "forward passes under each CPU quantization: speed, exactness, quality")
+add_bench_head = _tool("bench_head", "cmd_bench_head",
+                       "a feature head's draft step against a target pass (c), by sessions")
+add_train_head = _tool("train_head", "cmd_train_head", "train a feature head (EAGLE-3) on the target's own completions")
+add_bench_coupling = _tool("bench_coupling", "cmd_bench_coupling",
+                           "coupled vs rejection sampling: acceptance on the same contexts")
+add_bench_anchor = _tool("bench_anchor", "cmd_bench_anchor",
+                         "this project beside llama.cpp's own server on the same GGUF files")
+add_bench_structured = _tool("bench_structured", "cmd_bench_structured",
+                             "structured output: speculation with and without a schema, ablated")
 
 # the commands (`specdec --help` lists them by name); pyproject.toml's entry points (group
 # specdec.commands) name the same functions (tests/specdec/test_import_graph.py checks it)
@@ -141,4 +94,4 @@ if __name__ == "__main__":
     # installed (no entry points), as scripts/bench_gpu.sh runs it on a bare GPU machine
     from orchestrator.cli import main
 
-    sys.exit(main(commands=COMMANDS.items()))
+    sys.exit(main(commands=COMMANDS))
