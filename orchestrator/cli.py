@@ -6,7 +6,8 @@
 
 and, where the tools are installed (specdec_tools, `pip install '.[bench]'` from a checkout; not in
 the service image), the tools' commands: run, bench, bench-serve, bench-kernels, loadtest,
-timeline, ... (specdec_tools/cli.py lists them).
+timeline, ... They are found through the entry-point group `specdec.commands` (pyproject.toml;
+specdec_tools/cli.py defines them), so nothing here imports the tools.
 """
 
 from __future__ import annotations
@@ -124,16 +125,30 @@ def cmd_workers(a: argparse.Namespace) -> int:
     return 0
 
 
-def _tools():
-    """specdec_tools.cli, or None where the tools are not installed (the service image)."""
-    try:
-        from specdec_tools import cli
-    except ImportError:
-        return None
-    return cli
+COMMANDS_GROUP = "specdec.commands"  # entry points: name -> add(subparsers, name), returning a main or None
 
 
-def main(argv: list[str] | None = None) -> int:
+def _tool_commands() -> dict:
+    """The tools' commands (entry points of COMMANDS_GROUP: name -> add) whose code is installed
+    here. The service image installs this distribution without specdec_tools: its entry points
+    are listed but their module is missing, so they are left out."""
+    from importlib.metadata import entry_points
+
+    found = {}
+    for ep in entry_points(group=COMMANDS_GROUP):
+        if ep.name in found or ep.name in SERVICE_COMMANDS:
+            continue
+        try:
+            found[ep.name] = ep.load()
+        except ModuleNotFoundError as err:
+            if err.name is None or not (ep.module == err.name or ep.module.startswith(err.name + ".")):
+                raise  # the tool's module is there, but something it imports is not: say so
+    return found
+
+
+def main(argv: list[str] | None = None, commands: dict | None = None) -> int:
+    """The command; commands: the tools' (name -> add), instead of the installed entry points
+    (`python -m specdec_tools.cli` passes its own, for a checkout that was never installed)."""
     from specdec.threads import bound_openmp_spinning
 
     bound_openmp_spinning()  # the local stack and the benchmarks share cores (specdec/threads.py)
@@ -141,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdec import __version__
 
     argv = sys.argv[1:] if argv is None else argv
-    tools = _tools()
+    tools = sorted(dict(_tool_commands() if commands is None else commands).items())  # by name
     parser = argparse.ArgumentParser(
         prog="specdec", description="Speculative decoding over gRPC.",
         epilog=None if tools else f"The benchmarks and tools (run, bench-serve, loadtest, timeline, ...) are not "
@@ -174,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--timeout", type=float, default=30.0)
     w.set_defaults(func=cmd_workers)
 
-    if tools is not None:
-        own = tools.add_commands(sub)  # the tools' commands; those with a parser of their own
-        if argv[:1] and argv[0] in own:
-            return own[argv[0]](argv[1:])
+    if tools:
+        mains = {name: add(sub, name) for name, add in tools}  # a main where it parses its own arguments
+        if argv[:1] and mains.get(argv[0]) is not None:
+            return mains[argv[0]](argv[1:])
     elif argv[:1] and not argv[0].startswith("-") and argv[0] not in SERVICE_COMMANDS:
         print(f"specdec {argv[0]}: not a command of the service; the benchmarks and tools are not installed here "
               f"({TOOLS_EXTRA})", file=sys.stderr)

@@ -50,7 +50,7 @@ passes() {  # passes NAME ARGS...: scripts/bench_gpu_passes.py on one model
 serve() {  # serve NAME TARGET LEVELS SETUPS: bench-serve with the 0.5B draft
   step bench-serve $1
   # no pipe: the services inherit the output (a pipe held open by them kept a timeout waiting)
-  timeout 300 python3 -m orchestrator.cli bench-serve --target $models/qwen2.5-coder-$2 \
+  timeout 300 python3 -m specdec_tools.cli bench-serve --target $models/qwen2.5-coder-$2 \
     --draft $models/qwen2.5-coder-0.5b --device cuda --synthetic-acceptance 0.8 --concurrency $3 --gamma on,off \
     --max-new-tokens 64 --setups $4 --out "$out/r/serve-$1" >"$out/r/serve-$1.log" 2>&1
   cat "$out/r/serve-$1/table.md" 2>/dev/null || tail -20 "$out/r/serve-$1.log"
@@ -68,7 +68,7 @@ want serve-7b && wait && serve 7b 7b 1,4 default,gamma-policy=fixed
 want passes-0.5b && passes 0.5b --role draft --draft-vocab 32768 --rows 1,2,5
 if want head-1.5b; then
   step bench-head 1.5b
-  timeout 240 python3 -m orchestrator.cli bench-head --target $models/qwen2.5-coder-1.5b \
+  timeout 240 python3 -m specdec_tools.cli bench-head --target $models/qwen2.5-coder-1.5b \
     --draft $models/qwen2.5-coder-0.5b --device cuda --rounds 3 --out "$out/r/head-1.5b" 2>&1 | grep -v "Loading weights"
   pack
 fi

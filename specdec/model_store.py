@@ -44,8 +44,8 @@ deleted once the GGUF is assembled and verified.
 
 The converted weights are float16, the dtype they run in (CPU: fbgemm's fp16 Linear kernels;
 GPUs: 16-bit). A converted directory from before (fp32, ``<stem>-<key12>/``) is removed once its
-float16 successor is complete. Measured on the project machine (2 cores, 24 GiB, no GPU) with
-``scripts/measure_model_store.py`` (docs/benchmarks/model-store/): see README.md, Models.
+float16 successor is complete. Measured on the project machine (2 cores, 24 GiB, no GPU):
+docs/benchmarks/model-store/; see README.md, Models.
 
 CLI::
 

@@ -27,58 +27,12 @@ import torch
 
 from specdec_tools import can_plot
 
-FRESH = [  # answers written from scratch: little to copy from the prompt
-    "Write a Python function that merges two sorted lists into one sorted list.",
-    "Implement binary search in Python and return the index of the target or -1.",
-    "Write a Python class for an LRU cache with get and put in O(1).",
-    "Write a function in JavaScript that debounces another function.",
-    "Write a SQL query that returns the five customers with the highest total order amount.",
-    "Write a Python function that parses a CSV file and returns the average of a numeric column.",
-    "Implement quicksort in C.",
-    "Write a Python generator that yields the Fibonacci numbers.",
-    "Write a bash script that counts the lines of every .py file in a directory tree.",
-    "Write a Rust function that reverses the words in a sentence.",
-]
-EDIT = [  # code edits: answers that re-use most of the prompt's code
-    "Add type hints and a docstring to this function, and return the whole function:\n\n```python\n"
-    "def merge(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
-    "        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n        else:\n"
-    "            result.append(b[j])\n            j += 1\n    result.extend(a[i:])\n    result.extend(b[j:])\n"
-    "    return result\n```",
-    "Rename the variable `lst` to `items` everywhere in this code and show the full result:\n\n```python\n"
-    "def summarize(lst):\n    total = sum(lst)\n    count = len(lst)\n    mean = total / count if count else 0.0\n"
-    "    largest = max(lst) if lst else None\n    smallest = min(lst) if lst else None\n"
-    "    return {\"total\": total, \"count\": count, \"mean\": mean, \"max\": largest, \"min\": smallest}\n```",
-    "Fix the bug in this JavaScript function (it never resets the timer) and return the corrected code:\n\n"
-    "```javascript\nfunction debounce(fn, wait) {\n  let timer = null;\n  return function (...args) {\n"
-    "    if (timer === null) {\n      timer = setTimeout(() => {\n        fn.apply(this, args);\n      }, wait);\n"
-    "    }\n  };\n}\n```",
-    "Convert this loop into a list comprehension and return the whole function:\n\n```python\n"
-    "def squares_of_evens(numbers):\n    out = []\n    for n in numbers:\n        if n % 2 == 0:\n"
-    "            out.append(n * n)\n    return out\n\n\ndef cubes_of_odds(numbers):\n    out = []\n"
-    "    for n in numbers:\n        if n % 2 == 1:\n            out.append(n * n * n)\n    return out\n```",
-    "Add error handling for a missing file to this function and return the full code:\n\n```python\n"
-    "import csv\n\n\ndef column_average(path, column):\n    with open(path, newline=\"\") as f:\n"
-    "        reader = csv.DictReader(f)\n        values = [float(row[column]) for row in reader if row[column]]\n"
-    "    return sum(values) / len(values) if values else 0.0\n```",
-    "Rewrite this C function to take the array length as a size_t and keep everything else the same:\n\n"
-    "```c\nint sum_array(int *values, int n) {\n    int total = 0;\n    for (int i = 0; i < n; i++) {\n"
-    "        total += values[i];\n    }\n    return total;\n}\n\nint max_array(int *values, int n) {\n"
-    "    int best = values[0];\n    for (int i = 1; i < n; i++) {\n        if (values[i] > best) {\n"
-    "            best = values[i];\n        }\n    }\n    return best;\n}\n```",
-]
-SIMILAR = [  # a batch job's requests: the same kinds of code for different names ({name}: see similar_names)
-    "Write a Python dataclass named {Name} with fields id (int), name (str) and created (datetime), and a "
-    "classmethod from_dict that builds one from a dictionary.",
-    "Write a Python function named validate_{name} that checks a dictionary has the keys id, name and created, "
-    "and raises ValueError naming the first missing key.",
-    "Write a Flask route GET /{name}s/<int:id> that loads the {name} with that id from a dictionary named {name}s_by_id "
-    "and returns it as JSON, or 404.",
-    "Write a pytest test named test_{name}_round_trip that builds a {Name}, converts it to a dictionary and back, "
-    "and checks the two are equal.",
-]
-SIMILAR_NOUNS = ["invoice", "customer", "order", "shipment", "product", "ticket", "account", "payment", "review",
-                 "booking", "supplier", "employee", "device", "session", "report", "voucher"]
+# the prompt sets, data in bench_prompts.json: fresh, answers written from scratch (little to copy
+# from the prompt); edit, code edits whose answers re-use most of the prompt's code; similar, a
+# batch job's requests, the same kinds of code for different names ({name}, {Name}: see
+# similar_names), over similar_nouns
+_SETS = json.loads((Path(__file__).with_name("bench_prompts.json")).read_text(encoding="utf-8"))
+FRESH, EDIT, SIMILAR, SIMILAR_NOUNS = _SETS["fresh"], _SETS["edit"], _SETS["similar"], _SETS["similar_nouns"]
 
 
 def similar_names():

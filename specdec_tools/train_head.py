@@ -2,7 +2,7 @@
 
 Two steps, each its own command:
 
-  specdec train-head --generate   the target completes specdec_tools/head_data/prompts.py through
+  specdec train-head --generate   the target completes specdec_tools/head_data/prompts.jsonl through
                                   the service at gamma 0 (greedy, and sampled at --temperature);
                                   the token ids go to head_data/<target>.completions.jsonl.gz
                                   (committed: a later run never regenerates them)

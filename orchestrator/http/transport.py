@@ -10,13 +10,10 @@ import socket
 import ssl
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from orchestrator.http.errors import OpenAIError
 from specdec.security import ServerTls, TokenSet
-
-if TYPE_CHECKING:
-    from orchestrator.http.app import FrontDoor
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without a bearer token (load balancers, scrapers)
 
@@ -170,13 +167,22 @@ def _door_protocol(head_timeout_s: float):
     return HeadTimedH11
 
 
+class Door(Protocol):
+    """What HttpServer serves (orchestrator/http/app.py's FrontDoor): its ASGI app, and what it
+    lets go of when the server stops."""
+
+    app: Any
+
+    def close(self) -> None: ...
+
+
 class HttpServer:
-    """uvicorn serving a FrontDoor on a thread of its own; bind first, so port 0 works. Slow
+    """uvicorn serving a Door (a FrontDoor) on a thread of its own; bind first, so port 0 works. Slow
     clients are let go: a request head must arrive within head_timeout_s (and each piece of a
     body within the door's body timeout); beyond max_connections open connections a request gets
     503."""
 
-    def __init__(self, door: FrontDoor, host: str, port: int, tls: ServerTls | None = None,
+    def __init__(self, door: Door, host: str, port: int, tls: ServerTls | None = None,
                  log_level: str = "info", head_timeout_s: float = 10.0, max_connections: int = 1024):
         import uvicorn
 

@@ -206,3 +206,20 @@ def test_a_smaller_training_set_is_a_seeded_sample_in_order():
     assert few != items[:10] and few != train_head.subset(items, 10, seed=1)  # drawn, not the first N
     assert train_head.subset(items, 0, seed=0) is items and train_head.subset(items, 200, seed=0) is items
     assert train_head.parse_variants("sequences=90") == [{"limit": 90}]
+
+
+def test_the_training_prompts_load_from_their_data_file_and_match_the_committed_completions():
+    """head_data/prompts.jsonl, as the package loads it: 480 prompts in balanced blocks, and every
+    committed completion names a prompt of its own kind (a reordered file would break them)."""
+    from specdec_tools.head_data.prompts import KINDS, PROMPTS
+
+    assert len(PROMPTS) == 480 and all(set(p) == {"kind", "prompt"} and p["prompt"] for p in PROMPTS)
+    assert {k: sum(p["kind"] == k for p in PROMPTS) for k in KINDS} == {"code": 240, "edit": 120, "explain": 60,
+                                                                        "chat": 60}
+    block = sorted(["code"] * 4 + ["edit"] * 2 + ["explain", "chat"])
+    assert all(sorted(p["kind"] for p in PROMPTS[i:i + 8]) == block for i in range(0, len(PROMPTS), 8))
+    assert len({p["prompt"] for p in PROMPTS}) == len(PROMPTS)
+    for path in train_head.DATA_DIR.glob("*.completions.jsonl.gz"):
+        with gzip.open(path, "rt") as f:
+            records = [json.loads(line) for line in f]
+        assert records and all(PROMPTS[r["prompt"]]["kind"] == r["kind"] for r in records), path
