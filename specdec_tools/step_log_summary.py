@@ -3,7 +3,7 @@
 Run bench-serve with the orchestrator at debug level, its output kept:
 
     specdec bench-serve --concurrency 4,8 --gamma on,off --setups log-level=debug > run.log 2>&1
-    python scripts/step_log_summary.py run.log [--steps]
+    python -m specdec_tools.step_log_summary run.log [--steps]
 
 Per timed level and mode: the steps' seconds and tokens per second by kind (D: drafted with the
 draft model, S: carried suffix drafts, p: plain), and with --steps every step as
