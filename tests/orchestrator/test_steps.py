@@ -320,14 +320,9 @@ def test_a_step_whose_draft_failed_is_marked_faulted(target_engine, model_dirs):
 
 def test_the_step_debug_line_is_what_the_step_log_summary_reads(target_engine, draft_engine, caplog):
     """--log-level debug logs every step (requests, gammas, suffix drafts, rows, times);
-    scripts/step_log_summary.py turns a run's lines into where its time went. Their format must agree."""
-    import importlib.util
-    from pathlib import Path
+    specdec_tools/step_log_summary.py turns a run's lines into where its time went. Their format must agree."""
+    from specdec_tools import step_log_summary as summary
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "step_log_summary.py"
-    spec = importlib.util.spec_from_file_location("specdec_scripts_step_log_summary", path)
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
     decoder = SpeculativeDecoder(target_engine, draft_engine, gamma_policy=GammaPolicy(adaptive=True))
     try:
         with caplog.at_level("DEBUG", logger="orchestrator.steps"):
