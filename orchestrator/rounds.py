@@ -37,7 +37,8 @@ orchestrator/decoder.py) and where its sessions live (orchestrator/placement.py)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,6 +52,18 @@ from specdec import telemetry as t
 from specdec.errors import ServiceError
 from specdec.protocol import MAX_GAMMA, GenerationChunk, GenerationStats, SamplingParams, TokenLogprob
 from specdec.wire import CompactProbs, DraftOptions, Proposal, ProposeCall, Verification, VerifyCall
+
+
+@dataclass
+class NextCall:
+    """The next round's Propose, sent while the target verifies a round (next_call): its answer
+    (list[Proposal] | ServiceError, from the batch's future at `index`) holds the draft's guess of
+    the bonus token, then the next round's proposals after it."""
+
+    future: Future  # -> the batch's answers
+    index: int
+    base: int  # len(req.tokens) when it was sent: the round's tokens come after
+    drafts: list[int]  # the round's drafts, which it assumed kept
 
 
 @dataclass
@@ -73,6 +86,7 @@ class RequestState:
     draft_ahead: int | None = 0  # tokens drafted ahead (None: auto, see `ahead`)
     ahead_asked: bool = False  # its last Propose asked the draft to draft on while the target verified
     kept_all: bool = False  # its last round drafted with the model and kept every draft
+    next_call: "NextCall | None" = None  # the next round's Propose, sent while the target verified this one
     top_logprobs: int | None = None  # None: no logprobs; else each token's, and this many alternatives
     prompt_len: int = field(init=False)
     target_synced: int = field(init=False)  # how many of `tokens` the target's cache holds validly
@@ -230,6 +244,42 @@ def take_suffix(rnd: Round, tokens: list[int], probs: list[float]) -> None:
     for the step's record."""
     rnd.drafts, rnd.draft_probs, rnd.suffix_probs = list(tokens), [None] * len(tokens), list(probs)
     rnd.gamma = len(tokens)
+
+
+def next_call(req: RequestState, rnd: Round) -> ProposeCall | None:
+    """Where the draft drafts ahead (RequestState.ahead), the next round's Propose, sent while the
+    target verifies this round: it assumes every draft kept and asks for the draft's guess of the
+    bonus token, then as many drafts as this round made (fewer near the end). The draft session
+    holds those tokens already (drafted ahead), so it answers from what it made, or drafts the rest
+    while the target verifies. Its seed is unused (the session's draws go on); the next round still
+    draws its own, so a request's draws are the same whether it is taken or not."""
+    if rnd.propose is None or rnd.suffix_probs or not rnd.drafts or not req.ahead(rnd.gamma):
+        return None
+    left = req.max_new_tokens - req.generated - len(rnd.drafts) - 1  # tokens still allowed if all are kept
+    gamma = min(len(rnd.drafts), req.gamma, left - 1)
+    if gamma < 1:
+        return None
+    return replace(rnd.propose, token_ids=rnd.propose.token_ids + rnd.drafts, gamma=gamma + 1, seed=0,
+                   options=replace(rnd.propose.options, ahead=req.ahead(gamma)))
+
+
+def take_next(req: RequestState, rnd: Round) -> bool:
+    """The round's proposals from the Propose sent while the target verified the last round
+    (next_call), where that round kept every draft and its bonus token is the draft's guess: no
+    call then. Returns whether it took them."""
+    call, req.next_call = req.next_call, None
+    if call is None:
+        return False
+    try:  # waited for even where it cannot be taken: a call of this round's own would collide with it
+        answer = call.future.result()[call.index]
+    except Exception:  # noqa: BLE001 - a fault of that call: this round proposes as usual
+        return False
+    if (isinstance(answer, ServiceError) or len(answer) < 2 or len(req.tokens) != call.base + len(call.drafts) + 1
+            or req.tokens[call.base:-1] != call.drafts or answer[0].token_id != req.tokens[-1]):
+        return False  # a draft was rejected, or the bonus token was not the draft's guess
+    take_proposals(req, rnd, answer[1:1 + rnd.gamma])
+    rnd.draft_rows, rnd.draft_pass_s = 0, 0.0  # its passes ran while the target verified
+    return True
 
 
 def draft_failed(req: RequestState, rnd: Round, exc: ServiceError) -> None:

@@ -44,8 +44,8 @@ from opentelemetry import trace
 
 from orchestrator.gamma import GammaPolicy, StepRecord, StepRequest
 from orchestrator.metrics import DecodingMetrics
-from orchestrator.rounds import (RequestState, Round, drafted, finish, plan, step_request, suffix_eligible,
-                                 verify_call)
+from orchestrator.rounds import (NextCall, RequestState, Round, drafted, finish, next_call, plan, step_request,
+                                 suffix_eligible, take_next, verify_call)
 from orchestrator.proposers.suffix import SuffixIndex
 from specdec import telemetry as t
 from specdec.errors import ServiceError
@@ -249,7 +249,11 @@ class StepLoop:
         states, rounds = step.states, step.rounds
         groups: dict[int, tuple[object, list[int]]] = {}
         for i, (state, rnd) in enumerate(zip(states, rounds)):
-            if rnd.propose is not None:
+            if rnd.propose is None:
+                continue  # (a next call still out is waited for by the request's next Propose: take_next)
+            if take_next(state, rnd):  # made while the target verified the last round: no call
+                self._ahead_outcome(step, i, failed=False, hit=True)
+            else:
                 groups.setdefault(id(state.placement.draft), (state.placement.draft, []))[1].append(i)
         if groups:
             work = list(groups.values())
@@ -267,7 +271,8 @@ class StepLoop:
                             drafted(states[i], rounds[i], answer)
                     except BaseException as exc:  # noqa: BLE001 - not a worker fault, or failover failed
                         step.errors[i] = exc
-                    self._ahead_outcome(step, i, answer)
+                    failed = isinstance(answer, ServiceError)
+                    self._ahead_outcome(step, i, failed, hit=not failed and not rounds[i].draft_rows)
                 ran = [rounds[i] for i in members if rounds[i].draft_rows]  # reported by the last proposal
                 if ran:
                     widest = max(ran, key=lambda r: r.draft_rows)  # the sessions shared passes: the widest saw them all
@@ -278,15 +283,14 @@ class StepLoop:
                 rnd.draft_s = elapsed
         step.record.draft_end = time.perf_counter()
 
-    def _ahead_outcome(self, step: "Step", i: int, answer) -> None:
-        """Counts a round whose drafts its last Propose asked the draft to make ahead: a hit where
-        they were all made (no pass ran for this one), else a miss (the round before did not keep
-        every draft, or the bonus token was not the draft's guess, or the draft fell behind). The
-        step's record gets the outcome of each request the policy expected to find them made."""
+    def _ahead_outcome(self, step: "Step", i: int, failed: bool, hit: bool) -> None:
+        """Counts a round whose drafts the last Propose asked the draft to make ahead: a hit where
+        they were all made in time (no pass ran for this round's call, or none was needed), else a
+        miss (the round before did not keep every draft, or the bonus token was not the draft's
+        guess, or the draft fell behind). The step's record gets the outcome of each request the
+        policy expected to find them made."""
         state, rnd = step.states[i], step.rounds[i]
-        failed = isinstance(answer, ServiceError)
         if state.ahead_asked and not failed:
-            hit = not rnd.draft_rows  # the worker reports the rows of the passes a call ran: none
             state.stats.ahead_rounds += 1
             state.stats.ahead_hits += hit
             self.loops.metrics.record_ahead(hit)
@@ -315,6 +319,7 @@ class StepLoop:
         if not live:
             return
         calls = [verify_call(step.states[i], step.rounds[i]) for i in live]
+        self._send_next(step, live)
         record = step.record
         record.own_rows = sum(len(c.token_ids) + len(c.draft_token_ids) for c in calls)
         phases = self._phase("verify", live, step.spans)
@@ -331,6 +336,31 @@ class StepLoop:
                 record.target_rows = max(record.target_rows, answer.batch_rows)
                 record.target_pass_s = max(record.target_pass_s, answer.pass_s)
             phases[i].end()
+
+    def _send_next(self, step: "Step", live: list[int]) -> None:
+        """Where drafts are made ahead, each request's next Propose goes out now, one batch per
+        draft worker, beside the verify (rounds.next_call): the draft works while the target
+        verifies, and a round that keeps every draft finds its next proposals here (take_next)
+        instead of waiting a call. Its `draft_ahead` span, under the round's, shows the overlap."""
+        groups: dict[int, tuple[object, list[tuple[int, object]]]] = {}
+        for i in live:
+            call = next_call(step.states[i], step.rounds[i])
+            if call is not None:
+                groups.setdefault(id(step.states[i].placement.draft), (step.states[i].placement.draft, []))[1] \
+                    .append((i, call))
+        for member, pending in groups.values():
+            members = [i for i, _ in pending]
+            phases = self._phase("draft_ahead", members, step.spans)
+            ctx = trace.set_span_in_context(phases[members[0]])
+            try:
+                future = self.loops.drafts.submit(t.run_in_context, ctx, member.worker.propose_batch,
+                                                  [call for _, call in pending])
+            except RuntimeError:  # shutting down
+                return
+            future.add_done_callback(lambda _, spans=list(phases.values()): [span.end() for span in spans])
+            for index, i in enumerate(members):
+                state = step.states[i]
+                state.next_call = NextCall(future, index, len(state.tokens), list(step.rounds[i].drafts))
 
     def _finish(self, step: "Step") -> list[Ticket]:
         """Each request's round to its end (rounds.finish: a faulted target's session moved and
