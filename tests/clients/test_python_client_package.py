@@ -194,7 +194,7 @@ def test_versions_agree_and_the_server_ships_the_client_instead_of_depending_on_
 
 
 def test_make_install_and_the_docker_build_install_the_server_with_its_client():
-    from tests.deploy.test_dockerfile import ignored, instructions
+    from tests.deploy.deployfiles import ignored, instructions
 
     make = (ROOT / "Makefile").read_text()
     assert "pip install --quiet -e '.[test]'" in make and "-e clients/python" not in make

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.orchestrator.test_greedy_equivalence import reference
+from tests.support.reference import greedy as reference
 from tests.support.servers import client_of, start_stack, stop_stack
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,6 +2,7 @@
 
 - compose: load a compose file, resolve ${VAR:-default} interpolation, merge an override file;
 - kubernetes: load every manifest under deploy/k8s;
+- Dockerfile: its instructions as Docker reads them, and whether .dockerignore keeps a path out;
 - commands: check that an argv is a real entry point of this repo and that its flags parse with
   the very parsers the services use (so renaming a flag breaks a test, not a deployment).
 """
@@ -212,6 +213,50 @@ def container_env(container: dict, configmaps: Mapping[str, dict]) -> dict[str, 
     for item in container.get("env", []):
         env[item["name"]] = item["value"]
     return env
+
+
+# ---------------------------------------------------------------- Dockerfile, .dockerignore --
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out, current = [], ""
+    for line in text.splitlines():
+        if line.strip().startswith("#") or not line.strip():
+            continue  # Docker drops comment lines, even inside a continued instruction
+        current += line.rstrip()
+        if current.endswith("\\"):
+            current = current[:-1] + " "
+            continue
+        word, _, rest = current.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        current = ""
+    assert not current, "the Dockerfile ends inside a continued line"
+    return out
+
+
+def _ignore_patterns() -> list[tuple[bool, re.Pattern]]:
+    patterns = []
+    for line in DOCKERIGNORE.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        glob = line.lstrip("!").strip("/")
+        regex = re.escape(glob).replace(r"\*\*/", "(?:.*/)?").replace(r"\*\*", ".*")
+        regex = regex.replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        patterns.append((negate, re.compile(regex)))
+    return patterns
+
+
+def ignored(path: str) -> bool:
+    """Docker's rule: the last pattern that matches the path (or a parent of it) decides."""
+    parts = path.strip("/").split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    result = False
+    for negate, pattern in _ignore_patterns():
+        if any(pattern.fullmatch(c) for c in candidates):
+            result = not negate
+    return result
 
 
 # -------------------------------------------------------------------------- entry points ----

@@ -11,26 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.deployfiles import DOCKERFILE, DOCKERIGNORE, METRICS_PORT, ROOT, pyproject
+from tests.deploy.deployfiles import DOCKERFILE, METRICS_PORT, ROOT, ignored, instructions, pyproject
 
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
-
-
-def instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    out, current = [], ""
-    for line in text.splitlines():
-        if line.strip().startswith("#") or not line.strip():
-            continue  # Docker drops comment lines, even inside a continued instruction
-        current += line.rstrip()
-        if current.endswith("\\"):
-            current = current[:-1] + " "
-            continue
-        word, _, rest = current.strip().partition(" ")
-        out.append((word.upper(), rest.strip()))
-        current = ""
-    assert not current, "the Dockerfile ends inside a continued line"
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -63,31 +46,6 @@ def _stages(dockerfile) -> list[list[tuple[str, str]]]:
 
 
 # ----------------------------------------------------------------------------- .dockerignore --
-
-def _ignore_patterns() -> list[tuple[bool, re.Pattern]]:
-    patterns = []
-    for line in DOCKERIGNORE.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        negate = line.startswith("!")
-        glob = line.lstrip("!").strip("/")
-        regex = re.escape(glob).replace(r"\*\*/", "(?:.*/)?").replace(r"\*\*", ".*")
-        regex = regex.replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
-        patterns.append((negate, re.compile(regex)))
-    return patterns
-
-
-def ignored(path: str) -> bool:
-    """Docker's rule: the last pattern that matches the path (or a parent of it) decides."""
-    parts = path.strip("/").split("/")
-    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-    result = False
-    for negate, pattern in _ignore_patterns():
-        if any(pattern.fullmatch(c) for c in candidates):
-            result = not negate
-    return result
-
 
 def test_dockerignore_rules():
     for kept in ("pyproject.toml", "specdec/config.py", "orchestrator/server.py"):

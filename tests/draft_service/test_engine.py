@@ -11,7 +11,7 @@ import torch
 import draft_service.engine as engine_module
 from specdec.protocol import SamplingParams
 from specdec.wire import DraftOptions
-from tests.specdec.worker.test_engine import fresh_logits
+from tests.support.engines import count_passes, fresh_logits
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -60,18 +60,6 @@ def test_the_last_proposal_reports_the_rows_and_seconds_of_its_passes(draft_engi
     *earlier, last = proposals
     assert all(p.batch_rows == 0 and p.pass_s == 0.0 for p in earlier)
     assert last.batch_rows >= 1 and 0 < last.pass_s <= sum(p.compute_s for p in proposals)
-
-
-def count_passes(engine, monkeypatch) -> list[int]:
-    """Counts the engine's forward passes (each appends its rows)."""
-    rows, original = [], engine.runner._pass
-
-    def counted(batch):
-        rows.append(sum(n for _, n in batch.items))
-        return original(batch)
-
-    monkeypatch.setattr(engine.runner, "_pass", counted)
-    return rows
 
 
 def test_a_batched_propose_is_one_pass_a_draft_step(draft_engine, monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 from orchestrator.admission import Admission
 from orchestrator.client import Client
 from specdec.errors import Cancelled, DeadlineExceeded, ResourceExhausted, ServiceError
-from tests.orchestrator.test_greedy_equivalence import reference
+from tests.support.reference import greedy as reference
 from tests.support.servers import start_orchestrator, wait_for
 
 

@@ -2,8 +2,9 @@
 that seed (specdec/sampling.py, coupled_choice at every position), token for token, whatever
 gamma, batch, draft or failover, and it follows the target's distribution exactly.
 
-The reference is computed here from the target model alone: at each position its processed
-distribution and the seed's noise give the token, one forward pass per token, no draft.
+The reference (tests/support/reference.py, coupled) is computed from the target model alone: at
+each position its processed distribution and the seed's noise give the token, one forward pass per
+token, no draft.
 """
 
 from __future__ import annotations
@@ -14,38 +15,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
 
 from draft_service.engine import DraftEngine
 from orchestrator.proposers.ngram import NgramDraft
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationRequest, SamplingParams
-from specdec.sampling import coupled_choice, process_logits
 from specdec.wire import DraftOptions
-from tests.orchestrator.test_sampled_distribution import PROMPT, assert_matches, exact_distribution
+from tests.support.distribution import (NEW_TOKENS, PARAMS, PROMPT, REQUESTS, TUNED, assert_matches,
+                                        exact_distribution, sample)
+from tests.support.reference import SEEDED_NEW as NEW, SEEDS, coupled as reference, coupled_request as request
 
 SETTINGS = [SamplingParams(0.9), SamplingParams(0.7, top_k=6, top_p=0.8), SamplingParams(1.3, top_p=0.95)]
-SEEDS = [0, 1, 2**64 - 1, -5]
-NEW = 16
-
-
-def reference(target_engine, prompt: list[int], params: SamplingParams, seed: int, n: int = NEW) -> list[int]:
-    """Plain target decoding with the seed's noise: the definition the service must meet."""
-    tokens, eos = list(prompt), set(target_engine.info.eos_token_ids)
-    for _ in range(n):
-        with torch.inference_mode():
-            logits = target_engine.model(torch.tensor([tokens]), logits_to_keep=1).logits[0, -1]
-        token = coupled_choice(process_logits(logits, params, target_engine.vocab_size), seed % 2**64, len(tokens))
-        tokens.append(token)
-        if token in eos:
-            break
-    return tokens[len(prompt):]
-
-
-def request(params: SamplingParams, seed: int, gamma: int, prompt=PROMPT, **kw) -> GenerationRequest:
-    return GenerationRequest(token_ids=prompt, max_new_tokens=NEW, temperature=params.temperature, top_k=params.top_k,
-                             top_p=params.top_p, seed=seed, gamma=gamma, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +125,6 @@ def test_coupled_sampling_follows_the_target_distribution_over_grpc(client, targ
     3-token continuations follow the target's exact distribution (chi-square), and against the
     wrong distribution the same test fails (the negative control)."""
     from specdec.protocol import SamplingParams as P
-    from tests.orchestrator.test_sampled_distribution import PARAMS, TUNED, sample
 
     results = sample(client, TUNED, sampling_mode="coupled")
     assert_matches(exact_distribution(target_engine, params=TUNED), results)
@@ -170,7 +150,6 @@ def test_unseeded_requests_draw_coupled_and_follow_the_target_distribution(decod
     from os.urandom (decoder.draw_seed); here they come from a fixed generator, so every run tests
     the same requests."""
     import orchestrator.decoder as decoder_module
-    from tests.orchestrator.test_sampled_distribution import NEW_TOKENS, REQUESTS, TUNED
 
     rng, lock = random.Random(50), threading.Lock()
 

@@ -3,8 +3,8 @@ min_p, min_tokens, stop_token_ids and ignore_eos, exact whatever gamma, batch or
 
 Each control is a function of a position's logits and of the prefix it sees; both workers apply it
 at every position (specdec/sampling.py, apply_controls), the round's drafts included in the prefix.
-The definition the service must meet is computed here from the target model alone: one forward
-pass per token, the controls applied to its logits, then the argmax (greedy) or the seed's
+The definition the service must meet is computed from the target model alone (tests/support/
+reference.py, controlled): one forward pass per token, the controls applied to its logits, then the argmax (greedy) or the seed's
 Gumbel-max choice (coupled). apply_controls itself is checked against vLLM's formulas, written out
 densely here, so that the reference is not the code under test restated.
 """
@@ -24,10 +24,10 @@ from orchestrator.proposers.ngram import NgramDraft
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationRequest, SamplingParams
-from specdec.sampling import apply_controls, coupled_choice, process_logits
-from tests.orchestrator.test_sampled_distribution import PROMPT, assert_matches, exact_distribution, sample
+from specdec.sampling import apply_controls, process_logits
+from tests.support.distribution import PROMPT, assert_matches, exact_distribution, sample
+from tests.support.reference import CONTROLLED_NEW as NEW, controlled as reference
 
-NEW = 24
 # request fields -> each changes the tiny target's greedy output on PROMPT (checked below)
 CONTROLS = {
     "repetition": dict(repetition_penalty=1.6),
@@ -44,30 +44,6 @@ CONTROLS = {
 def params_of(decoder: SpeculativeDecoder, request: GenerationRequest, prompt: list[int]) -> SamplingParams:
     """The params the decoder sends its workers for this request (output_start, stop tokens)."""
     return decoder.checks.params(request, len(prompt))
-
-
-def reference(target_engine, prompt: list[int], params: SamplingParams, n: int = NEW, stops=frozenset(),
-              eos: bool = True) -> list[int]:
-    """Plain target decoding under the controls (a grammar's mask included: a matcher follows the
-    output): greedy argmax, or the coupled seed's choice."""
-    tokens = list(prompt)
-    ends = set(stops) | (set(target_engine.info.eos_token_ids) if eos else set())
-    matcher = target_engine.grammar_compiler().matcher(params.grammar) if params.grammar is not None else None
-    for _ in range(n):
-        with torch.inference_mode():
-            logits = target_engine.model(torch.tensor([tokens]), logits_to_keep=1).logits[0, -1]
-        logits = apply_controls(logits[None].float().clone(), params, tokens, len(tokens), matcher)[0]
-        if params.greedy:
-            token = int(logits.argmax())
-        else:
-            token = coupled_choice(process_logits(logits, params, target_engine.vocab_size), params.coupling_seed,
-                                   len(tokens))
-        tokens.append(token)
-        if matcher is not None:
-            matcher.consume([token])
-        if token in ends:
-            break
-    return tokens[len(prompt):]
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from orchestrator.decoder import SpeculativeDecoder
 from specdec.protocol import GenerationRequest
 from specdec.sampling import process_logits
 from specdec.wire import DraftOptions
-from tests.orchestrator.test_greedy_equivalence import PROMPTS, reference
-from tests.orchestrator.test_sampled_distribution import PARAMS, assert_matches, exact_distribution
+from tests.support.distribution import PARAMS, assert_matches, exact_distribution
+from tests.support.reference import PROMPTS, greedy as reference
 
 REQUESTS = 2400
 CONFIGS = {

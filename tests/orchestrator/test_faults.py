@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from orchestrator.client import Client
 from specdec.errors import ServiceError
 from specdec_tools.stack import free_port
-from tests.orchestrator.conftest import LONG
+from tests.support.faults import LONG, holder, kill_mid_request, orchestrator_for
 from tests.support.processes import WorkerProcess
 from tests.support.servers import ADMIN_TOKEN, Streamed, start_orchestrator
 from tests.support.servers import paced, wait_for as _eventually
@@ -37,43 +36,6 @@ def workers(model_dirs):
     yield start
     for w in started:
         w.stop()
-
-
-def orchestrator_for(targets, drafts, **kwargs):
-    """An orchestrator whose pools serve every worker given (the start-up waits for one of each;
-    a fault test needs the others there too, or a failover finds none)."""
-    parts, address = start_orchestrator([w.address for w in targets], [w.address for w in drafts],
-                                        poll_s=0.2, worker_timeout_s=10, **kwargs)
-    client = Client(address, timeout_s=120, token=ADMIN_TOKEN)
-    addresses = {w.address for w in (*targets, *drafts)}
-    _eventually(lambda: {w["address"] for w in client.workers() if w["state"] == "serving"} >= addresses,
-                what="every worker serving in the pools")
-    return parts, client
-
-
-def holder(client, role):
-    """The address of the worker of `role` holding this orchestrator's one active session."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        active = [w["address"] for w in client.workers() if w["role"] == role and w["active_sessions"]]
-        if active:
-            return active[0]
-        time.sleep(0.01)
-    raise AssertionError(f"no {role} holds a session")
-
-
-def kill_mid_request(client, ids, role, workers_by_address, sig=signal.SIGKILL, **kwargs):
-    """Streams a long request (greedy unless kwargs say) and kills the worker of `role` holding
-    it after chunk one."""
-    chunks = client.stream(token_ids=ids, **{"max_new_tokens": LONG, "temperature": 0, "gamma": 3, **kwargs})
-    tokens = list(next(chunks).token_ids)
-    victim = workers_by_address[holder(client, role)]
-    victim.kill(sig)
-    last = None
-    for chunk in chunks:
-        tokens.extend(chunk.token_ids)
-        last = chunk
-    return tokens, last.stats, victim
 
 
 def test_draft_killed_mid_request_moves_to_the_other_draft(workers, prompt, expected):
@@ -182,7 +144,7 @@ def test_a_coupled_request_keeps_its_seeds_output_across_a_target_failover(worke
     """Sampled with a seed (coupled): the new target draws each position's token from the same
     noise, so the answer is the seed's, as if nothing had happened."""
     from specdec.protocol import SamplingParams
-    from tests.orchestrator.test_coupled_sampling import reference as coupled_reference
+    from tests.support.reference import coupled as coupled_reference
 
     params = SamplingParams(0.8, top_p=0.95)
     seed, expected = next((s, out) for s in range(20)
@@ -209,7 +171,7 @@ def test_a_controlled_request_keeps_its_output_across_a_failover(workers, prompt
     the session over mid-request (its prompt: everything so far) applies them as before, its
     grammar matcher caught up on the output so far."""
     from specdec.protocol import GrammarSpec, SamplingParams
-    from tests.orchestrator.test_structured_output import reference as controlled_reference
+    from tests.support.reference import controlled as controlled_reference
 
     controls = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2, logit_bias={101: 1.5})
     regex = "[a-z ]{100,200}"

@@ -18,10 +18,10 @@ from specdec.modeling import load_model
 from specdec.protocol import GenerationRequest, SamplingParams
 from specdec.wire import Features
 from specdec_tools.testing.tiny_models import build_head_dir
-from tests.orchestrator.test_coupled_sampling import SEEDS, reference as seeded_reference, request as seeded_request
-from tests.orchestrator.test_greedy_equivalence import PROMPTS, reference
-from tests.orchestrator.test_sampled_distribution import PARAMS, PROMPT, assert_matches, exact_distribution, sample
+from tests.support.distribution import PARAMS, PROMPT, assert_matches, exact_distribution, sample
 from tests.support.drafts import FailingDraft
+from tests.support.reference import PROMPTS, SEEDS, coupled as seeded_reference, coupled_request as seeded_request
+from tests.support.reference import greedy as reference
 
 LAYERS = (0, 1, 1)  # the tiny target has two layers
 

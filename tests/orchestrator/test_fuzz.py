@@ -43,12 +43,13 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from specdec.v1 import (common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2,
                         target_pb2_grpc)
 from specdec.wire import CompactProbs
+from tests.support.fuzz import SETTINGS
 
 CALL_TIMEOUT_S = 30.0
 OK_ORCHESTRATOR = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
@@ -63,9 +64,6 @@ GREEDY_BELOW = 1e-5  # temperatures below this are greedy (specdec/sampling.py)
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
 UINT64 = st.integers(0, 2**64 - 1)
-SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=False,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.data_too_large, HealthCheck.large_base_example])
 
 # temperature and top_p: legal values at their edges, and illegal ones
 ODD_TEMPERATURES = st.sampled_from([0.0, -0.0, 1e-45, 1e-6, 9.99e-6, 1e-5, 1e-3, 1e30, 3.4e38])

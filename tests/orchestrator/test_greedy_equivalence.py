@@ -6,18 +6,11 @@ Run in float64 so a k-row verify pass and a 1-row pass cannot flip a near-tie.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from draft_service.engine import DraftEngine
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.protocol import GenerationRequest
-
-PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "The quick brown fox", "x"]
-
-
-def reference(target_engine, prompt_ids, max_new_tokens):
-    out = target_engine.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+from tests.support.reference import PROMPTS, greedy as reference
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ def test_a_draft_killed_while_it_drafts_ahead_loses_nothing(model_dirs, prompt, 
     output is the undisturbed run's."""
     import signal
 
-    from tests.orchestrator.test_faults import kill_mid_request, orchestrator_for
+    from tests.support.faults import kill_mid_request, orchestrator_for
 
     cpus = sorted(os.sched_getaffinity(0))
     target = WorkerProcess("target", model_dirs["target"], "--pass-lock", "auto", cpus=str(cpus[0]))

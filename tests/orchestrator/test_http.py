@@ -4,7 +4,6 @@ client and raw HTTP for the server-sent-event framing; real servers on free port
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
@@ -16,19 +15,11 @@ from orchestrator.admission import Admission
 from orchestrator.http.app import FrontDoor
 from orchestrator.http.transport import HttpServer
 from orchestrator.servicer import DecoderSlot
+from tests.support.memory import rss_mib
 from tests.support.servers import client_of, paced, start_stack, stop_stack, wait_for
 
 PROMPT = "def fib(n):"
 CHAT = [{"role": "system", "content": "You write code."}, {"role": "user", "content": "Say hi"}]
-
-
-@pytest.fixture(scope="module")
-def http_stack(target_engine, draft_engine):
-    stack = start_stack(target_engine, draft_engine, http_port=0)
-    stack["http"] = f"http://127.0.0.1:{stack['orchestrator'].http.port}"
-    stack["model"] = stack["orchestrator"].slot.decoder.target_info.model_name
-    yield stack
-    stop_stack(stack)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +98,7 @@ def test_tool_calls_in_openais_shape_whole_and_streamed(oai, http_stack):
     into the content; a tool answer in the history is accepted (tests/orchestrator/test_tool_calls.py
     has the exactness)."""
     import jsonschema
-    from tests.orchestrator.test_tool_calls import TOOLS
+    from tests.support.tools import TOOLS
 
     weather = TOOLS[0]["function"]
     r = oai.chat.completions.create(model=http_stack["model"], messages=CHAT, max_tokens=200, temperature=0,
@@ -607,11 +598,6 @@ def test_requests_h11_cannot_parse_get_openai_shaped_400s(http_stack, head):
     assert httpx.get(http_stack["http"] + "/health").status_code == 200
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 LONG_LISTS = [  # (path, the field holding a list as long as a 4 MiB body allows, the item, param)
     ("/v1/completions", "prompt", "1", "prompt"),  # 2 million one-digit token ids: past MAX_PROMPT_IDS
     ("/v1/completions", "prompt", "123456", "prompt"),  # 600,000 ids: within it, past the context
@@ -637,12 +623,12 @@ def test_lists_as_long_as_the_body_limit_allows_are_refused_in_bounded_memory(ht
         bodies.append((path, f'{head}, "{field}": [{",".join([item] * count)}]}}'.encode(), param))
     assert httpx.post(base + "/v1/completions", timeout=60, json={"model": model, "prompt": PROMPT,
                                                                     "max_tokens": 1}).status_code == 200
-    peak, stop = [_rss_mib()], threading.Event()
+    peak, stop = [rss_mib()], threading.Event()
     before = peak[0]
 
     def watch():
         while not stop.is_set():
-            peak[0] = max(peak[0], _rss_mib())
+            peak[0] = max(peak[0], rss_mib())
             time.sleep(0.002)
 
     watcher = threading.Thread(target=watch, daemon=True)

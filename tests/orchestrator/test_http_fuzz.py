@@ -20,8 +20,8 @@ import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.orchestrator.test_fuzz import SETTINGS
-from tests.orchestrator.test_http import _rss_mib, http_stack  # noqa: F401 - the door on the tiny models
+from tests.support.fuzz import SETTINGS
+from tests.support.memory import rss_mib
 
 PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/models", "/health", "/v1/nothing",
          "/v1/completions/", "/"]
@@ -73,7 +73,7 @@ def test_fuzzed_http_requests_never_get_a_5xx_or_a_shapeless_error(http_stack):
 
     checker = threading.Thread(target=keep_checking, daemon=True)
     checker.start()
-    rss_before = _rss_mib()
+    rss_before = rss_mib()
     try:
         with httpx.Client(timeout=60) as client:
             @settings(max_examples=300, **SETTINGS)
@@ -105,6 +105,6 @@ def test_fuzzed_http_requests_never_get_a_5xx_or_a_shapeless_error(http_stack):
         stop.set()
         checker.join(timeout=120)
     assert not drift, drift[:3]
-    assert _rss_mib() - rss_before < 128, f"the orchestrator grew by {_rss_mib() - rss_before:.0f} MiB"
+    assert rss_mib() - rss_before < 128, f"the orchestrator grew by {rss_mib() - rss_before:.0f} MiB"
     assert httpx.get(base + "/health").status_code == 200
     assert httpx.post(base + "/v1/completions", json=reference, timeout=60).json()["choices"][0]["text"] == expected

@@ -10,7 +10,7 @@ import pytest
 from orchestrator.decoder import SpeculativeDecoder, choice_seed
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationRequest
-from tests.orchestrator.test_sampled_distribution import PROMPT
+from tests.support.distribution import PROMPT
 
 
 @pytest.fixture

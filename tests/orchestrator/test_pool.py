@@ -23,7 +23,7 @@ from specdec.errors import ServiceError
 from specdec.modeling import load_model
 from specdec.worker.config import WorkerConfig
 from target_service.engine import TargetEngine
-from tests.orchestrator.test_greedy_equivalence import reference
+from tests.support.reference import greedy as reference
 from tests.support.servers import ADMIN_TOKEN, create_draft, create_target, start_orchestrator
 from tests.support.servers import wait_for as _wait_for
 

@@ -17,7 +17,7 @@ from orchestrator.remote import RemoteTarget
 from specdec import healthcheck
 from specdec.errors import ServiceError
 from specdec.security import ClientTls
-from tests.orchestrator.test_greedy_equivalence import reference
+from tests.support.reference import greedy as reference
 from tests.support.servers import start_orchestrator, start_stack, stop_stack, wait_for
 
 TOKEN = "s3cret-token"

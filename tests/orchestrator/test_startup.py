@@ -26,7 +26,7 @@ from specdec.errors import ServiceError
 from specdec.worker.config import WorkerConfig
 from specdec.worker.server import create_server
 from target_service.role import TARGET
-from tests.orchestrator.test_greedy_equivalence import PROMPTS, reference
+from tests.support.reference import PROMPTS, greedy as reference
 from tests.support.servers import (ADMIN_TOKEN, HOST, admin_token_file, create_target, start_orchestrator,
                                    start_unloadable, wait_for)
 

@@ -335,3 +335,56 @@ def test_the_step_debug_line_is_what_the_step_log_summary_reads(target_engine, d
     (line,) = summary.summarize(lines)
     counts = {kind: int(n) for kind, n in re.findall(r"(\w): (\d+) steps", line)}
     assert sum(counts.values()) == result.stats["rounds"]  # one step per round: every step's line parsed
+
+
+def test_the_next_propose_goes_out_beside_the_verify_and_a_round_that_keeps_every_draft_takes_it(
+        target_engine, monkeypatch):
+    """Where the draft drafts ahead, each round's next Propose goes out while the target verifies
+    (rounds.next_call), and a round whose predecessor kept every draft, with the draft's guess as
+    its bonus token, takes its proposals from that answer instead of a call of its own. The target
+    as its own draft keeps every draft: every round with a next call takes it, and greedy output is
+    the target's."""
+    import orchestrator.steps as steps
+    from draft_service.engine import DraftEngine
+    from tests.support.reference import greedy
+
+    taken: list[bool] = []
+    real = steps.take_next
+    monkeypatch.setattr(steps, "take_next", lambda req, rnd: taken.append(real(req, rnd)) or taken[-1])
+    decoder = SpeculativeDecoder(target_engine, DraftEngine(target_engine.loaded), draft_ahead=5)
+    prompt = [5, 6, 7, 8, 9]
+    try:
+        result = decoder.generate(GenerationRequest(token_ids=prompt, max_new_tokens=40, temperature=0, gamma=4))
+    finally:
+        decoder.close()
+    assert result.token_ids == greedy(target_engine, prompt, 40)
+    assert taken.count(True) >= result.stats["rounds"] - 2, taken  # the first round, and none after the last
+    assert result.stats["ahead_hits"] >= taken.count(True)
+
+
+@pytest.mark.parametrize("mode", ["coupled", "rejection"])
+def test_a_seed_gives_the_same_answer_whether_the_next_proposals_came_beside_the_verify_or_not(
+        target_engine, monkeypatch, mode):
+    """The next Propose sent beside the verify changes which call hands over a round's proposals,
+    never the proposals nor the request's draws: a seeded request gives one answer with it and
+    without it (the draft drafting ahead either way; the target as its own draft keeps every
+    draft, and the bonus token is the draft's guess in some rounds and not in others)."""
+    import orchestrator.steps as steps
+    from draft_service.engine import DraftEngine
+
+    request = GenerationRequest(token_ids=[40, 41, 42, 43], max_new_tokens=40, temperature=0.3, seed=7, gamma=3,
+                                sampling_mode=mode)
+    answers, taken, first, real = [], [], [], steps.take_next
+    monkeypatch.setattr(steps, "take_next", lambda req, rnd: taken.append(real(req, rnd)) or taken[-1])
+    for pipelined in (True, False):
+        if not pipelined:
+            monkeypatch.setattr(steps, "next_call", lambda req, rnd: None)
+        decoder = SpeculativeDecoder(target_engine, DraftEngine(target_engine.loaded), draft_ahead=5)
+        try:
+            answers.append(decoder.generate(request))
+        finally:
+            decoder.close()
+        if pipelined:
+            first = list(taken[1:])  # (the first round has no next call)
+    assert answers[0].token_ids == answers[1].token_ids
+    assert all(first) if mode == "coupled" else True in first and False in first, first

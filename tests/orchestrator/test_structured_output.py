@@ -4,8 +4,9 @@ exact whatever gamma, batch or draft, and valid.
 Both workers mask every output position they score by the grammar's state after the output before
 it (specdec/grammar.py, applied first in specdec/sampling.py's apply_controls); the draft proposes
 the tokens the grammar forces without a forward pass. The definition the service must meet is
-computed from the target model alone (test_decoding_controls.reference): one pass per token, its
-logits masked by a matcher that follows the output, then the argmax or the seed's Gumbel-max choice.
+computed from the target model alone (tests/support/reference.py, controlled): one pass per token,
+its logits masked by a matcher that follows the output, then the argmax or the seed's Gumbel-max
+choice.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationRequest, GrammarSpec, SamplingParams
 from specdec.wire import DraftOptions
-from tests.orchestrator.test_decoding_controls import reference  # the target alone, under its controls
-from tests.orchestrator.test_sampled_distribution import PROMPT, assert_matches
+from tests.support.distribution import PROMPT, assert_matches
+from tests.support.reference import controlled as reference  # the target alone, under its controls
 
 SCHEMA = {
     "type": "object",

@@ -170,7 +170,7 @@ def goodput(stack):
 
 def test_a_request_repeating_an_ended_one_drafts_from_it_and_stays_exact(goodput, target_engine):
     from orchestrator.client import Client
-    from tests.orchestrator.test_greedy_equivalence import reference
+    from tests.support.reference import greedy as reference
 
     ids = target_engine.tokenizer("def suffix_drafts(x):").input_ids
     with Client(goodput, timeout_s=120) as client:
@@ -200,7 +200,7 @@ def test_suffix_drafts_off_makes_none_of_any_kind(stack, target_engine):
     """--suffix-drafts off: a request that repeats an ended one (and its own tokens) gets no
     suffix draft, and its output is the target's."""
     from orchestrator.client import Client
-    from tests.orchestrator.test_greedy_equivalence import reference
+    from tests.support.reference import greedy as reference
     from tests.support.servers import start_orchestrator
 
     tport, dport, _ = stack["ports"]

@@ -15,17 +15,9 @@ from orchestrator import tool_calls
 from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationRequest, SamplingParams
-from tests.orchestrator.test_structured_output import reference
+from tests.support.reference import controlled as reference  # the target alone, under its grammar
+from tests.support.tools import TOOLS
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Lisbon", "Paris"]},
-                                                    "unit": {"enum": ["c", "f"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                                       "required": ["zone"], "additionalProperties": False}}}
-TOOLS = (WEATHER, TIME)
 CHAT = [{"role": "user", "content": "What is the weather in Lisbon?"}]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 

@@ -77,7 +77,7 @@ def test_a_batched_verify_is_one_pass_and_each_call_fails_on_its_own(target_engi
     the call alone; a call with a bad token fails alone, before any pass."""
     from specdec.errors import InvalidArgument
     from specdec.wire import VerifyCall
-    from tests.draft_service.test_engine import count_passes
+    from tests.support.engines import count_passes
 
     prompts = {f"vbatch-{i}": [3 + i, 8, 2 * i + 1] for i in range(3)}
     drafts = {name: [4, 5 + i] for i, name in enumerate(prompts)}

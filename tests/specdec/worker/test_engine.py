@@ -10,14 +10,10 @@ import torch
 
 from specdec.errors import FailedPrecondition, NotFound, OutOfRange
 from specdec.protocol import SamplingParams
+from tests.support.engines import fresh_logits
 from tests.support.servers import wait_for
 
 GREEDY = SamplingParams(temperature=0)
-
-
-def fresh_logits(engine, tokens, keep):
-    with torch.inference_mode():
-        return engine.model(torch.tensor([tokens]), logits_to_keep=keep).logits[0]
 
 
 def test_truncate_then_forward_equals_fresh_computation(target_engine):

@@ -8,29 +8,12 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
-    Qwen2ForCausalLM
+from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
 from specdec.kernels import native_available
-from specdec.worker.batching import NO_MASK, RaggedCache, use_ragged_attention
+from specdec.worker.batching import NO_MASK, RaggedCache
 from specdec.worker.forward import lean_forward, lean_forward_fits, model_forward
-
-SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256)
-
-
-def _model(kind: str, dtype: torch.dtype):
-    torch.manual_seed(7)
-    if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=True))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE, attention_bias=True, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
-    model = model.to(dtype).eval()
-    use_ragged_attention(model)
-    return model
-
+from tests.support.models import SHAPE, random_model
 
 def _transformers(model, ids, positions, cache, keep):
     return model(input_ids=ids, position_ids=positions, attention_mask=NO_MASK, past_key_values=cache,
@@ -44,7 +27,7 @@ def test_the_lean_pass_is_transformers_forward_bit_for_bit(kind, dtype):
     """Two sessions: prefills of 7 and 3 tokens in one pass, then decoding work (1 row and a
     5-row verify) in another, then a pass of one session alone: each pass's logits and every
     cached key and value equal what transformers' forward computes."""
-    model = _model(kind, dtype)
+    model = random_model(kind, dtype)
     assert lean_forward_fits(model)
     g = torch.Generator().manual_seed(3)
     ours = [DynamicCache(config=model.config) for _ in range(2)]
@@ -71,7 +54,7 @@ def test_other_models_keep_transformers_forward(monkeypatch):
     SPECDEC_LEAN_FORWARD=0, runs its own forward."""
     mistral = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=16)).eval()
     assert not lean_forward_fits(mistral)
-    qwen = _model("qwen2", torch.float32)
+    qwen = random_model("qwen2", torch.float32)
     assert lean_forward_fits(qwen)
     calls = []
     monkeypatch.setattr("specdec.worker.forward.lean_forward", lambda *a: calls.append(a))
@@ -84,7 +67,7 @@ def test_other_models_keep_transformers_forward(monkeypatch):
 
 
 def test_a_model_with_a_layer_of_another_kind_or_spread_over_devices_keeps_transformers_forward():
-    model = _model("qwen2", torch.float32)
+    model = random_model("qwen2", torch.float32)
     odd = copy.deepcopy(model)
     odd.model.layers[1] = torch.nn.Identity()
     assert not lean_forward_fits(odd)
@@ -132,7 +115,7 @@ def test_caches_that_grow_in_place_compute_what_concatenation_computes(monkeypat
     from specdec.worker import batching
 
     monkeypatch.setattr(batching, "GROW_MIN", 16)  # buffers fill and move several times
-    model = _model("qwen2", torch.float32)
+    model = random_model("qwen2", torch.float32)
     forward = model_forward(model)
 
     def check(step, got, want):
@@ -157,7 +140,7 @@ def test_rows_over_long_contexts_verify_as_single_steps():
     from specdec.modeling import quantize
     from specdec.worker.batching import ONE_ROW_MATMUL_MIN_KEYS, one_row_attention
 
-    model = quantize(_model("qwen2", torch.float32), "int8-rows")  # rows independent in the Linears too
+    model = quantize(random_model("qwen2", torch.float32), "int8-rows")  # rows independent in the Linears too
     forward = model_forward(model)
     g = torch.Generator().manual_seed(9)
     context = ONE_ROW_MATMUL_MIN_KEYS - 3
@@ -184,7 +167,7 @@ native = pytest.mark.skipif(not native_available(), reason="the native kernels d
 def _native_model(kind: str, quantization: str = "int8-rows"):
     from specdec.modeling import quantize
 
-    return quantize(_model(kind, torch.float32), quantization)  # every projection on a native row kernel
+    return quantize(random_model(kind, torch.float32), quantization)  # every projection on a native row kernel
 
 
 @native
@@ -267,8 +250,8 @@ def test_models_off_the_native_kernels_keep_the_lean_pass(monkeypatch):
     from specdec.modeling import quantize
     from specdec.worker.forward import NativeForward, native_forward_fits
 
-    assert not native_forward_fits(_model("qwen2", torch.float32))  # plain Linears
-    assert not native_forward_fits(quantize(_model("qwen2", torch.float32), "int8"))  # fbgemm's kernels
+    assert not native_forward_fits(random_model("qwen2", torch.float32))  # plain Linears
+    assert not native_forward_fits(quantize(random_model("qwen2", torch.float32), "int8"))  # fbgemm's kernels
     if native_available():
         model = _native_model("qwen2")
         assert native_forward_fits(model)
@@ -291,7 +274,7 @@ def test_every_forward_returns_the_residual_stream_entering_the_asked_layers(pat
 
     if path == "native" and not native_available():
         pytest.skip("the native kernels do not build here")
-    model = _native_model("qwen2") if path == "native" else _model("qwen2", torch.float64)
+    model = _native_model("qwen2") if path == "native" else random_model("qwen2", torch.float64)
     if path == "plain":
         monkeypatch.setenv("SPECDEC_LEAN_FORWARD", "0")
     forward = model_forward(model)
@@ -307,7 +290,7 @@ def test_every_forward_returns_the_residual_stream_entering_the_asked_layers(pat
                                aux=(2, 0))
     assert torch.equal(logits, plain)
     assert features.shape == (12, 2 * SHAPE["hidden_size"])
-    reference = _model("qwen2", torch.float64)  # the same weights (seeded), unquantized for the native path
+    reference = random_model("qwen2", torch.float64)  # the same weights (seeded), unquantized for the native path
     if path == "native":
         reference = model
     first = reference(ids[:, 3:12], output_hidden_states=True).hidden_states

@@ -15,7 +15,7 @@ from specdec.worker.batching import RaggedCache
 from specdec.worker.forward import lean_forward
 from specdec.worker.paged import (PAGE, CudaGraph, EagerGraph, KVPages, StaticForward, buckets_for, pick_bucket,
                                   static_forward_fits)
-from tests.specdec.worker.test_forward import SHAPE, _model
+from tests.support.models import SHAPE, random_model
 
 
 class RecordingGraph(EagerGraph):
@@ -71,7 +71,7 @@ def test_the_static_pass_computes_the_lean_pass(kind, graph, dtype, monkeypatch)
     """float64: the same computation to rounding; float32 also runs the fused norm (one rounding
     where transformers has two) and every other kernel a GPU pass runs. cuda: captured CUDA
     graphs on the GPU (TF32 off), against the lean pass there."""
-    model = _model(kind, dtype)
+    model = random_model(kind, dtype)
     device = "cuda" if graph is CudaGraph else "cpu"
     if device == "cuda":
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
@@ -129,7 +129,7 @@ def test_captured_passes_bind_their_buffers_once():
     """Every bucket is captured at start-up; later passes only replay, each reading the input
     buffer its capture bound (no new capture, no pass outside a bucket for decoding work)."""
     RecordingGraph.log = []
-    model = _model("qwen2", torch.float64)
+    model = random_model("qwen2", torch.float64)
     pages, forward = _static(model, RecordingGraph)
     captures = [g for what, g in RecordingGraph.log if what == "capture"]
     assert len(captures) == len(set(captures)) == len(forward.buckets)
@@ -199,7 +199,7 @@ def paged_decoder(model_dirs):
 @pytest.mark.parametrize("gamma", [0, 3, 6])
 def test_greedy_on_pages_matches_generate(paged_decoder, gamma):
     from specdec.protocol import GenerationRequest
-    from tests.orchestrator.test_greedy_equivalence import PROMPTS, reference
+    from tests.support.reference import PROMPTS, greedy as reference
 
     decoder, target, draft = paged_decoder
     for prompt in PROMPTS:
@@ -218,7 +218,7 @@ def test_a_target_on_pages_feeds_a_feature_head_exactly(paged_decoder, model_dir
     from specdec.modeling import load_model
     from specdec.protocol import GenerationRequest
     from specdec_tools.testing.tiny_models import build_head_dir
-    from tests.orchestrator.test_greedy_equivalence import PROMPTS, reference
+    from tests.support.reference import PROMPTS, greedy as reference
 
     _, target, _ = paged_decoder
     config = target.model.config
@@ -249,7 +249,7 @@ def test_sampled_choices_on_pages_match_dynamic_caches(paged_decoder, target_eng
 
     from orchestrator.decoder import SpeculativeDecoder
     from specdec.protocol import GenerationRequest
-    from tests.orchestrator.test_greedy_equivalence import PROMPTS
+    from tests.support.reference import PROMPTS
 
     decoder, target, draft = paged_decoder
     plain = SpeculativeDecoder(target_engine, draft_engine, target_engine.tokenizer)
@@ -312,7 +312,7 @@ def _check_chain(draft, reference, kind: str, p_min: float) -> None:
     propose what `reference` proposes; the next call takes what the chain drafted past a stop."""
     from specdec.protocol import SamplingParams
     from specdec.wire import DraftOptions, ProposeCall
-    from tests.orchestrator.test_greedy_equivalence import PROMPTS
+    from tests.support.reference import PROMPTS
 
     options = DraftOptions(p_min=p_min)
     sampling = [SamplingParams(**p) for p in CHAINED[kind]]

@@ -87,7 +87,7 @@ def test_the_store_is_bounded_and_prefers_the_newest():
 def test_through_the_services_usage_counts_the_reused_tokens(model_dirs, target_engine):
     """Two requests with one long system prompt, one after the other, through gRPC: the second's
     stats count the reused tokens; both outputs are the target's greedy output."""
-    from tests.orchestrator.test_greedy_equivalence import reference
+    from tests.support.reference import greedy as reference
     from tests.support.servers import client_of, start_stack, stop_stack
 
     target = TargetEngine(load_model(str(model_dirs["target"]), dtype="float64"), prefix_cache_tokens=1024)
