@@ -259,8 +259,9 @@ def next_call(req: RequestState, rnd: Round) -> ProposeCall | None:
     gamma = min(len(rnd.drafts), req.gamma, left - 1)
     if gamma < 1:
         return None
+    # it drafts nothing further itself: a round that takes its answer sends the next one at its verify
     return replace(rnd.propose, token_ids=rnd.propose.token_ids + rnd.drafts, gamma=gamma + 1, seed=0,
-                   options=replace(rnd.propose.options, ahead=req.ahead(gamma)))
+                   options=replace(rnd.propose.options, ahead=0))
 
 
 def take_next(req: RequestState, rnd: Round) -> bool:
