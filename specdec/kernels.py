@@ -209,8 +209,8 @@ def bind_generation() -> int:
 class _NativeRows(torch.nn.Module):
     """What the native kernels' modules share: their tensors' addresses, taken once (`_bind`, again
     whenever torch moves or converts the module's tensors) rather than on every call: a decoding
-    step makes ~200 calls, and reading 4 addresses through nn.Module's attribute lookup took ~2 of
-    each call's ~12 us of Python around the kernel."""
+    step makes ~200 calls, and reading 4 addresses through nn.Module's attribute lookup is a sizeable
+    part of the Python around each (docs/benchmarks/huge-pages-lean-forward/)."""
 
     owns_memory = True  # its tensors are made here (modeling.own_memory leaves them)
     _ptrs: tuple = ()
