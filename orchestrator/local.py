@@ -26,7 +26,7 @@ def load_local(
     draft_vocab: int = 0,
 ) -> SpeculativeDecoder:
     # one OpenMP team for both models: they never run at once. The models load on that thread too:
-    # a team left on the caller's thread makes every pass on the model thread ~1.7x slower on 2 cores
+    # a second team, left on the caller's thread, shares the cores and slows every pass on the model thread
     model_thread = new_model_thread()
     target_engine = TargetEngine(
         model_thread.submit(load_model, target, device=device, dtype=dtype, device_map=device_map,

@@ -8,8 +8,9 @@ drafted token). It does not own where masks are applied (draft steps, verify row
 loop all call `apply`), the wire format, or sessions: a worker keeps one Matcher beside each session and
 truncates both to the same length.
 
-The engine is llguidance (chosen by measurement: docs/benchmarks/grammar-engines/). A mask is the engine's
-packed form, one int32 word per 32 token ids (bit i of word w is token 32*w + i), over `vocab_size` ids:
+The engine is llguidance (over xgrammar for its compile times and resource limits:
+docs/benchmarks/grammar-engines/). A mask is the engine's packed form, one int32 word per 32 token
+ids (bit i of word w is token 32*w + i), over `vocab_size` ids:
 embedding rows beyond the tokenizer and the tokenizer's special tokens other than EOS are never allowed.
 When the grammar is complete only the EOS ids are allowed; consuming one there is recorded but does not
 advance the grammar. Apply a mask before temperature, top-k and top-p, so that they act on allowed tokens only.
@@ -192,8 +193,8 @@ class GrammarCompiler:
 
 # JSON as json.dumps writes it: ", " and ": ", no other whitespace. With llguidance's default (any
 # whitespace anywhere) a small model can spend its whole budget on newlines and tabs inside an
-# object, which measurably happened with the test models; vLLM's --structured-outputs-config
-# disable_any_whitespace is the same choice.
+# object, as the test models do; vLLM's --structured-outputs-config disable_any_whitespace is the
+# same choice.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -395,7 +396,8 @@ class Matcher:
 
     def _bias_rows(self, rows: int) -> np.ndarray:
         """float32 [rows, vocab_size]: 0 where allowed, -inf where forbidden. Branch-free: a forbidden bit
-        times 0xFF800000 is -inf's bit pattern (3-15x cheaper than masked_fill_ on a 151,936-wide row)."""
+        times 0xFF800000 is -inf's bit pattern (masked_fill_ branches per element, slow on mixed masks:
+        docs/benchmarks/grammar-engines/)."""
         if self._bias is None or self._bias.shape[0] < rows:
             self._bias = np.empty((rows, self.vocab_size), dtype=np.int32)
         forbidden = np.unpackbits(np.invert(self._words[:rows]).view(np.uint8), axis=1, count=self.vocab_size,
@@ -407,7 +409,8 @@ class Matcher:
 
 def _add(logits: torch.Tensor, bias: np.ndarray) -> None:
     """logits += bias in place. CPU float32/float64 rows go through numpy: one thread, no OpenMP region,
-    which on a loaded 2-core machine cost ~8 ms for each 150k-element torch op (the whole apply: ~40 us)."""
+    so no wait for a busy core (a vocabulary-wide torch op can wait milliseconds for one; the numpy add
+    takes microseconds: docs/benchmarks/grammar-engines/)."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         rows = logits.detach().numpy()  # shares memory, views included
         np.add(rows, bias, out=rows)
@@ -417,10 +420,10 @@ def _add(logits: torch.Tensor, bias: np.ndarray) -> None:
 
 def compiler_ready(owner) -> None:
     """Waits for the GrammarCompiler `owner` (a decoder or a worker engine) makes in the background
-    at start-up (~2 s of CPU for a 150k vocabulary), before its server says SERVING: a new server's
-    first wave of eight requests, sent at SERVING, ran at 0.89x of the next while the compiler's
-    thread took the cores and the interpreter from their passes. A compiler that cannot be made
-    is logged; grammar requests then report it, and the rest are unaffected."""
+    at start-up (seconds of CPU for a 150k vocabulary), before its server says SERVING, so that the
+    compiler's thread does not take the cores and the interpreter from the first requests' passes
+    (docs/benchmarks/fresh-users/). A compiler that cannot be made is logged; grammar requests then
+    report it, and the rest are unaffected."""
     try:
         owner.grammar_compiler()
     except Exception:  # noqa: BLE001

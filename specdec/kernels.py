@@ -21,12 +21,12 @@ The native backend (`specdec/csrc/int8_rows.c`, used wherever it builds: x86-64 
 compiler) computes the same formula with 8-bit activations on every AVX2 CPU (its u8 x s8 pairs
 cannot saturate: |x| <= 127 and the weight carries x's sign), quantizes the rows itself and skips
 fbgemm's per-call work (its dynamic quantization of an input that is already integers, the
-sentinel row, the torch ops around it): on this 2-core AVX2 VM a 256x1536 projection costs 0.015
-ms a row against fbgemm's 0.19, a 1536x8960 one 0.60 against 0.94 (docs/benchmarks/native-int8/).
-On CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later) the same library runs its products with
-vpdpbusd instead (chosen at run time; `SPECDEC_NATIVE_ISA=avx2` keeps the AVX2 path): the same
-integer sums, so the same output bits (tested), and 1.3x faster at 5 rows, 1.5-2.1x at 9-32 rows, the
-same at 1-2 rows, where reading the weights is the bound (one 1536x8960 projection, 2 cores).
+sentinel row, the torch ops around it), so it is faster than fbgemm, most on small projections
+(docs/benchmarks/native-int8/). On CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later) the same
+library runs its products with vpdpbusd instead (chosen at run time; `SPECDEC_NATIVE_ISA=avx2`
+keeps the AVX2 path): the same integer sums, so the same output bits (tested), faster where a
+pass is compute-bound (5 rows and more) and the same at 1-2 rows, where reading the weights is the
+bound (docs/benchmarks/native-int8/).
 It is compiled once per source into the cache (`native_library`); `SPECDEC_NATIVE_KERNELS=0`
 turns it off.
 
@@ -37,14 +37,14 @@ against the same int8 activations per row, with integer sums per 256-column supe
 fixed float order per row and channel: rows bitwise independent, and ~0.58 bytes a weight read
 instead of 1. `Q6KRowLinear` does the same for each Linear the GGUF holds in Q6_K blocks (the
 default target's head and half its attention values and MLP outputs: ~0.83 bytes a weight where
-int8-rows requantized them to 1; SPECDEC_Q6K=0 keeps those int8-rows, the ablation). Every other
+int8-rows requantizes them to 1; SPECDEC_Q6K=0 keeps those int8-rows, the ablation). Every other
 Linear stays int8-rows.
 
 The native kernels' weights live in `weight_memory`: anonymous mappings advised as transparent
 huge pages (MADV_HUGEPAGE), the tensors laid end to end. A 1-row pass streams every weight once,
-and with 4 KiB pages each 4 KiB costs a page walk, which under a VM's nested paging is a long one:
-on this 2-core VM a 1-row target pass fell from ~51 to ~44 ms with 2 MiB pages (the same bits:
-only where the bytes sit changes). `SPECDEC_HUGE_PAGES=0` keeps ordinary pages (the ablation);
+and with 4 KiB pages each 4 KiB costs a page walk, which under a VM's nested paging is a long one;
+2 MiB pages make a 1-row pass faster and change no bit, only where the bytes sit
+(docs/benchmarks/huge-pages-lean-forward/). `SPECDEC_HUGE_PAGES=0` keeps ordinary pages (the ablation);
 where the kernel has transparent huge pages off (`never`), the advice changes nothing.
 """
 
@@ -96,7 +96,7 @@ _ROUND = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds a float32 b
 def quantize_rows(rows: torch.Tensor, levels: float, out: torch.Tensor) -> torch.Tensor:
     """out = round(rows * (levels / max|row|)), each row's integers in [-levels, levels]; returns
     the per-row scales s ([n, 1]) with rows ~ out * s. Rounds half to even, as torch.round does,
-    with two additions (torch.round was 14% of a 5-row pass)."""
+    with two additions: torch.round costs a sizeable part of a few-row pass."""
     amax = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
     torch.mul(rows, levels / amax, out=out)
     out.add_(_ROUND).sub_(_ROUND)
@@ -104,7 +104,7 @@ def quantize_rows(rows: torch.Tensor, levels: float, out: torch.Tensor) -> torch
 
 
 def _native_wanted() -> bool:
-    """Not turned off (SPECDEC_NATIVE_KERNELS=0: the fbgemm path, as before the native kernel)."""
+    """Not turned off (SPECDEC_NATIVE_KERNELS=0: the fbgemm path)."""
     return envs.on("SPECDEC_NATIVE_KERNELS")
 
 
@@ -209,8 +209,8 @@ def bind_generation() -> int:
 class _NativeRows(torch.nn.Module):
     """What the native kernels' modules share: their tensors' addresses, taken once (`_bind`, again
     whenever torch moves or converts the module's tensors) rather than on every call: a decoding
-    step makes ~200 calls, and reading 4 addresses through nn.Module's attribute lookup took ~2 of
-    each call's ~12 us of Python around the kernel."""
+    step makes ~200 calls, and reading 4 addresses through nn.Module's attribute lookup is a sizeable
+    part of the Python around each (docs/benchmarks/huge-pages-lean-forward/)."""
 
     owns_memory = True  # its tensors are made here (modeling.own_memory leaves them)
     _ptrs: tuple = ()
@@ -313,8 +313,8 @@ class Int8Linear(torch.nn.Module):
 @functools.cache
 def fp16_rows_independent() -> bool:
     """Whether fbgemm's fp16-weight GEMM gives each row the bits it gives that row alone, on this
-    CPU. It does with AVX-512 (measured on an AVX-512 EPYC: 9-row passes equal 9 steps); with
-    AVX2 only (a Zen 3 EPYC) a 2-row product differs from its rows alone in the last bits, so
+    CPU. It does with AVX-512 (a 9-row pass equals 9 steps); with AVX2 only a 2-row product
+    differs from its rows alone in the last bits (docs/benchmarks/native-int8/), so
     there an fp16 target's verify pass is not exactly k single steps and speculative greedy
     output can leave the target's own on a near-tie. The workers warn at load."""
     g = torch.Generator().manual_seed(0)

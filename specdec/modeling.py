@@ -52,35 +52,30 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
     q4k-rows puts every Linear on Q4_K blocks: the source GGUF's own Q4_K and Q6_K where it has
     them, every other one requantized to Q4_K at load (kernels.q4k_quantize, llama.cpp's search; a
     width that is no multiple of 256 padded). A second rounding, so for drafts: the default
-    draft's step reads ~240 MB instead of ~390 (int8-rows), a 1-row step 14.8 -> 11.5 ms and a 2-row
-    one 13.9 -> 11.0, its 43-row prefill 95 -> 118 ms (compute-bound sooner), and the same drafts
-    accepted on the bench prompts (135/207 at gamma 4 with int8-rows, 138/199 with q4k-rows;
-    docs/benchmarks/q4k-draft/).
+    draft's step reads ~240 MB instead of ~390 (int8-rows), which makes its 1- and 2-row steps
+    cheaper (a long prefill dearer: compute-bound sooner) and keeps as many of its drafts
+    (docs/benchmarks/q4k-draft/).
 
     int4-rows reads ~0.99 GB a pass of the default target (1.07 with its Q6_K tensors as int8-rows)
-    against int8-rows' 1.5 GB, rows as
-    independent (integer sums per 256-column super-block): one projection 1.4-1.7x faster at 1-2
-    rows, 1.05-1.5x at 5-9, 1.0-1.3x slower from 17 rows; through the services 1.14-1.15x one
-    client at gamma 0, 1.08-1.28x at gamma 4, 0.98-1.04x four clients; 1.1 GiB less memory
-    (docs/benchmarks/native-int8/README.md, "The GGUF's own Q4_K blocks").
+    against int8-rows' 1.5 GB, rows as independent (integer sums per 256-column super-block): faster
+    where reading the weights is the bound (passes of a few rows, so one client), slower from ~17
+    rows, and 1.1 GiB less memory (docs/benchmarks/native-int8/README.md, "The GGUF's own Q4_K blocks").
 
     A target's rows must be independent (a k-row verify pass computing exactly what k single
     steps compute, or speculative output stops being the target's own): int8-rows is (int8 weights
     per output channel, int8 activations per row, exact integer sums: specdec/kernels.py), and it
-    reads half the bytes of fp16 weights. Measured on the default target, 2 cores (`specdec
-    bench-kernels`): a 1-row pass 1.4x faster than fp16 weights, a 9-row pass 1.7x, 17 rows 2.1x;
-    greedy text within KL ~0.003 of the fp16 path (docs/architecture.md, native kernels and quantization). `fp16` (fbgemm's
+    reads half the bytes of fp16 weights, so its passes are faster (`specdec bench-kernels`,
+    docs/benchmarks/native-int8/), its greedy text within KL ~0.003 of the fp16 path
+    (docs/architecture.md, native kernels and quantization). `fp16` (fbgemm's
     fp16-weight kernels, fp32 activations; row-independent on AVX-512 CPUs only:
     kernels.fp16_rows_independent) stays as an option. fbgemm's
     plain `int8` computes one activation scale over all rows of a pass: rows are not independent.
 
     A draft's numerics never change the output (the target verifies every token; q is what the
     draft really sampled from), so a draft takes whichever kernel is fastest at one row: q4k-rows
-    now (above); before it, int8-rows where the native kernel builds (specdec/csrc/int8_rows.c: a 1-row pass of the default draft
-    43.9 ms against 45.0 for fbgemm's int8 and 62.7 for int8-rows on fbgemm, 2 rows 46.4 / 58.5 /
-    62.7, on a 2-core AVX2 VM; its 8-bit per-row activations are also closer to the float model
-    than fbgemm's 7-bit per-pass ones, and it leaves torch.ao's deprecated path), else fbgemm's
-    plain int8.
+    (above) where the native kernel builds, else fbgemm's plain int8, faster at one row than
+    int8-rows on fbgemm, whose sentinel row and requantized input cost more
+    (docs/benchmarks/native-int8/).
     """
     if name == "auto":
         if device != "cpu" or dtype != torch.float32:
@@ -185,7 +180,8 @@ def gguf_tensors(path: Path) -> dict:
     """A GGUF file's tensors by name: (GGMLQuantizationType, its data as a read-only uint8 memory
     map of [rows, bytes a row] for a block format, as gguf-py's GGUFReader gives it). Only the
     header is walked, its metadata skipped, not parsed: GGUFReader builds every field (the
-    tokenizer's 151k tokens and merges) and took ~6 s of each default model's load on 2 cores."""
+    tokenizer's 151k tokens and merges), seconds of each default model's load on 2 cores
+    (docs/benchmarks/model-store/)."""
     import struct
 
     import numpy as np
@@ -310,10 +306,9 @@ def own_memory(model: torch.nn.Module, dtype: torch.dtype) -> None:
     own, in `dtype` if it is floating, one tensor at a time, so the files' mappings close.
 
     transformers maps safetensors files and, where the stored dtype is the one asked for, hands
-    out tensors that live in the mapping: the pages read stay in the process's RSS (the target
-    held 5.9 GiB of its fp32 file mapped while serving, beside 3.3 GiB of its own) even where
-    quantization replaced the Linear weights. A container's memory limit should not have to
-    cover a file the worker no longer reads. A kernel's module (specdec/kernels.py) made its
+    out tensors that live in the mapping: the pages read stay in the process's RSS (gigabytes of
+    a target's file) even where quantization replaced the Linear weights. A container's memory
+    limit should not have to cover a file the worker no longer reads. A kernel's module (specdec/kernels.py) made its
     tensors itself, its weights on huge pages: they stay where they are."""
     with torch.no_grad():
         for module in model.modules():
@@ -396,8 +391,8 @@ def load_model(
     if quantization in ("fp16", "int8", "int8-rows", "int4-rows", "q4k-rows") and not device_map and _stored_dtype(path) == "float16":
         # Linear weights quantized straight from the float16 store, never a float32 copy of
         # them all at once (one matrix at a time): the same model to the bit
-        # (tests/specdec/test_modeling.py), and the target's load peak fell from 10.4 to 8.1 GiB
-        # (fp16). The rest is upcast to float32 below
+        # (tests/specdec/test_modeling.py), with a lower load peak than a float32 copy of every
+        # weight. The rest is upcast to float32 below
         load_dtype = torch.float16
     kwargs = {"dtype": load_dtype}
     if device_map:
@@ -432,9 +427,8 @@ def load_head_model(spec: str, target_model: str | None, *, device: str, dtype: 
                     quantization: str = "auto") -> LoadedModel:
     """An EAGLE-3 head for target_model, with the target's tokenizer; ValueError where it does not
     fit the target. Its Linears (fc, the layer's projections, lm_head) are quantized as a model
-    draft's are: 'auto' on CPU is q4k-rows where the native kernel builds, else int8 (measured on
-    the default target's shape: a step 3.1 ms against 4.1 for int8-rows and 22.9 unquantized;
-    docs/benchmarks/feature-heads)."""
+    draft's are: 'auto' on CPU is q4k-rows where the native kernel builds (the cheapest head step
+    on the default target's shape, docs/benchmarks/feature-heads), else int8."""
     from transformers import AutoConfig, AutoTokenizer
 
     from specdec.eagle3 import load_head

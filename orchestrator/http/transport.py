@@ -105,7 +105,7 @@ LINGER_S = 2.0  # how long a connection refused as unparseable goes on being rea
 def _door_protocol(head_timeout_s: float):
     """uvicorn's h11 protocol, letting go of a connection whose request head (request line and
     headers) is not complete head_timeout_s after it opened or after its last answer (0: never),
-    so a client that sends nothing, or half its headers, no longer holds a connection for ever;
+    so a client that sends nothing, or half its headers, cannot hold a connection for ever;
     and answering a request h11 cannot parse (a bad request line, headers past 16 KiB) in
     OpenAI's error shape instead of plain text."""
     import h11

@@ -9,7 +9,7 @@ own session's cache and its session's earlier new tokens:
   attention layer) appends each session's slice of the new keys and values to that session's
   cache and hands back the per-session key/value tensors. A session's layer keeps its keys and
   values in buffers with room to grow (`grow_append`), its tensors views of their first rows: a
-  step writes its new rows in place where transformers' DynamicLayer concatenated, copying the
+  step writes its new rows in place where transformers' DynamicLayer concatenates, copying the
   session's whole cache in every layer at every step (at 1000 cached tokens ~57 MB a target step).
   A rollback (`crop`) shortens the views; the next step writes over what was cut.
 - `ragged_attention`, registered with transformers' AttentionInterface as "specdec_ragged", runs
@@ -51,8 +51,8 @@ DEFAULT_MAX_BATCH_TOKENS = FLAGS.default("max_batch_tokens")
 # on a CPU at 512 rows). So while sessions decode, meaning decoding work is queued or a session
 # still open had some in a pass within the last DECODING_WINDOW_S, a pass takes at most
 # --max-prefill-tokens-while-decoding prompt rows (a lone request's prompt, its predecessor's
-# sessions closed, still runs in one pass). On CPU 128 by default: it shortens the longest waits
-# between streamed tokens 3-5x at an unchanged throughput (docs/benchmarks/prefill-while-decoding).
+# sessions closed, still runs in one pass). On CPU 128 by default, chosen to shorten the longest
+# waits between streamed tokens without costing throughput (docs/benchmarks/prefill-while-decoding).
 CPU_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
 DECODING_WINDOW_S = 5.0  # longer than a pass of --max-batch-tokens rows on a CPU (a session waits behind one)
 # A pass of prompt chunks alone, right after one that held decoding work, waits for that work's
@@ -70,10 +70,10 @@ PREFILL_HOLD_FRACTION = 0.1
 # Cost (default target, 2 cores): about that of one SDPA call over the rows, up to 16 rows.
 ROWWISE_MAX_ROWS = 32
 # One query row over at least this many keys (on CPU, float32) is attended by one_row_attention, two batched
-# matmuls around a softmax, instead of SDPA's flash kernel, which is slower there from ~150 keys
-# (default target's shapes: 2000 keys 171 against 376 us a layer, 1000 keys 96 against 172; 100
-# keys 26 against 20). The choice depends on the row's key count alone, so a row computes the same
-# bits in a k-row verify as in a single step.
+# matmuls around a softmax, instead of SDPA's flash kernel, which is slower there from ~150 keys on
+# the default target's shapes and faster below (docs/benchmarks/huge-pages-lean-forward/). The choice
+# depends on the row's key count alone, so a row computes the same bits in a k-row verify as in a
+# single step.
 ONE_ROW_MATMUL_MIN_KEYS = 160
 
 

@@ -3,15 +3,15 @@
 `model_forward(model)` gives the function the engine's passes call: where every projection of a
 Llama/Qwen2-family model runs on the native row kernels (the CPU defaults, int4-rows and int8-rows),
 `NativeForward`: the decoder layers in C (specdec/csrc/decoder.c), one call a pass, where torch's
-ops cost ~35 dispatches a layer (measured on this 2-core VM: a 1-row target pass 47 -> 38 ms, a
-draft step 24 -> 18). Otherwise, for the Llama/Qwen2 family
+ops cost ~35 dispatches a layer, a sizeable part of a 1-row pass on CPU
+(docs/benchmarks/native-decoder/). Otherwise, for the Llama/Qwen2 family
 (decoder layers of norm, attention with rotary positions, norm, gated MLP) `lean_forward`, the
 very ops of transformers' forward in the same order, so the same bits (tested against it), but
 without its per-layer plumbing: the output-capturing and config-merging decorators, the keyword
 arguments every module passes on, the mask functions, the attention-interface lookup, the module
 calls around each norm, attention block and MLP, and the dtype casts that do nothing in float32.
-A decoding step runs 28 such layers in the default target and 24 in its draft; on this 2-core VM
-that plumbing was 1.5 ms of a 47 ms target pass and 1.8 ms of a 22 ms draft step. Any other model,
+A decoding step runs 28 such layers in the default target and 24 in its draft, so that plumbing
+costs a few percent of a CPU pass (docs/benchmarks/huge-pages-lean-forward/). Any other model,
 a model whose layers look otherwise, and one that accelerate spread over devices (`--device-map`:
 its hooks on each layer move the tensors) runs transformers' own forward.
 """

@@ -1,8 +1,8 @@
 """KV pages and the static pass: a worker's passes at the GPU's speed (CUDA graphs over fixed buffers).
 
 On a GPU an eager pass of a small model is launch-bound: hundreds of kernels launched from Python,
-each far shorter than its launch (an H200 ran a 1.5B target's 1-row pass in 15.3 ms where reading
-its weights takes 0.7 ms). A CUDA graph replays a captured pass in one launch, but every tensor it
+each far shorter than its launch, so a 1-row pass takes many times what reading the weights takes
+(docs/benchmarks/gpu-h200-graphs/). A CUDA graph replays a captured pass in one launch, but every tensor it
 touches must sit at a fixed address with a fixed shape. So on CUDA (Llama/Qwen2 family, the
 models lean_forward runs) a worker keeps its KV cache in pages allocated once, at start-up:
 

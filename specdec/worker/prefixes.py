@@ -3,8 +3,8 @@ new session whose prompt begins with one of them from a copy of that prefix, ins
 
 What it is for: a system prompt or tool schema every request repeats, and an agent's or a chat's
 next turn, whose prompt is the last turn's prompt and answer and a little more. Prefill is the
-slow part of a request on a CPU (compute-bound: about 2.5 s for a 157-token chat prompt on the
-2-core VM); copying a cached prefix costs a memory copy.
+slow part of a request on a CPU (compute-bound: seconds for a chat prompt of a few hundred tokens
+on 2 cores, docs/benchmarks/prefix-cache/); copying a cached prefix costs a memory copy.
 
 - `PrefixStore` holds retained caches by scope (the opener's certificate identity and the scope
   the orchestrator names: a digest of the request's bearer token), newest first, bounded by the
