@@ -3,9 +3,10 @@
 The cost model (orchestrator/gamma.py) predicts each step's goodput with and without drafts, and
 a prediction can be wrong. So per target and load level (the requests on the target, those still
 prefilling included: 1, 2-3, 4-7, 8-15, ...) two arms are measured as they run: the tokens per
-second of steps that speculated ("draft": drafts of a model, or suffix drafts) and of steps that
-did not ("plain"). Once both have MIN_STEPS measured steps the better one runs, and the other
-takes over only when it measures MARGIN better. Before that a level starts from its
+second of steps that drafted ("draft") and of steps that did not ("plain"); gamma.py keeps one
+such set for drafting with the model and one for suffix drafts in the steps that do not. Once
+both have MIN_STEPS measured steps the better one runs, and the other takes over only when it
+measures MARGIN better. Before that a level starts from its
 measured neighbours (drafting pays less the more requests share the passes: where it lost at a
 lighter load it starts off, where it won at a heavier load it starts on), else the model's arm.
 The arm not running is explored in runs of MIN_STEPS + 1 steps while the time spent exploring

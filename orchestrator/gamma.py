@@ -9,9 +9,9 @@ draft (seconds against rows), acceptance by position (each request's own over it
 one), a step's time beyond its passes, and, for a draft on hardware of its own that drafts the
 next round while the target verifies, the chance that a request finds its proposals already made.
 Where the model drafts nothing, a request's suffix draft rides the target's pass if its expected
-tokens pay for its rows. A model can be wrong, so whether a step speculates at all (model or
-suffix drafts) is decided by measurement (orchestrator/arms.py). Everything, times included,
-comes from the StepRecords handed to `observe`: the policy is a function of its records.
+tokens pay for its rows. A model can be wrong, so whether a step drafts with the model, and
+whether a step that does not carries suffix drafts, are decided by measurement (orchestrator/arms.py).
+Everything, times included, comes from the StepRecords handed to `observe`: the policy is a function of its records.
 
     tokens  = sum_j E_j(g_j),    E(g) = 1 + a_0 + a_0 a_1 + ... (g terms; Leviathan et al. 2023)
     seconds = overhead + max over drafts [(1 - prod_j H_j) max_j g_j D(n) + catch-up + extra]
@@ -291,8 +291,9 @@ class GammaPolicy:
         self._suffix: dict[str, Calibration] = {}  # target -> its suffix drafts', pooled
         self._averages: dict[tuple[str, str], Ratio] = {}  # ("overhead", target), ("extra" | "made", draft)
         self._loads: dict[str, collections.deque[int]] = {}  # target -> its last steps' loads
-        self._planned: dict[str, tuple[Level, str, bool, float]] = {}  # target -> (level, arm, explored, predicted)
-        self.arms = Arms()
+        self._planned: dict[str, tuple] = {}  # target -> (level, arm, explored, predicted, the suffix arms' plan)
+        self.arms = Arms()  # per target and level: steps drafting with the model, or not
+        self.suffix_arms = Arms()  # and steps that drafted nothing with the model: with suffix drafts, or not
 
     def _average(self, kind: str, address: str) -> Ratio:
         return self._averages.setdefault((kind, address), Ratio())
@@ -327,27 +328,28 @@ class GammaPolicy:
                 # delays no one else): elsewhere the step that pays it is charged all of it
                 requests = [replace(r, remaining=0) if r.lag > 1 else r for r in requests]
             model = StepModel(requests, self._step_costs(target, requests))
-            gammas, lengths = model.best(), none
+            gammas = model.best()
+            can_explore = any(c and (r.holds_prompt or alone) for c, r in zip(model.caps, requests))
+            arm, explored = self.arms.choose(level, DRAFT if any(gammas) else PLAIN, any(model.caps), can_explore)
+            if arm == PLAIN:
+                gammas = none
+            elif explored or not any(gammas):  # drafting where the model would not: with drafts in step
+                gammas = StepModel([r if r.holds_prompt or alone else StepRequest(0, r.draft) for r in requests],
+                                   model.costs).drafting()
+            lengths, planned_suffix = none, None
             candidates = suffix() if suffix is not None and not any(gammas) else None
-            if candidates and any(candidates):
+            if candidates and any(candidates):  # suffix drafts: arms of their own, per level
                 pooled = self._suffix.setdefault(target, Calibration())
                 start = pooled.value(PRIOR_ACCEPTANCE)
                 lengths = model.suffix(candidates, [r.calibration.value(start) if r.calibration else start
                                                     for r in requests])
-            can_draft = any(model.caps) or bool(candidates and any(candidates))
-            can_explore = any(c and (r.holds_prompt or alone) for c, r in zip(model.caps, requests)) or \
-                bool(candidates and any(candidates))
-            arm, explored = self.arms.choose(level, DRAFT if any(gammas) or any(lengths) else PLAIN,
-                                             can_draft, can_explore)
-            if arm == PLAIN:
-                gammas, lengths = none, none
-            elif explored or not (any(gammas) or any(lengths)):  # speculating where the model would not
-                gammas = StepModel([r if r.holds_prompt or alone else StepRequest(0, r.draft) for r in requests],
-                                   model.costs).drafting()
-                lengths = none if any(gammas) else [len(c) for c in candidates or none]
-            predicted = model.estimate(gammas, sum(sum(min(1.0, p) for p in c[:k]) for c, k in
-                                                   zip(candidates or [], lengths)), sum(lengths))
-            self._planned[target] = (level, arm, explored, predicted[0] / predicted[1] if model.target else 0.0)
+                suffix_level = self.suffix_arms.level(target, load)
+                suffix_arm, suffix_explored = self.suffix_arms.choose(suffix_level, DRAFT, can_draft=any(lengths))
+                lengths = lengths if suffix_arm == DRAFT else none
+                planned_suffix = (suffix_level, suffix_arm, suffix_explored)
+            tokens, seconds = model.estimate(gammas, sum(sum(min(1.0, p) for p in c[:k]) for c, k in
+                                                         zip(candidates or [], lengths)), sum(lengths))
+            self._planned[target] = (level, arm, explored, tokens / seconds if model.target else 0.0, planned_suffix)
             return gammas, lengths
 
     def observe(self, step: StepRecord) -> tuple[str, bool, float] | None:
@@ -387,12 +389,20 @@ class GammaPolicy:
             planned = self._planned.pop(step.target, None)
             if planned is None:
                 return None
-            level, arm, explored, predicted = planned
-            before = level.regret_s
+            level, arm, explored, predicted, planned_suffix = planned
+            regret = -level.regret_s
             self.arms.observe(level, arm, explored, step.tokens, step.seconds, predicted if own else None)
-            return arm, explored, level.regret_s - before
+            regret += level.regret_s
+            if planned_suffix is not None:
+                suffix_level, suffix_arm, suffix_explored = planned_suffix
+                regret -= suffix_level.regret_s
+                self.suffix_arms.observe(suffix_level, suffix_arm, suffix_explored, step.tokens, step.seconds,
+                                         predicted if own else None)
+                regret += suffix_level.regret_s
+            return arm, explored, regret
 
     def snapshot(self) -> list[dict]:
         """The measured arms per target and load level (arms.Arms.snapshot)."""
         with self._lock:
-            return self.arms.snapshot()
+            return [{**row, "kind": "drafting"} for row in self.arms.snapshot()] + \
+                [{**row, "kind": "suffix drafts"} for row in self.suffix_arms.snapshot()]
