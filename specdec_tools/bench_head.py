@@ -48,7 +48,10 @@ def _random_head(target_path: Path, out: Path, draft_vocab: int) -> Path:
     from specdec_tools.testing.tiny_models import build_head_dir
 
     config = AutoConfig.from_pretrained(target_path).get_text_config(decoder=True)
+    layers = config.num_hidden_layers  # EAGLE-3's low, middle and high layers; a tiny target's own where it has few
+    feature_layers = (2, layers // 2, layers - 3) if layers >= 6 else (0, layers // 2, layers - 1)
     return build_head_dir(out, target_hidden=config.hidden_size, target_vocab=config.vocab_size, seed=0,
+                          feature_layers=feature_layers,
                           heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
                           intermediate=config.intermediate_size, draft_vocab=draft_vocab, std=0.02,
                           rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0))
@@ -105,10 +108,12 @@ def cmd_bench_head(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sessions = [int(s) for s in a.sessions.split(",")]
     most = max(sessions)
-    prompt = [int(t) for t in torch.randint(100, 5000, (a.cached,), generator=torch.Generator().manual_seed(1))]
     ids = [f"s{i}" for i in range(most)]
     log(f"loading the target {a.target}")
     target = TargetEngine(load_model(a.target, device=a.device, dtype=a.dtype), max_sessions=most + 1)
+    high = min(5000, target.vocab_size)  # ordinary token ids (a tiny model's vocabulary is smaller)
+    prompt = [int(t) for t in torch.randint(min(100, high // 2), high, (a.cached,),
+                                            generator=torch.Generator().manual_seed(1))]
     for s in ids:
         target.open_session(s, prompt)
     steps = {("target pass", n): _target_step(target, ids[:n], a.cached) for n in sessions}

@@ -13,19 +13,21 @@ from target_service.engine import TargetEngine
 torch.set_num_threads(1)  # tiny models: threads only add noise on a 2-core machine
 
 # The integration tier: files whose tests start services as processes of their own, cut links in
-# network namespaces, fuzz, build packages or run whole benchmark stacks. Everything else is the
-# fast tier, run on every change (`make test-fast`: in-process servers, unit tests, tiny models).
+# network namespaces, fuzz, run chi-square tests over thousands of requests, build packages or run
+# whole benchmark stacks. Everything else is the fast tier, run on every change (`make test-fast`:
+# in-process servers, unit tests, tiny models; ~3 minutes on 2 cores).
 # `make test` (and CI) runs both.
 INTEGRATION = {
     "clients/test_python_client_package.py", "clients/test_typescript_client.py",
     "deploy/test_autoscaling.py", "deploy/test_compose.py", "deploy/test_k8s.py",
-    "orchestrator/test_cli.py", "orchestrator/test_client.py", "orchestrator/test_faults.py",
+    "orchestrator/test_cli.py", "orchestrator/test_client.py", "orchestrator/test_coupled_sampling.py",
+    "orchestrator/test_draft_options.py", "orchestrator/test_faults.py", "orchestrator/test_sampled_distribution.py",
     "orchestrator/test_fuzz.py", "orchestrator/test_grpc_service.py", "orchestrator/test_hosts_apart.py",
     "orchestrator/test_http_fuzz.py", "orchestrator/test_partitions.py", "orchestrator/test_pool.py",
     "orchestrator/test_serve.py", "orchestrator/test_telemetry.py",
     "specdec/test_entry_points_version.py", "specdec/test_healthcheck.py", "specdec/test_native_build.py",
     "specdec/test_proto_checks.py", "specdec/test_protos.py", "specdec/test_threads.py",
-    "specdec_tools/test_bench_anchor.py", "specdec_tools/test_bench_coupling.py",
+    "specdec_tools/test_bench_anchor.py", "specdec_tools/test_bench_coupling.py", "specdec_tools/test_bench_smoke.py",
     "specdec_tools/test_bench_serve.py", "specdec_tools/test_stack_hosts.py", "specdec_tools/test_train_head.py",
 }
 
