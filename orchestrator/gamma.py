@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from orchestrator.arms import DRAFT, MARGIN, MIN_STEPS, PLAIN, Arms, Level
+from orchestrator.arms import DRAFT, MARGIN, MIN_STEPS, PLAIN, Arms
 from specdec.protocol import MAX_GAMMA
 
 DECAY = 0.97  # every estimate follows its last ~30 observations

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from orchestrator.gamma import GammaPolicy, StepRecord, StepRequest
+from orchestrator.gamma import GammaPolicy, StepRecord
 from orchestrator.metrics import DecodingMetrics
 from orchestrator.rounds import (NextCall, RequestState, Round, drafted, finish, next_call, plan, step_request,
                                  suffix_eligible, take_next, verify_call)
@@ -247,14 +247,15 @@ class StepLoop:
         reported them, and the seconds of the phase beyond its passes (the RPC, the orchestrator's work)."""
         started = time.perf_counter()
         states, rounds = step.states, step.rounds
-        groups: dict[int, tuple[object, list[int]]] = {}
+        calling = []
         for i, (state, rnd) in enumerate(zip(states, rounds)):
             if rnd.propose is None:
                 continue  # (a next call still out is waited for by the request's next Propose: take_next)
             if take_next(state, rnd):  # made while the target verified the last round: no call
                 self._ahead_outcome(step, i, failed=False, hit=True)
             else:
-                groups.setdefault(id(state.placement.draft), (state.placement.draft, []))[1].append(i)
+                calling.append(i)
+        groups = by_draft(states, calling)
         if groups:
             work = list(groups.values())
             phases = self._phase("draft", [i for _, members in work for i in members], step.spans)
@@ -342,25 +343,21 @@ class StepLoop:
         draft worker, beside the verify (rounds.next_call): the draft works while the target
         verifies, and a round that keeps every draft finds its next proposals here (take_next)
         instead of waiting a call. Its `draft_ahead` span, under the round's, shows the overlap."""
-        groups: dict[int, tuple[object, list[tuple[int, object]]]] = {}
-        for i in live:
-            call = next_call(step.states[i], step.rounds[i])
-            if call is not None:
-                groups.setdefault(id(step.states[i].placement.draft), (step.states[i].placement.draft, []))[1] \
-                    .append((i, call))
-        for member, pending in groups.values():
-            members = [i for i, _ in pending]
+        calls = {i: call for i in live if (call := next_call(step.states[i], step.rounds[i])) is not None}
+        for member, members in by_draft(step.states, list(calls)).values():
             phases = self._phase("draft_ahead", members, step.spans)
             ctx = trace.set_span_in_context(phases[members[0]])
             try:
                 future = self.loops.drafts.submit(t.run_in_context, ctx, member.worker.propose_batch,
-                                                  [call for _, call in pending])
-            except RuntimeError:  # shutting down
+                                                  [calls[i] for i in members])
+            except RuntimeError:  # shutting down: no next call
+                for span in phases.values():
+                    span.end()
                 return
             future.add_done_callback(lambda _, spans=list(phases.values()): [span.end() for span in spans])
             for index, i in enumerate(members):
                 state = step.states[i]
-                state.next_call = NextCall(future, index, len(state.tokens), list(step.rounds[i].drafts))
+                state.next_call = NextCall(future, index, len(state.tokens), step.rounds[i].drafts)
 
     def _finish(self, step: "Step") -> list[Ticket]:
         """Each request's round to its end (rounds.finish: a faulted target's session moved and
@@ -404,6 +401,15 @@ class StepLoop:
                       record.tokens, record.seconds * 1e3, record.target_pass_s * 1e3,
                       (record.draft_end - record.started) * 1e3, ", a prefill overlapped" if record.overlapped else "")
         return staying
+
+
+def by_draft(states: list[RequestState], indices: list[int]) -> dict[int, tuple[object, list[int]]]:
+    """The requests (by index) grouped by their draft worker: one batched call each."""
+    groups: dict[int, tuple[object, list[int]]] = {}
+    for i in indices:
+        draft = states[i].placement.draft
+        groups.setdefault(id(draft), (draft, []))[1].append(i)
+    return groups
 
 
 @dataclass
