@@ -2,7 +2,8 @@
 
 This module owns: reading spans (the text ConsoleSpanExporter prints, a Jaeger JSON file, a Jaeger
 query URL), picking one request's trace, the per-stage time summary, and a Gantt-style PNG with one
-lane each for the orchestrator, the network/RPC overhead, the draft worker and the target worker.
+lane each for the orchestrator, the next Proposes sent ahead, the network/RPC overhead, the draft
+worker and the target worker.
 It imports nothing from the services: it works on whatever spans it is given, and draws less, not
 nothing, when some are missing (workers not exporting, gamma 0, no gRPC instrumentation).
 
@@ -17,7 +18,15 @@ The spans it expects (orchestrator `specdec-orchestrator`, workers `specdec-draf
         (under the step loop the calls are ProposeBatch / VerifyBatch, under the draft / verify span
         of the step's first request; the others' draft / verify spans link to them)
           rejection_sampling, rollback
+          draft_ahead -> .../ProposeBatch CLIENT -> SERVER -> forward x (gamma + 1)
         close    -> .../CloseSession CLIENT -> SERVER
+
+A `draft_ahead` span (the step loop, where the draft has hardware of its own: steps._send_next) is
+the next round's Propose, sent beside this round's verify and ended when the draft answers. It
+gets a lane of its own under the orchestrator's, so "draft k+1 beside verify k" shows as two bars
+one above the other, and the draft worker's passes under it are dotted. Its time overlaps the
+verify's, so the summary keeps it out of the stages (which stay disjoint) and reports it aside:
+the calls, their time, and how much of it the verify hid.
 
     python -m specdec_tools.timeline SOURCE --out timeline.png [--trace-id HEX]
 """
@@ -307,12 +316,17 @@ class _Tree:
     def in_prefill(self, span: Span) -> bool:
         return any(s.name == "prefill" or s.name.endswith("/OpenSession") for s in self.chain(span))
 
+    def in_ahead(self, span: Span) -> bool:
+        """Under a draft_ahead span: the next round's Propose, sent beside this round's verify."""
+        return any(s.name == "draft_ahead" and s.service == self.home for s in self.chain(span))
+
     def stages(self):
         """(worker, span) for each draft/verify step: the orchestrator's draft/verify spans, or
-        Propose/Verify client spans where those are missing."""
+        Propose/Verify client spans where those are missing. Calls sent ahead are none: they
+        overlap a verify."""
         out = []
         for s in self.subtree(self.request):
-            if s.service != self.home:
+            if s.service != self.home or self.in_ahead(s):
                 continue
             named = s.name in ("draft", "verify")
             rpc = s.name.endswith(RPC_NAMES) and not any(
@@ -352,6 +366,9 @@ class Summary:
     tokens_per_second: float
     wire_bytes: int
     missing_worker_spans: int  # draft/verify steps counted in unsplit_s
+    ahead_calls: int = 0  # draft_ahead spans: next Proposes sent beside a verify (in no stage above)
+    ahead_s: float = 0.0  # their time in all
+    ahead_overlap_s: float = 0.0  # the part of it while the request's verify ran
 
 
 def summarize(spans: list[Span], trace_id: str | None = None) -> Summary:
@@ -389,6 +406,9 @@ def _summarize(tree: _Tree) -> Summary:
     accepted = sum(int(r.attributes.get("specdec.accepted_tokens", 0)) for r in rounds)
     emitted = sum(int(r.attributes.get("specdec.emitted_tokens", 0)) for r in rounds)
     output = int(a.get("gen_ai.usage.output_tokens", emitted))
+    home = [s for s in tree.subtree(req) if s.service == tree.home]
+    aheads, verifies = [s for s in home if s.name == "draft_ahead"], [s for s in home if s.name == "verify"]
+    overlap = sum(max(0, min(x.end_ns, v.end_ns) - max(x.start_ns, v.start_ns)) for x in aheads for v in verifies)
     sec = lambda key: ns[key] / 1e9  # noqa: E731
     return Summary(
         trace_id=req.trace_id, model=str(a.get("gen_ai.request.model", "")),
@@ -403,12 +423,13 @@ def _summarize(tree: _Tree) -> Summary:
         acceptance_rate=float(a.get("specdec.acceptance_rate", accepted / drafted if drafted else 0.0)),
         tokens_per_second=output / (req.duration_ns / 1e9) if req.duration_ns > 0 else 0.0,
         wire_bytes=sum(int(r.attributes.get("specdec.wire_bytes", 0)) for r in rounds),
-        missing_worker_spans=missing)
+        missing_worker_spans=missing, ahead_calls=len(aheads), ahead_s=sum(x.duration_ns for x in aheads) / 1e9,
+        ahead_overlap_s=overlap / 1e9)
 
 
 # ---- the picture ------------------------------------------------------------------------------
 
-LANES = ("orchestrator", "network / RPC", "draft worker", "target worker")
+LANES = ("orchestrator", "draft ahead", "network / RPC", "draft worker", "target worker")
 # style: (face colour, legend entry, bar height, hatch), drawn in this order (later on top)
 STYLES = {
     "server": ("#dcdcdc", "worker RPC handling outside forward passes", 0.84, None),
@@ -422,12 +443,15 @@ STYLES = {
     "prefill": ("#8d6cbf", "prefill", 0.7, None),
     "draft": ("#3f7fcf", "draft forward pass", 0.7, None),
     "target": ("#e6802e", "target forward pass", 0.7, None),
+    "ahead": ("#6a9fdc", "next Propose sent beside the verify (draft_ahead)", 0.5, None),
+    "draft-ahead": ("#3f7fcf", "draft forward pass of a Propose sent ahead", 0.7, "...."),
     "sampling": ("#3b9f58", "rejection sampling", 0.7, None),
     "close": ("#b8a47c", "close sessions", 0.7, None),
 }
 LEGEND_ORDER = ("prefill", "draft", "target", "sampling", "rollback", "network", "server", "wait-draft",
-                "wait-target", "unsplit-draft", "unsplit-target", "close")
-EDGES = {"unsplit-draft": "#3f7fcf", "unsplit-target": "#e6802e", "draft": "white", "target": "white"}
+                "wait-target", "unsplit-draft", "unsplit-target", "ahead", "draft-ahead", "close")
+EDGES = {"unsplit-draft": "#3f7fcf", "unsplit-target": "#e6802e", "draft": "white", "target": "white",
+         "draft-ahead": "white"}
 
 
 @dataclass
@@ -501,6 +525,8 @@ def layout(spans: list[Span], trace_id: str | None = None) -> Layout:
         worker = tree.worker_of(s)
         if s.service == tree.home and s.name in orchestrator_styles:
             bar("orchestrator", s, orchestrator_styles[s.name], "prefill" if s.name == "prefill" else "")
+        elif s.service == tree.home and s.name == "draft_ahead":
+            bar("draft ahead", s, "ahead", "ahead")
         elif tree.is_server(s):
             client = tree.by_id[s.parent_id]
             bar("network / RPC", client, "network", end=s.start_ns + off[s.span_id])
@@ -508,6 +534,7 @@ def layout(spans: list[Span], trace_id: str | None = None) -> Layout:
             bar(lane_of[worker], s, "server")
         elif s.name == "forward" or (s.name == "prefill" and s.service != tree.home):
             style = "prefill" if tree.in_prefill(s) else worker or "target"
+            style = "draft-ahead" if style == "draft" and tree.in_ahead(s) else style
             label = "prefill" if s.name == "prefill" else "verify" if style == "target" else ""
             bar(lane_of[worker], s, style, label)
         elif s.name == "truncate":
@@ -561,6 +588,9 @@ def _summary_text(s: Summary) -> str:
               f"{s.input_tokens} prompt -> {s.output_tokens} new tokens"]
     if s.wire_bytes:
         lines.append(f"wire {s.wire_bytes / 1024:.1f} KiB")
+    if s.ahead_calls:
+        hidden = 100 * s.ahead_overlap_s / s.ahead_s if s.ahead_s else 0.0
+        lines += ["", f"{s.ahead_calls} Proposes ahead", f"  {s.ahead_s * 1e3:.2f} ms, {hidden:.0f}% beside verify"]
     if s.missing_worker_spans:
         lines += ["", f"* {s.missing_worker_spans} steps without worker", "  spans: network not split off"]
     return "\n".join(lines)

@@ -80,11 +80,18 @@ class Expected:
     draft_forwards: int = 0
     target_forwards: int = 0
     rpcs: int = 0  # client/server pairs
+    ahead_calls: int = 0  # draft_ahead spans (in no stage)
+    ahead: int = 0  # their time
+    ahead_overlap: int = 0  # the part of it beside a verify
+    ahead_forwards: int = 0
 
 
 def build_request(svc: Services, trace_id: int, t_us: int, *, model="tiny-target", gamma=4,
-                  accepted=(4, 1, 0, 3, 2), worker_spans=True, target_skew_us=0) -> Expected:
-    """One request as the services emit it, with made-up but distinct durations everywhere."""
+                  accepted=(4, 1, 0, 3, 2), worker_spans=True, target_skew_us=0, ahead=False) -> Expected:
+    """One request as the services emit it, with made-up but distinct durations everywhere. ahead:
+    every round but the last sends the next round's Propose beside its verify (a draft_ahead span,
+    begun with the verify, the later ones outlasting it), as the step loop does where the draft
+    has hardware of its own."""
     svc.ids.trace_ids.append(trace_id)
     exp = Expected(f"{trace_id:032x}")
     st = exp.stages
@@ -172,6 +179,24 @@ def build_request(svc: Services, trace_id: int, t_us: int, *, model="tiny-target
                 st["unsplit"] += t - t_draft
         verify = svc.start(ORCH, "verify", rnd, t)
         t_verify = t
+        if ahead and k < len(accepted) - 1:
+            # the next round's Propose, beside this verify; its time is in no stage of the summary
+            next_propose = svc.start(ORCH, "draft_ahead", rnd, t)
+            client = svc.start(ORCH, "/specdec.v1.DraftWorker/ProposeBatch", next_propose, t + 1, SpanKind.CLIENT)
+            srv = svc.start(DRAFT, client.name, client, t + 50, SpanKind.SERVER)
+            t_pass = t + 60
+            for j in range(g + 1):  # the draft's guess of the bonus token, then the next round's drafts
+                f = svc.start(DRAFT, "forward", srv, t_pass, attrs={"specdec.forward.tokens": 1})
+                t_pass += 250 + 10 * j
+                end(f, t_pass)
+                t_pass += 5
+                exp.ahead_forwards += 1
+            end(srv, t_pass + 10)
+            t_ahead_end = t + 1500 + 600 * k
+            end(client, t_ahead_end - 5)
+            end(next_propose, t_ahead_end)
+            exp.ahead_calls += 1
+            exp.ahead += t_ahead_end - t
         t += 9
 
         def work(srv, t, skew, k=k, g=g):
@@ -187,6 +212,8 @@ def build_request(svc: Services, trace_id: int, t_us: int, *, model="tiny-target
         t += 5
         end(verify, t)
         st["verify"] += t - t_verify
+        if ahead and k < len(accepted) - 1:
+            exp.ahead_overlap += min(t_ahead_end, t) - t_verify
         if not worker_spans:
             st["unsplit"] += t - t_verify
         t += 3
@@ -490,6 +517,41 @@ def test_draw_many_rounds_and_degraded_traces(tmp_path):
         out = tmp_path / f"{trace_id:x}.png"
         timeline.draw(spans, out, trace_id=f"{trace_id:x}")
         check_png(out)
+
+
+def test_a_propose_sent_ahead_is_drawn_beside_the_verify_and_kept_out_of_the_stages(tmp_path):
+    """The step loop's draft_ahead spans (the next round's Propose, sent beside this round's verify):
+    a lane of their own under the orchestrator's, each bar over its round's verify; the draft's
+    passes under them dotted; the summary's stages exactly as without them, the calls told aside."""
+    svc = Services()
+    exp = build_request(svc, TRACE_A, 0, ahead=True)
+    spans = timeline.parse_spans(console_text(svc.spans()))
+    s = timeline.summarize(spans)
+    check_summary(s, exp)  # draft, verify, compute, network: the ahead calls' time counted in none
+    sec = lambda us: us * 1000 / 1e9  # noqa: E731
+    assert (s.ahead_calls, s.ahead_s, s.ahead_overlap_s) == (4, sec(exp.ahead), sec(exp.ahead_overlap))
+    assert 0 < s.ahead_overlap_s < s.ahead_s  # the last one outlasts its verify
+    assert "4 Proposes ahead" in timeline._summary_text(s)
+
+    lay = timeline.layout(spans)
+    assert lay.lanes == ["orchestrator", "draft ahead", "network / RPC", "draft worker", "target worker"]
+    ahead = [b for b in lay.bars if b.style == "ahead"]
+    verifies = [b for b in lay.bars if b.style == "wait-target"]
+    assert len(ahead) == 4 and all(b.lane == "draft ahead" and b.label == "ahead" for b in ahead)
+    for a, v in zip(ahead, verifies):  # draft k+1 beside verify k: begun with it, drawn over it
+        assert a.start_ms == v.start_ms and a.width_ms > 0 and v.width_ms > 0
+    assert count(lay, "draft worker", "draft-ahead") == exp.ahead_forwards == 4 * 5
+    assert count(lay, "draft worker", "draft") == exp.draft_forwards  # the round's own passes as before
+    out = tmp_path / "ahead.png"
+    timeline.draw(spans, out)
+    check_png(out)
+
+    # without worker spans the orchestrator's view still shows them, and no step is unsplit for them
+    svc = Services()
+    build_request(svc, TRACE_B, 0, ahead=True, worker_spans=False)
+    spans = [s for s in timeline.parse_spans(console_text(svc.spans())) if s.service == ORCH]
+    lay = timeline.layout(spans)
+    assert count(lay, "draft ahead", "ahead") == 4 and count(lay, "draft worker", "unsplit-draft") == 5
 
 
 # ---- the command line ------------------------------------------------------------------------------
