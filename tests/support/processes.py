@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from orchestrator.remote import RemoteDraft, RemoteTarget
 from specdec_tools.stack import free_port
@@ -51,6 +52,15 @@ class WorkerProcess:
             return worker.describe().open_sessions
         finally:
             worker.close()
+
+    def stopped(self) -> bool:
+        """Every thread of it stopped (SIGSTOP taken): it can answer nothing until SIGCONT."""
+        try:
+            states = [Path(task, "stat").read_text().rpartition(")")[2].split()[0]
+                      for task in Path(f"/proc/{self.proc.pid}/task").iterdir()]
+        except (FileNotFoundError, IndexError):  # a thread ending as it is read
+            return False
+        return bool(states) and all(state in "tT" for state in states)
 
     def kill(self, sig=signal.SIGKILL):
         self.proc.send_signal(sig)
