@@ -1,4 +1,4 @@
-"""`specdec bench`: this project's speculative decoding against the alternatives, in one run.
+"""`specdec bench methods`: this project's speculative decoding against the alternatives, in one run.
 
 Methods, all on the same two models at the same precision, over the same chat-templated
 prompts, one after another in this process (d's services run as child processes meanwhile):

@@ -1,6 +1,6 @@
-"""`specdec bench-anchor`: this project beside llama.cpp's own server on the same GGUF files, in one run.
+"""`specdec bench anchor`: this project beside llama.cpp's own server on the same GGUF files, in one run.
 
-  specdec bench-anchor --llama-server PATH [--also-llama-server LABEL=PATH] [--target-gguf F --draft-gguf F] [--threads N]
+  specdec bench anchor --llama-server PATH [--also-llama-server LABEL=PATH] [--target-gguf F --draft-gguf F] [--threads N]
                        [--max-new-tokens 48] [--prompts 4] [--concurrency 4] [--out DIR]
 
 The anchor is the engine a CPU user would pick instead: llama.cpp's `llama-server` (built from the

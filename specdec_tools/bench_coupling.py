@@ -1,6 +1,6 @@
-"""`specdec bench-coupling`: what coupled sampling costs in acceptance, position by position.
+"""`specdec bench coupling`: what coupled sampling costs in acceptance, position by position.
 
-End-to-end benchmarks (`specdec bench --modes sampled,coupled,...`) compare different texts: a
+End-to-end benchmarks (`specdec bench methods --modes sampled,coupled,...`) compare different texts: a
 coupled and a rejection-sampled request write different answers, so their acceptance rates mix
 the method with the text. Here both are measured on the same contexts. The target writes each
 prompt's answer (greedy; with --contexts sampled, one answer per setting, sampled by the target
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--prompts", type=int, default=4, help="how many of `specdec bench`'s fresh prompts")
+    p.add_argument("--prompts", type=int, default=4, help="how many of `specdec bench methods`' fresh prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seeds", type=int, default=200, help="seeds per position for the coupled agreement")
     p.add_argument("--contexts", choices=["greedy", "sampled"], default="greedy",

@@ -1,4 +1,4 @@
-"""`specdec bench-head`: what a feature head's draft step costs next to a target pass (c).
+"""`specdec bench head`: what a feature head's draft step costs next to a target pass (c).
 
 In one process, through the workers' own engines (their sessions, their ragged passes), on one
 thread pool: the target's step (a Verify of one row per session, no drafts) and a feature

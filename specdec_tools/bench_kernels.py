@@ -1,4 +1,4 @@
-"""`specdec bench-kernels`: the target's (or draft's) forward pass under each CPU quantization.
+"""`specdec bench kernels`: the target's (or draft's) forward pass under each CPU quantization.
 
 For each `--quantize` mode, in one process, on the real model with `--cached` tokens in its
 cache, through the worker's own pass (ragged attention, specdec/worker/batching.py):
@@ -7,7 +7,7 @@ cache, through the worker's own pass (ragged attention, specdec/worker/batching.
   exact      whether a 9-row pass gives bitwise the logits of 9 one-row steps (what a verify of
              8 drafts must compute for speculative output to equal the target's own)
   profile    where a 1-row and a 5-row pass spend their time, by op kind (torch.profiler)
-  quality    against --reference (fp16 by default), on `specdec bench`'s prompts: whether the
+  quality    against --reference (fp16 by default), on `specdec bench methods`' prompts: whether the
              greedy text of --new-tokens tokens is the same, teacher-forced top-1 agreement on the
              reference's text, KL(reference || mode) and |log-prob difference| of the text's tokens
 

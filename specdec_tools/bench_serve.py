@@ -1,6 +1,6 @@
-"""`specdec bench-serve`: throughput and latency against concurrency, through the three services.
+"""`specdec bench serve`: throughput and latency against concurrency, through the three services.
 
-  specdec bench-serve [--target M --draft M | --tiny] [--concurrency 1,2,4,8,16] [--requests-per-level N]
+  specdec bench serve [--target M --draft M | --tiny] [--concurrency 1,2,4,8,16] [--requests-per-level N]
                       [--max-new-tokens 48] [--gamma on,off] [--users fresh,one] [--temperature 0,0.7,1.0]
                       [--sampling-mode default|coupled|rejection|both] [--prompts 8] [--out DIR]
                       [--setups default,fixed-gamma,FLAG=VALUE+...] [--link-rtt-ms 0,1,10]

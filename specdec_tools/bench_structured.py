@@ -15,7 +15,7 @@ since removed: docs/benchmarks/structured-output keeps those rows.)
 The grammar's own cost (consume + mask per generated token, on the target's tokenizer, in this
 process) is set against the mean round time of the schema, gamma 4 row.
 
-    specdec bench-structured [--max-new-tokens 96] [--out docs/benchmarks/structured-output]
+    specdec bench structured [--max-new-tokens 96] [--out docs/benchmarks/structured-output]
 """
 
 from __future__ import annotations

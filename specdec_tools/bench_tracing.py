@@ -1,6 +1,6 @@
 """Benchmark: what tracing and metrics cost.
 
-  specdec bench-tracing [--target M --draft M | --tiny] [--requests 6] [--max-new-tokens 64] [--repeats 2]
+  specdec bench tracing [--target M --draft M | --tiny] [--requests 6] [--max-new-tokens 64] [--repeats 2]
 
 Two measurements, side by side in one run:
 1. The three services as processes (as `specdec run` starts them), telemetry off, then on, in

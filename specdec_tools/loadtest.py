@@ -1,6 +1,6 @@
 """Load test (issue 5): many clients for minutes against the whole stack, with workers killed.
 
-  specdec loadtest [--duration 300] [--clients 16] [--no-faults] [--out DIR] [--seed 0]
+  specdec bench load [--duration 300] [--clients 16] [--no-faults] [--out DIR] [--seed 0]
   python -m specdec_tools.loadtest ...    (the same)
 
 Builds the tiny models of specdec_tools/testing/tiny_models.py, starts 2 targets, 2 drafts (float64, no

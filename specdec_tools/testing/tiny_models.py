@@ -166,7 +166,7 @@ def build_gguf_model_dir(path: Path, *, seed: int, layers: int = 2, mismatch: tu
 
 # The shapes of real models (their config.json on the hub), for benchmarks on machines that have
 # no weights (a GPU machine here has no network): pass costs, batching and round trips are real,
-# acceptance is not (specdec bench-serve --synthetic-acceptance).
+# acceptance is not (specdec bench serve --synthetic-acceptance).
 REAL_SHAPES = {
     "qwen2.5-coder-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
