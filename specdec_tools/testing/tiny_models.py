@@ -94,6 +94,12 @@ def build_perturbed_copy(source: Path, path: Path, *, seed: int, noise: float) -
     return Path(path)
 
 
+def build_tiny_pair(folder: Path) -> tuple[str, str]:
+    """The benchmarks' tiny pair (`specdec bench serve --tiny`, tracing --tiny, load): (target, draft) dirs."""
+    target = build_model_dir(Path(folder) / "tiny-target", seed=1, layers=2)
+    return str(target), str(build_perturbed_copy(target, Path(folder) / "tiny-draft", seed=2, noise=0.05))
+
+
 def random_q4k_blocks(n: int, k: int, generator: torch.Generator, scale: float = 2e-4) -> torch.Tensor:
     """Random ggml Q4_K blocks for an [n, k] weight (k a multiple of 256): uint8 [n, k / 256 * 144],
     random 6-bit scales and mins and nibbles, float16 d ~ scale and dmin ~ 7 scale (weights about
