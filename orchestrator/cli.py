@@ -5,7 +5,7 @@
   specdec workers --server HOST:PORT [--add-target A] [--add-draft A]  an orchestrator's worker pools
 
 and, where the tools are installed (specdec_tools, `pip install '.[bench]'` from a checkout; not in
-the service image), the tools' commands: run, bench, bench-serve, bench-kernels, loadtest,
+the service image), the tools' commands: run, bench (serve, kernels, load, ...),
 timeline, ... They are found through the entry-point group `specdec.commands` (pyproject.toml;
 specdec_tools/cli.py defines them), so nothing here imports the tools.
 """
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None, commands: dict | None = None) -> int:
     tools = sorted(dict(_tool_commands() if commands is None else commands).items())  # by name
     parser = argparse.ArgumentParser(
         prog="specdec", description="Speculative decoding over gRPC.",
-        epilog=None if tools else f"The benchmarks and tools (run, bench-serve, loadtest, timeline, ...) are not "
+        epilog=None if tools else f"The benchmarks and tools (run, bench, timeline, ...) are not "
                                   f"installed here: {TOOLS_EXTRA}.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

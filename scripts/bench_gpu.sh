@@ -7,14 +7,14 @@
 #   passes-0.5b, passes-1.5b, passes-7b: pass costs by sessions and rows (scripts/bench_gpu_passes.py),
 #     the eager pass over DynamicCaches against the static pass over KV pages, eager and from CUDA
 #     graphs; exactness of the graph path;
-#   serve-1.5b: the three services under load (specdec bench-serve), greedy, with a SYNTHETIC
+#   serve-1.5b: the three services under load (specdec bench serve), greedy, with a SYNTHETIC
 #     acceptance of 0.8 a draft position (random models never agree; the default pair kept 2.7-2.9
 #     of 4 drafts on code: 0.8 to 0.85 a position), speculation on/off, goodput policy and fixed
 #     gamma, the workers on CUDA graphs (their default);
 #   serve-1.5b-eager: the same at one client with --cuda-graphs off (the ablation);
 #   serve-7b: a 7B target with the 0.5B draft, one and four clients;
 #   head-1.5b: a feature head's (EAGLE-3) draft step against the 1.5B target's captured pass and the
-#     0.5B draft's step, 1/4/16 sessions (specdec bench-head: c, docs/benchmarks/feature-heads);
+#     0.5B draft's step, 1/4/16 sessions (specdec bench head: c, docs/benchmarks/feature-heads);
 #   tests-cuda: the tests that need a GPU (pytest -k cuda, ~1-2 min; not in the default: run it in a
 #     second call while the machine is warm): the captured pass against the lean pass, chained
 #     drafts against eager ones, choices on the device against the host's, the step loop.
@@ -47,10 +47,10 @@ passes() {  # passes NAME ARGS...: scripts/bench_gpu_passes.py on one model
   timeout 240 python3 scripts/bench_gpu_passes.py $models/qwen2.5-coder-$name --out "$out/r/passes-$name.md" "$@" \
     ${PASSES_ARGS:-} 2>&1 | grep -v "Loading weights"
 }
-serve() {  # serve NAME TARGET LEVELS SETUPS: bench-serve with the 0.5B draft
+serve() {  # serve NAME TARGET LEVELS SETUPS: specdec bench serve with the 0.5B draft
   step bench-serve $1
   # no pipe: the services inherit the output (a pipe held open by them kept a timeout waiting)
-  timeout 300 python3 -m specdec_tools.cli bench-serve --target $models/qwen2.5-coder-$2 \
+  timeout 300 python3 -m specdec_tools.cli bench serve --target $models/qwen2.5-coder-$2 \
     --draft $models/qwen2.5-coder-0.5b --device cuda --synthetic-acceptance 0.8 --concurrency $3 --gamma on,off \
     --max-new-tokens 64 --setups $4 --out "$out/r/serve-$1" >"$out/r/serve-$1.log" 2>&1
   cat "$out/r/serve-$1/table.md" 2>/dev/null || tail -20 "$out/r/serve-$1.log"
@@ -68,7 +68,7 @@ want serve-7b && wait && serve 7b 7b 1,4 default,gamma-policy=fixed
 want passes-0.5b && passes 0.5b --role draft --draft-vocab 32768 --rows 1,2,5
 if want head-1.5b; then
   step bench-head 1.5b
-  timeout 240 python3 -m specdec_tools.cli bench-head --target $models/qwen2.5-coder-1.5b \
+  timeout 240 python3 -m specdec_tools.cli bench head --target $models/qwen2.5-coder-1.5b \
     --draft $models/qwen2.5-coder-0.5b --device cuda --rounds 3 --out "$out/r/head-1.5b" 2>&1 | grep -v "Loading weights"
   pack
 fi

@@ -64,7 +64,7 @@ def resolve_quantization(name: str, device: str, dtype: torch.dtype, role: str =
     A target's rows must be independent (a k-row verify pass computing exactly what k single
     steps compute, or speculative output stops being the target's own): int8-rows is (int8 weights
     per output channel, int8 activations per row, exact integer sums: specdec/kernels.py), and it
-    reads half the bytes of fp16 weights, so its passes are faster (`specdec bench-kernels`,
+    reads half the bytes of fp16 weights, so its passes are faster (`specdec bench kernels`,
     docs/benchmarks/native-int8/), its greedy text within KL ~0.003 of the fp16 path
     (docs/architecture.md, native kernels and quantization). `fp16` (fbgemm's
     fp16-weight kernels, fp32 activations; row-independent on AVX-512 CPUs only:

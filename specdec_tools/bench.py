@@ -1,4 +1,4 @@
-"""`specdec bench`: this project's speculative decoding against the alternatives, in one run.
+"""`specdec bench methods`: this project's speculative decoding against the alternatives, in one run.
 
 Methods, all on the same two models at the same precision, over the same chat-templated
 prompts, one after another in this process (d's services run as child processes meanwhile):
@@ -15,7 +15,6 @@ Writes runs.csv, summary.csv, summary.json, sweep.csv, sweep.png and table.md to
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import json
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from specdec_tools import can_plot
+from specdec_tools import can_plot, report
 
 # the prompt sets, data in bench_prompts.json: fresh, answers written from scratch (little to copy
 # from the prompt); edit, code edits whose answers re-use most of the prompt's code; similar, a
@@ -135,18 +134,13 @@ def summarize(runs: list[Run], method: str, mode: str, baseline_tps: float | Non
 
 
 def format_table(rows: list[dict]) -> str:
-    head = "| mode | method | tok/s | vs a | same tokens | acceptance | tokens/round | by position | wire B/round | draft s | verify s | sampling s | network s |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        t = r.get("time_s", {})
-        pos = " ".join(f"{x:.2f}" for x in r.get("acceptance_by_position", []))
-        lines.append(
-            f"| {r['mode']} | {r['method']}: {r['name']} | {r['tokens_per_s']:.2f} | {r['ratio_to_a'] or 0:.2f}x | "
-            f"{r.get('same_tokens_as_a', '') or _gamma0(r)} | {r.get('acceptance_rate', '')} | {r.get('mean_accepted_length', '')} | "
-            f"{pos} | {r.get('wire_bytes_per_round', '')} | {t.get('draft', '')} | {t.get('verify', '')} | "
-            f"{t.get('sampling', '')} | {t.get('network_and_rpc', '')} |"
-        )
-    return "\n".join(lines)
+    head = ["mode", "method", "tok/s", "vs a", "same tokens", "acceptance", "tokens/round", "by position",
+            "wire B/round", "draft s", "verify s", "sampling s", "network s"]
+    return report.markdown_table(head, (
+        [r["mode"], f"{r['method']}: {r['name']}", f"{r['tokens_per_s']:.2f}", f"{r['ratio_to_a'] or 0:.2f}x",
+         r.get("same_tokens_as_a", "") or _gamma0(r), r.get("acceptance_rate", ""), r.get("mean_accepted_length", ""),
+         " ".join(f"{x:.2f}" for x in r.get("acceptance_by_position", [])), r.get("wire_bytes_per_round", "")]
+        + [r.get("time_s", {}).get(k, "") for k in ("draft", "verify", "sampling", "network_and_rpc")] for r in rows))
 
 
 def _gamma0(row: dict) -> str:
@@ -199,8 +193,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from specdec.worker.runner import new_model_thread
     from target_service.engine import TargetEngine
 
-    out = Path(a.out or f"bench_results/{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = report.out_dir(a.out)
     methods = [m for m in a.methods.split(",") if m]
     modes = [m for m in a.modes.split(",") if m]
     prompts = PROMPT_SETS[a.prompt_set][: a.prompts]
@@ -241,14 +234,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
                     load_model(draft_dir, quantization=q, head_rows=a.draft_vocab), model_thread=model_thread)
             sets = {name: [encode(p) for p in PROMPT_SETS[name][: a.prompts]] for name in a.ablation.split(",")}
             ablation = run_ablation(a, target, drafts, sets, modes, log)
-            text = format_ablation(ablation)
-            (out / "ablation.md").write_text(f"{a.prompts} prompts per set, {a.max_new_tokens} new tokens, "
-                                             f"p_min {a.p_min}\n\n{text}\n")
-            with open(out / "ablation.csv", "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(ablation[0]))
-                w.writeheader()
-                w.writerows(ablation)
-            print(text, flush=True)
+            report.write_table(out, f"{a.prompts} prompts per set, {a.max_new_tokens} new tokens, p_min {a.p_min}"
+                               f"\n\n{format_ablation(ablation)}", "ablation.md")
+            report.write_csv(out / "ablation.csv", ablation)
         if client:
             client.generate(token_ids=prompt_ids[0], max_new_tokens=8, temperature=0, gamma=a.gamma)
         for mode in modes:
@@ -290,8 +278,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
               f"draft vocabulary {a.draft_vocab or 'all'}, torch threads {torch.get_num_threads()}")
     config = {k: v for k, v in vars(a).items() if k != "func"}
     write_results(out, header, config, runs, rows, [], baseline)  # kept even if the sweep is cut short
-    print(header)
-    print(format_table(rows), flush=True)
+    print(f"{header}\n{format_table(rows)}", flush=True)
 
     sweep = []
     gammas = [int(g) for g in a.sweep.split(",") if g] if a.sweep else []
@@ -369,43 +356,31 @@ def run_ablation(a, target, drafts: dict, prompt_sets: dict, modes: list[str], l
 
 
 def format_ablation(rows: list[dict]) -> str:
-    head = ("| prompts | mode | configuration | tok/s | vs gamma 0 | greedy = gamma 0 | drafts/round | acceptance | "
-            "tokens/round | draft s | verify s |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(f"| {r['prompts']} | {r['mode']} | {r['config']} | {r['tokens_per_s']:.2f} | {r['vs_gamma_0']:.2f}x | "
-                     f"{r['same_tokens']} | {r['drafts_per_round']} | {r['acceptance_rate']} | {r['tokens_per_round']} | "
-                     f"{r['draft_s']} | {r['verify_s']} |")
-    return "\n".join(lines)
+    head = ["prompts", "mode", "configuration", "tok/s", "vs gamma 0", "greedy = gamma 0", "drafts/round", "acceptance",
+            "tokens/round", "draft s", "verify s"]
+    return report.markdown_table(head, ([r["prompts"], r["mode"], r["config"], f"{r['tokens_per_s']:.2f}",
+                                         f"{r['vs_gamma_0']:.2f}x", r["same_tokens"], r["drafts_per_round"],
+                                         r["acceptance_rate"], r["tokens_per_round"], r["draft_s"], r["verify_s"]]
+                                        for r in rows))
 
 
 def write_results(out: Path, header: str, config: dict, runs: list[Run], rows: list[dict], sweep: list[dict],
                   baseline: dict) -> None:
-    (out / "summary.json").write_text(json.dumps({"config": config, "summary": rows, "sweep": sweep}, indent=1))
-    with open(out / "runs.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["method", "mode", "prompt", "new_tokens", "seconds", "tokens_per_s", "acceptance_rate", "rounds",
-                    "wire_bytes"])
-        for r in runs:
-            w.writerow([r.method, r.mode, r.prompt, r.new_tokens, round(r.seconds, 3), round(r.new_tokens / r.seconds, 3),
-                        r.stats.get("acceptance_rate", ""), r.stats.get("rounds", ""), r.stats.get("wire_bytes", "")])
-    with open(out / "summary.csv", "w", newline="") as f:
-        flat = [{**{k: v for k, v in r.items() if k != "time_s"}, **{f"time_{k}_s": v for k, v in r.get("time_s", {}).items()}}
-                for r in rows]
-        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
-        w.writeheader()
-        w.writerows(flat)
+    report.write_json(out / "summary.json", {"config": config, "summary": rows, "sweep": sweep})
+    report.write_csv(out / "runs.csv", [
+        {"method": r.method, "mode": r.mode, "prompt": r.prompt, "new_tokens": r.new_tokens, "seconds": round(r.seconds, 3),
+         "tokens_per_s": round(r.new_tokens / r.seconds, 3), **{k: r.stats.get(k, "") for k in (
+             "acceptance_rate", "rounds", "wire_bytes")}} for r in runs])
+    report.write_csv(out / "summary.csv", [{**{k: v for k, v in r.items() if k != "time_s"},
+                                            **{f"time_{k}_s": v for k, v in r.get("time_s", {}).items()}} for r in rows])
     table = header + "\n\n" + format_table(rows) + "\n"
     if sweep:
-        with open(out / "sweep.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(sweep[0]))
-            w.writeheader()
-            w.writerows(sweep)
+        report.write_csv(out / "sweep.csv", sweep)
         if can_plot("sweep.png"):
             plot_sweep(sweep, baseline, out / "sweep.png")
-        table += "\n| mode | gamma | tok/s | acceptance | tokens/round |\n|---|---|---|---|---|\n" + "\n".join(
-            f"| {s['mode']} | {s['gamma']} | {s['tokens_per_s']:.2f} | {s['acceptance_rate']:.2f} | "
-            f"{s['mean_accepted_length']:.2f} |" for s in sweep) + "\n"
+        table += "\n" + report.markdown_table(["mode", "gamma", "tok/s", "acceptance", "tokens/round"], (
+            [s["mode"], s["gamma"], f"{s['tokens_per_s']:.2f}", f"{s['acceptance_rate']:.2f}",
+             f"{s['mean_accepted_length']:.2f}"] for s in sweep)) + "\n"
     (out / "table.md").write_text(table)
 
 
@@ -429,4 +404,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB)
     p.add_argument("--sweep", default="1,2,3,4,5,6,7,8", help="gammas for the sweep of c ('' to skip)")
     p.add_argument("--sweep-prompts", type=int, default=4)
-    p.add_argument("--out", default=None, help="results folder (default bench_results/<time>)")
+    report.add_out_argument(p, "")

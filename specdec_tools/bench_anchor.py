@@ -1,6 +1,6 @@
-"""`specdec bench-anchor`: this project beside llama.cpp's own server on the same GGUF files, in one run.
+"""`specdec bench anchor`: this project beside llama.cpp's own server on the same GGUF files, in one run.
 
-  specdec bench-anchor --llama-server PATH [--also-llama-server LABEL=PATH] [--target-gguf F --draft-gguf F] [--threads N]
+  specdec bench anchor --llama-server PATH [--also-llama-server LABEL=PATH] [--target-gguf F --draft-gguf F] [--threads N]
                        [--max-new-tokens 48] [--prompts 4] [--concurrency 4] [--out DIR]
 
 The anchor is the engine a CPU user would pick instead: llama.cpp's `llama-server` (built from the
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import signal
 import subprocess
@@ -44,6 +43,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from specdec_tools import report
 
 DEFAULT_OUT = "docs/benchmarks/anchor-llama-cpp"
 ROWS = {  # key: title, in the order they run and print
@@ -224,26 +225,22 @@ def _drafts(r: dict) -> str:
 
 
 def format_table(rows: list[dict], concurrency: int) -> str:
-    lines = ["| engine | one at a time tok/s | vs llama.cpp target alone | "
-             f"{concurrency} at once tok/s | vs llama.cpp target alone | acceptance (accepted/drafted) | "
-             f"{concurrency} at once = one at a time |", "|---|---:|---:|---:|---:|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['title']} | {_cell(r['one_tok_s'], '{:.2f}')} | {_cell(r['one_vs_anchor'], '{:.2f}x')} | "
-                     f"{_cell(r['all_tok_s'], '{:.2f}')} | {_cell(r['all_vs_anchor'], '{:.2f}x')} | "
-                     f"{_drafts(r)} | {r.get('concurrent_same_as_sequential', '')} |")
-    return "\n".join(lines)
+    head = ["engine", "one at a time tok/s", "vs llama.cpp target alone", f"{concurrency} at once tok/s",
+            "vs llama.cpp target alone", "acceptance (accepted/drafted)", f"{concurrency} at once = one at a time"]
+    return report.markdown_table(head, ([r["title"], _cell(r["one_tok_s"], "{:.2f}"), _cell(r["one_vs_anchor"], "{:.2f}x"),
+                                         _cell(r["all_tok_s"], "{:.2f}"), _cell(r["all_vs_anchor"], "{:.2f}x"), _drafts(r),
+                                         r.get("concurrent_same_as_sequential", "")] for r in rows),
+                                 align=["---", "---:", "---:", "---:", "---:", "---", "---"])
 
 
 def format_agreement(rows: list[dict]) -> str:
-    lines = ["| prompt | tokens, llama.cpp / ours | leading tokens shared | identical | ours default = ours gamma 0 "
-             "| llama.cpp with draft = without |", "|---|---|---:|---|---|---|"]
     yes = {True: "yes", False: "no", None: ""}
-    for r in rows:
-        lines.append(f"| {r['prompt']} | {r['anchor_tokens']} / {r['ours_tokens']} "
-                     f"| {_cell(r.get('shared_prefix'), '{}')} | {yes[r.get('identical')]} "
-                     f"| {yes[r.get('ours_equals_gamma0')]} "
-                     f"| {yes[r.get('anchor_draft_equals_anchor')]} |")
-    return "\n".join(lines)
+    head = ["prompt", "tokens, llama.cpp / ours", "leading tokens shared", "identical", "ours default = ours gamma 0",
+            "llama.cpp with draft = without"]
+    return report.markdown_table(head, ([r["prompt"], f"{r['anchor_tokens']} / {r['ours_tokens']}",
+                                         _cell(r.get("shared_prefix"), "{}"), yes[r.get("identical")],
+                                         yes[r.get("ours_equals_gamma0")], yes[r.get("anchor_draft_equals_anchor")]]
+                                        for r in rows), align=["---", "---", "---:", "---", "---", "---"])
 
 
 def source_gguf(converted_dir: str) -> str:
@@ -313,13 +310,9 @@ class LlamaServer:
         return parse_completion(answer, prompt, time.perf_counter() - t0)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from specdec_tools.stack import stop_processes
+
+        stop_processes([self.proc] if self.proc else [], 30.0)
 
 
 def cpu_model() -> str:
@@ -430,27 +423,22 @@ def cmd_bench_anchor(a: argparse.Namespace) -> int:
     import torch
 
     meta = {
-        "machine": {"cpu_count": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform(),
-                    "processor": platform.processor(), "python": platform.python_version(), "torch": torch.__version__,
-                    "torch_threads": torch.get_num_threads(), "load_average_at_end": os.getloadavg()},
+        "machine": report.machine(cpu=cpu_model(), torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                                  load_average_at_end=os.getloadavg()),
         "llama_cpp": llama,
         "models": {"target": a.target, "draft": a.draft, "target_dir": target_dir, "draft_dir": draft_dir,
                    "target_gguf": target_gguf, "draft_gguf": draft_gguf, "our_draft_vocab": DEFAULT_DRAFT_VOCAB,
                    "our_quantize": a.quantize},
-        "command": shlex.join(["specdec", *sys.argv[1:]]) if Path(sys.argv[0]).name == "specdec"
-        else shlex.join([sys.executable, *sys.argv]),
+        "command": report.command_line(),
         "settings": {"prompts": a.prompts, "prompt_tokens": [len(p) for p in prompts],
                      "max_new_tokens": a.max_new_tokens, "concurrency": a.concurrency, "threads": a.threads,
                      "spec_n_max": a.spec_n_max, "ctx_size": a.ctx_size, "temperature": 0.0},
     }
     table = format_table(rows, a.concurrency)
     agree_table = format_agreement(agree)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(f"{table}\n\nGreedy agreement, one at a time (llama.cpp target alone vs ours "
-                                  f"default):\n\n{agree_table}\n")
-    (out / "results.json").write_text(json.dumps(
-        {**meta, "rows": rows, "agreement": agree, "runs": [asdict(r) for r in runs]}, indent=1) + "\n")
-    print(table + "\n\n" + agree_table)
+    out = report.out_dir(a.out)
+    report.write_table(out, f"{table}\n\nGreedy agreement, one at a time (llama.cpp target alone vs ours "
+                            f"default):\n\n{agree_table}")
+    report.write_json(out / "results.json", {**meta, "rows": rows, "agreement": agree, "runs": [asdict(r) for r in runs]})
     log(f"wrote table.md and results.json to {out}")
     return 0

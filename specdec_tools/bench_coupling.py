@@ -1,6 +1,6 @@
-"""`specdec bench-coupling`: what coupled sampling costs in acceptance, position by position.
+"""`specdec bench coupling`: what coupled sampling costs in acceptance, position by position.
 
-End-to-end benchmarks (`specdec bench --modes sampled,coupled,...`) compare different texts: a
+End-to-end benchmarks (`specdec bench methods --modes sampled,coupled,...`) compare different texts: a
 coupled and a rejection-sampled request write different answers, so their acceptance rates mix
 the method with the text. Here both are measured on the same contexts. The target writes each
 prompt's answer (greedy; with --contexts sampled, one answer per setting, sampled by the target
@@ -19,12 +19,11 @@ Writes table.md and positions.csv to --out.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
-import time
-from pathlib import Path
 
 import torch
+
+from specdec_tools import report
 
 SETTINGS = {"T 0.7, top-p 0.95": dict(temperature=0.7, top_p=0.95), "T 1.0": dict(temperature=1.0, top_p=1.0)}
 CONTEXT_SEED = 1_000_003  # --contexts sampled: prompt i's answer under setting k is drawn with seed
@@ -37,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--prompts", type=int, default=4, help="how many of `specdec bench`'s fresh prompts")
+    p.add_argument("--prompts", type=int, default=4, help="how many of `specdec bench methods`' fresh prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seeds", type=int, default=200, help="seeds per position for the coupled agreement")
     p.add_argument("--contexts", choices=["greedy", "sampled"], default="greedy",
@@ -45,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "sampled, per setting an answer the target alone samples under it (default greedy)")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "fp16", "int8", "int8-rows", "int4-rows", "q4k-rows"])
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB)
-    p.add_argument("--out", default=None, help="results folder (default bench_results/coupling-<time>)")
+    report.add_out_argument(p, "coupling-")
 
 
 def cmd_bench_coupling(a: argparse.Namespace) -> int:
@@ -55,8 +54,7 @@ def cmd_bench_coupling(a: argparse.Namespace) -> int:
     from specdec.sampling import coupled_choice, process_logits
     from specdec_tools.bench import PROMPTS
 
-    out = Path(a.out or f"bench_results/coupling-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = report.out_dir(a.out, "coupling-")
     log = lambda msg: print(f"[bench-coupling] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     target = load_model(str(resolve_model(a.target)), quantization=a.quantize)
     draft = load_model(str(resolve_model(a.draft)), quantization=a.quantize, head_rows=a.draft_vocab, role="draft")
@@ -107,23 +105,18 @@ def cmd_bench_coupling(a: argparse.Namespace) -> int:
                             for s in range(a.seeds)) / a.seeds
                 rows.append({"setting": name, "prompt": i, "position": j, "rejection": round(1 - tv, 4),
                              "coupled": round(agree, 4), "bound": round((1 - tv) / (1 + tv), 4)})
-    with open(out / "positions.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    lines = ["| setting | positions | rejection: mean 1 - TV | coupled: mean agreement | bound (1-TV)/(1+TV) | coupled / rejection |",
-             "|---|---|---|---|---|---|"]
+    report.write_csv(out / "positions.csv", rows)
+    cells = []
     for name in SETTINGS:
         rs = [r for r in rows if r["setting"] == name]
         mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-        lines.append(f"| {name} | {len(rs)} | {mean('rejection'):.3f} | {mean('coupled'):.3f} | {mean('bound'):.3f} | "
-                     f"{mean('coupled') / mean('rejection'):.3f} |")
+        cells.append([name, len(rs)] + [f"{x:.3f}" for x in (mean("rejection"), mean("coupled"), mean("bound"),
+                                                             mean("coupled") / mean("rejection"))])
     answers = (f"the target's greedy answer of {a.max_new_tokens} tokens each" if a.contexts == "greedy" else
                f"answers of {a.max_new_tokens} tokens the target samples, one per setting")
     header = (f"{a.prompts} prompts, {answers}, {a.seeds} seeds per "
               f"position, quantization {a.quantize}, draft vocabulary {a.draft_vocab or 'all'}")
-    table = "\n".join(lines)
-    (out / "table.md").write_text(f"{header}\n\n{table}\n")
-    print(header)
-    print(table, flush=True)
+    table = report.markdown_table(["setting", "positions", "rejection: mean 1 - TV", "coupled: mean agreement",
+                                   "bound (1-TV)/(1+TV)", "coupled / rejection"], cells)
+    report.write_table(out, f"{header}\n\n{table}")
     return 0

@@ -1,4 +1,4 @@
-"""`specdec bench-head`: what a feature head's draft step costs next to a target pass (c).
+"""`specdec bench head`: what a feature head's draft step costs next to a target pass (c).
 
 In one process, through the workers' own engines (their sessions, their ragged passes), on one
 thread pool: the target's step (a Verify of one row per session, no drafts) and a feature
@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from specdec_tools import report
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from specdec.model_store import DEFAULT_TARGET
@@ -39,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="rounds over every step, alternating the order")
     p.add_argument("--device", default="cpu", help="cpu, cuda, ... (on CUDA the target replays captured graphs)")
     p.add_argument("--dtype", default="auto", help="auto: float32 on CPU (quantized by --modes), bfloat16 on CUDA")
-    p.add_argument("--out", default=None, help="results folder (default bench_results/head-<time>)")
+    report.add_out_argument(p, "head-")
 
 
 def _random_head(target_path: Path, out: Path, draft_vocab: int) -> Path:
@@ -104,8 +106,7 @@ def cmd_bench_head(a: argparse.Namespace) -> int:
     from target_service.engine import TargetEngine
 
     log = lambda msg: print(f"[bench-head] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    out = Path(a.out or f"bench_results/head-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = report.out_dir(a.out, "head-")
     sessions = [int(s) for s in a.sessions.split(",")]
     most = max(sessions)
     ids = [f"s{i}" for i in range(most)]
@@ -149,11 +150,9 @@ def cmd_bench_head(a: argparse.Namespace) -> int:
     rows = [(name, n, statistics.median(p for p, _ in times[(name, n)]),
              statistics.median(c for _, c in times[(name, n)])) for name, n in keys]
     target_pass = {n: p for name, n, p, _ in rows if name == "target pass"}
-    lines = ["| step | sessions | pass ms | call ms | c (pass / target pass) |", "|---|---|---|---|---|"]
-    lines += [f"| {name} | {n} | {p * 1e3:.2f} | {c * 1e3:.2f} | {p / target_pass[n]:.3f} |" for name, n, p, c in rows]
-    table = "\n".join(lines) + "\n"
-    (out / "table.md").write_text(table)
-    print(table)
+    table = report.markdown_table(["step", "sessions", "pass ms", "call ms", "c (pass / target pass)"], (
+        [name, n, f"{p * 1e3:.2f}", f"{c * 1e3:.2f}", f"{p / target_pass[n]:.3f}"] for name, n, p, c in rows)) + "\n"
+    report.write_table(out, table)
     log(f"wrote {out / 'table.md'}")
     return 0
 

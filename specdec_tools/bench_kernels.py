@@ -1,4 +1,4 @@
-"""`specdec bench-kernels`: the target's (or draft's) forward pass under each CPU quantization.
+"""`specdec bench kernels`: the target's (or draft's) forward pass under each CPU quantization.
 
 For each `--quantize` mode, in one process, on the real model with `--cached` tokens in its
 cache, through the worker's own pass (ragged attention, specdec/worker/batching.py):
@@ -7,7 +7,7 @@ cache, through the worker's own pass (ragged attention, specdec/worker/batching.
   exact      whether a 9-row pass gives bitwise the logits of 9 one-row steps (what a verify of
              8 drafts must compute for speculative output to equal the target's own)
   profile    where a 1-row and a 5-row pass spend their time, by op kind (torch.profiler)
-  quality    against --reference (fp16 by default), on `specdec bench`'s prompts: whether the
+  quality    against --reference (fp16 by default), on `specdec bench methods`' prompts: whether the
              greedy text of --new-tokens tokens is the same, teacher-forced top-1 agreement on the
              reference's text, KL(reference || mode) and |log-prob difference| of the text's tokens
 
@@ -21,9 +21,10 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from specdec_tools import report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=4, help="prompts for the quality check")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="also a per-op profile of 1- and 5-row passes")
-    p.add_argument("--out", default=None, help="results folder (default bench_results/kernels-<time>)")
+    report.add_out_argument(p, "kernels-")
     p.add_argument("--device", default="cpu", help="cpu, cuda, ... (on an accelerator the only mode is none)")
     p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--rows", default="1,2,5,9,17", help="new rows of each session in a timed pass")
@@ -114,8 +115,7 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     from specdec.worker.batching import use_ragged_attention
     from specdec_tools.bench import PROMPTS
 
-    out = Path(a.out or f"bench_results/kernels-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = report.out_dir(a.out, "kernels-")
     log = lambda msg: print(f"[bench-kernels] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     path = str(resolve_model(a.model))
     modes = [m for m in a.modes.split(",") if m]
@@ -127,8 +127,7 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     prefix = tok("def merge(a, b):\n    result = []\n    i = j = 0\n" * 16).input_ids[: a.cached]
     rows_list = [int(r) for r in a.rows.split(",") if r]
     sessions_list = [int(s) for s in a.sessions.split(",") if s]
-    lines = [f"| mode | sessions | " + " | ".join(f"{r} row{'s' if r > 1 else ''}" for r in rows_list)
-             + " | 9-row pass = 9 steps |", "|---|---|" + "---|" * (len(rows_list) + 1)]
+    passes = []  # a row per mode and sessions
     profiles = []
     rowwise = [int(v) for v in a.rowwise.split(",")] if a.rowwise else [batching.ROWWISE_MAX_ROWS]
     default_rowwise = batching.ROWWISE_MAX_ROWS
@@ -140,20 +139,20 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
             label = mode if len(rowwise) == 1 else f"{mode}, {'row-wise attention' if limit > 1 else 'SDPA'}"
             table, exact = _time_passes(loaded.model, forwards[mode], prefix, rows_list, sessions_list, a, log, label, profiles)
             for sessions, cells in table.items():
-                lines.append(f"| {label} | {sessions} | " + " | ".join(cells) + f" | {'yes' if exact else 'no'} |")
-                log(lines[-1])
+                passes.append([label, sessions, *cells, "yes" if exact else "no"])
+                log(" | ".join(map(str, passes[-1])))
     batching.ROWWISE_MAX_ROWS = default_rowwise
     where = (f"{torch.cuda.get_device_name(a.device)}, {next(iter(models.values())).dtype}, torch {torch.__version__}"
              if a.device.startswith("cuda") else f"torch threads {torch.get_num_threads()}")
     header = (f"{a.model} ({a.role}), ms per forward pass by new rows of each session, {a.cached} tokens cached "
               f"per session, median of {a.repeats}, {where}")
-    text = f"{header}\n\n" + "\n".join(lines) + "\n"
+    head = ["mode", "sessions", *(f"{r} row{'s' if r > 1 else ''}" for r in rows_list), "9-row pass = 9 steps"]
+    text = f"{header}\n\n{report.markdown_table(head, passes)}\n"
     if profiles:
         text += "\nWhere the time goes (self CPU time, top 5 ops):\n\n" + "\n".join(profiles) + "\n"
     if a.reference:
         text += "\n" + _quality(models, forwards, a, PROMPTS[: a.prompts], log) + "\n"
-    (out / "table.md").write_text(text)
-    print(text, flush=True)
+    report.write_table(out, text)
     return 0
 
 
@@ -221,9 +220,7 @@ def _time_passes(model, forward, prefix: list[int], rows_list: list[int], sessio
 def _quality(models: dict, forwards: dict, a: argparse.Namespace, prompts: list[str], log) -> str:
     ref = models[a.reference]
     tok = ref.tokenizer
-    lines = [f"Against {a.reference}, {len(prompts)} prompts, {a.new_tokens} greedy tokens each:", "",
-             "| mode | same greedy text | first difference at | top-1 agreement (teacher-forced) | KL mean | KL max "
-             "| mean abs log-prob diff | max |", "|---|---|---|---|---|---|---|---|"]
+    cells = []  # a row per mode
     ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
                add_special_tokens=False).input_ids for p in prompts]
 
@@ -265,7 +262,9 @@ def _quality(models: dict, forwards: dict, a: argparse.Namespace, prompts: list[
             t = torch.tensor(text)[:, None]
             diffs.append((lp_r.gather(-1, t) - lp_m.gather(-1, t)).abs()[:, 0])
         kl, d = torch.cat(kls), torch.cat(diffs)
-        lines.append(f"| {mode} | {same}/{len(ids)} | {', '.join(firsts)} | {agree}/{total} | {kl.mean():.4f} | "
-                     f"{kl.max():.4f} | {d.mean():.4f} | {d.max():.4f} |")
-        log(lines[-1])
-    return "\n".join(lines)
+        cells.append([mode, f"{same}/{len(ids)}", ", ".join(firsts), f"{agree}/{total}",
+                      *(f"{x:.4f}" for x in (kl.mean(), kl.max(), d.mean(), d.max()))])
+        log(" | ".join(cells[-1]))
+    return (f"Against {a.reference}, {len(prompts)} prompts, {a.new_tokens} greedy tokens each:\n\n" + report.markdown_table(
+        ["mode", "same greedy text", "first difference at", "top-1 agreement (teacher-forced)", "KL mean", "KL max",
+         "mean abs log-prob diff", "max"], cells))

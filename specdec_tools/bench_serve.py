@@ -1,6 +1,6 @@
-"""`specdec bench-serve`: throughput and latency against concurrency, through the three services.
+"""`specdec bench serve`: throughput and latency against concurrency, through the three services.
 
-  specdec bench-serve [--target M --draft M | --tiny] [--concurrency 1,2,4,8,16] [--requests-per-level N]
+  specdec bench serve [--target M --draft M | --tiny] [--concurrency 1,2,4,8,16] [--requests-per-level N]
                       [--max-new-tokens 48] [--gamma on,off] [--users fresh,one] [--temperature 0,0.7,1.0]
                       [--sampling-mode default|coupled|rejection|both] [--prompts 8] [--out DIR]
                       [--setups default,fixed-gamma,FLAG=VALUE+...] [--link-rtt-ms 0,1,10]
@@ -57,15 +57,12 @@ greedy output differed.
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import json
 import math
 import os
-import platform
 import queue
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -75,7 +72,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from specdec_tools import can_plot
+from specdec_tools import can_plot, report
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16"
 DEFAULT_PROMPTS = 8  # = the concurrency-1 level's default request count: every prompt gets a reference
@@ -502,16 +499,11 @@ def format_split(rows: list[dict]) -> str:
     sampling mode where some row samples)."""
     setups = any(r.get("setup", "default") != "default" for r in rows)
     sampled = any(r.get("temperature") for r in rows)
-    lines = ["| " + "setup | " * setups + "temperature | sampling | " * sampled + "mode | clients | "
-             + " | ".join(title for _, title, _ in SPLIT_COLUMNS) + " |",
-             "|" + "---|" * (2 + setups + 2 * sampled + len(SPLIT_COLUMNS))]
-    for r in rows:
-        if "split_tokens" in r:
-            lines.append("| " + f"{r.get('setup', 'default')} | " * setups
-                         + f"{r.get('temperature', 0.0):g} | {r.get('sampling', '')} | " * sampled
-                         + f"{r['mode']} | {r['concurrency']} | "
-                         + " | ".join(fmt.format(r[key]) for key, _, fmt in SPLIT_COLUMNS) + " |")
-    return "\n".join(lines)
+    head = ["setup"] * setups + ["temperature", "sampling"] * sampled + ["mode", "clients"]
+    return report.markdown_table(head + [title for _, title, _ in SPLIT_COLUMNS], (
+        [r.get("setup", "default")] * setups + [f"{r.get('temperature', 0.0):g}", r.get("sampling", "")] * sampled
+        + [r["mode"], r["concurrency"]] + [fmt.format(r[key]) for key, _, fmt in SPLIT_COLUMNS]
+        for r in rows if "split_tokens" in r))
 
 
 def add_ratios(rows: list[dict], off_mode: str = "off") -> list[dict]:
@@ -629,13 +621,9 @@ def format_table(rows: list[dict]) -> str:
     columns = [(key, title, fmt) for key, title, fmt in TABLE_COLUMNS
                if (sampled if key in ("temperature", "sampling") else
                    key not in optional or any(r.get(key) not in (None, "default", "grpc") for r in rows))]
-    head = "| " + " | ".join(title for _, title, _ in columns) + " |"
-    lines = [head, "|" + "---|" * len(columns)]
-    for r in rows:
-        cells = [("" if r.get(key) is None else fmt(r[key]) if callable(fmt) else fmt.format(r[key]))
-                 for key, _, fmt in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return report.markdown_table([title for _, title, _ in columns], (
+        ["" if r.get(key) is None else fmt(r[key]) if callable(fmt) else fmt.format(r[key]) for key, _, fmt in columns]
+        for r in rows))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -919,11 +907,9 @@ def link_rates(counts, records: list[RequestRecord]) -> dict:
 def _model_dirs(a: argparse.Namespace, tmp: str) -> tuple[str, str, int, dict]:
     """(target dir, draft dir, draft vocabulary, description for summary.json)."""
     if a.tiny:
-        from specdec_tools.testing.tiny_models import build_model_dir, build_perturbed_copy
+        from specdec_tools.testing.tiny_models import build_tiny_pair
 
-        target = build_model_dir(Path(tmp) / "tiny-target", seed=1, layers=2)
-        draft = build_perturbed_copy(target, Path(tmp) / "tiny-draft", seed=2, noise=0.05)
-        return str(target), str(draft), 0, {"target": "tiny (seed 1, 2 layers)", "draft": "tiny (perturbed copy)",
+        return *build_tiny_pair(tmp), 0, {"target": "tiny (seed 1, 2 layers)", "draft": "tiny (perturbed copy)",
                                             "draft_vocab": 0}
     from specdec_tools.stack import DEFAULT_DRAFT_VOCAB
 
@@ -951,29 +937,21 @@ RUN_FIELDS = [f for f in RequestRecord.__dataclass_fields__ if f != "token_ids"]
 
 
 def write_outputs(out: Path, records: list[RequestRecord], rows: list[dict], meta: dict) -> str:
-    """runs.csv, summary.csv, summary.json, table.md, serve.png; returns the table."""
+    """runs.csv, summary.csv, summary.json, table.md (printed), serve.png; returns the table."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "runs.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=RUN_FIELDS)
-        w.writeheader()
-        for r in records:
-            row = {k: v for k, v in asdict(r).items() if k != "token_ids"}
-            for k in ("latency_s", "ttft_s", "tokens_per_s", "server_total_s", "server_prefill_s", "server_draft_s",
-                      "server_verify_s", "server_draft_compute_s", "server_verify_compute_s", "longest_gap_s"):
-                row[k] = _round(row[k])
-            w.writerow(row)
-    with open(out / "summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    (out / "summary.json").write_text(json.dumps({**meta, "levels": rows}, indent=2) + "\n")
+    rounded = ("latency_s", "ttft_s", "tokens_per_s", "server_total_s", "server_prefill_s", "server_draft_s",
+               "server_verify_s", "server_draft_compute_s", "server_verify_compute_s", "longest_gap_s")
+    report.write_csv(out / "runs.csv", [{k: _round(v) if k in rounded else v for k, v in asdict(r).items()
+                                         if k != "token_ids"} for r in records], RUN_FIELDS)
+    report.write_csv(out / "summary.csv", rows, list(rows[0]))
+    report.write_json(out / "summary.json", {**meta, "levels": rows}, indent=2)
     table = (format_table(rows) + "\n\nWhere a round's time went (ms a round; a round drafts, verifies and emits its "
              "tokens; prefill left out):\n\n" + format_split(rows))
     if meta.get("synthetic_acceptance"):
         table = (f"Synthetic acceptance {meta['synthetic_acceptance']:g} (--synthetic-acceptance: greedy drafts kept "
                  f"by a coin, not by the target; no suffix drafts; random-weight models; {meta['machine'].get('accelerator') or 'CPU'})"
                  f"\n\n{table}")
-    (out / "table.md").write_text(table + "\n")
+    report.write_table(out, table)
     if can_plot("serve.png"):
         plot(rows, out / "serve.png", title=f"{meta['models']['target']} + {meta['models']['draft']}")
     return table
@@ -1169,12 +1147,10 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         row["outputs_differ"] = level_differences(records, row["mode"], row["concurrency"], row["setup"],
                                                   row["link_rtt_ms"]) if greedy and row["temperature"] == 0 else ""
     meta = {
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
-                    "python": platform.python_version(), "device": a.device, "accelerator": _accelerator(a.device)},
+        "machine": report.machine(device=a.device, accelerator=_accelerator(a.device)),
         "synthetic_acceptance": a.synthetic_acceptance or None,
         "models": models,
-        "command": shlex.join(["specdec", *sys.argv[1:]]) if Path(sys.argv[0]).name == "specdec"
-        else shlex.join([sys.executable, *sys.argv]),
+        "command": report.command_line(),
         "settings": {"setups": {name: list(setup_flags(name)) for name in a.setups}, "link_rtt_ms": a.link_rtt_ms,
                      "links": "delaying TCP proxies (specdec_tools/link.py), no netem on this kernel"
                      if a.link_rtt_ms else None,
@@ -1192,8 +1168,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         meta["outputs"]["identical"] = not comparison["differ"]
         if any(a.temperature):
             meta["outputs"]["compared"] = "greedy rows only (temperature 0)"
-    table = write_outputs(out, records, rows, meta)
-    print(table)
+    write_outputs(out, records, rows, meta)
     errors = sum(r["errors"] for r in rows)
     if greedy:
         differ = comparison["differ"]

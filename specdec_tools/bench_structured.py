@@ -15,7 +15,7 @@ since removed: docs/benchmarks/structured-output keeps those rows.)
 The grammar's own cost (consume + mask per generated token, on the target's tokenizer, in this
 process) is set against the mean round time of the schema, gamma 4 row.
 
-    specdec bench-structured [--max-new-tokens 96] [--out docs/benchmarks/structured-output]
+    specdec bench structured [--max-new-tokens 96] [--out docs/benchmarks/structured-output]
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
+
+from specdec_tools import report
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"},
@@ -173,23 +174,18 @@ def cmd_bench_structured(a) -> int:
 
     free = rows["free, gamma 4"]["tok_s"] / rows["free, gamma 0"]["tok_s"]
     constrained = g4["tok_s"] / rows["schema, gamma 0"]["tok_s"]
-    lines = ["| setup | tok/s | speedup vs its gamma 0 | acceptance | ms/round | valid JSON / calls |",
-             "|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        base = rows[name.split(",")[0] + ", gamma 0"]["tok_s"]
-        lines.append(f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | {r['acceptance']:.3f} | "
-                     f"{r['round_ms']:.1f} | {r['valid']}/{r['prompts']} |")
-    summary = (f"\nSpeculation's speedup: {constrained:.2f}x with the schema, {free:.2f}x without. "
-               f"Grammar cost: {mask_us:.0f} us per token (consume + mask, mean of {len(per_token)}), compile "
-               f"{statistics.fmean(compile_ms):.1f} ms per schema (first use; cached after); at "
-               f"{tokens_per_round:.2f} tokens per round, both workers' masks are {100 * share:.1f}% of a "
-               f"{g4['round_ms']:.0f} ms round. Greedy outputs identical across the schema rows: {same}.")
-    table = "\n".join(lines) + "\n" + summary
-    print(table)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"rows": rows, "mask_us_per_token": mask_us,
-                                                  "compile_ms": compile_ms, "round_share": share,
-                                                  "outputs_identical": same, "answers": texts}, indent=1))
-    (out / "table.md").write_text(table + "\n")
+    base = {name: rows[name.split(",")[0] + ", gamma 0"]["tok_s"] for name in rows}
+    table = report.markdown_table(["setup", "tok/s", "speedup vs its gamma 0", "acceptance", "ms/round",
+                                   "valid JSON / calls"], (
+        [name, f"{r['tok_s']:.2f}", f"{r['tok_s'] / base[name]:.2f}x", f"{r['acceptance']:.3f}", f"{r['round_ms']:.1f}",
+         f"{r['valid']}/{r['prompts']}"] for name, r in rows.items()))
+    table += (f"\n\nSpeculation's speedup: {constrained:.2f}x with the schema, {free:.2f}x without. "
+              f"Grammar cost: {mask_us:.0f} us per token (consume + mask, mean of {len(per_token)}), compile "
+              f"{statistics.fmean(compile_ms):.1f} ms per schema (first use; cached after); at "
+              f"{tokens_per_round:.2f} tokens per round, both workers' masks are {100 * share:.1f}% of a "
+              f"{g4['round_ms']:.0f} ms round. Greedy outputs identical across the schema rows: {same}.")
+    out = report.out_dir(a.out)
+    report.write_table(out, table)
+    report.write_json(out / "results.json", {"rows": rows, "mask_us_per_token": mask_us, "compile_ms": compile_ms,
+                                             "round_share": share, "outputs_identical": same, "answers": texts})
     return 0

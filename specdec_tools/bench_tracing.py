@@ -1,6 +1,6 @@
 """Benchmark: what tracing and metrics cost.
 
-  specdec bench-tracing [--target M --draft M | --tiny] [--requests 6] [--max-new-tokens 64] [--repeats 2]
+  specdec bench tracing [--target M --draft M | --tiny] [--requests 6] [--max-new-tokens 64] [--repeats 2]
 
 Two measurements, side by side in one run:
 1. The three services as processes (as `specdec run` starts them), telemetry off, then on, in
@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -126,12 +125,9 @@ def _run_mode(target_dir, draft_dir, a, telemetry_on: bool) -> tuple[float, list
 
 def cmd_bench_tracing(a: argparse.Namespace) -> int:
     if a.tiny:
-        from specdec_tools.testing.tiny_models import build_model_dir, build_perturbed_copy
+        from specdec_tools.testing.tiny_models import build_tiny_pair
 
-        tmp = tempfile.mkdtemp(prefix="specdec-tiny-")
-        target_dir = build_model_dir(Path(tmp) / "tiny-target", seed=1, layers=2)
-        draft_dir = str(build_perturbed_copy(target_dir, Path(tmp) / "tiny-draft", seed=2, noise=0.05))
-        target_dir = str(target_dir)
+        target_dir, draft_dir = build_tiny_pair(tempfile.mkdtemp(prefix="specdec-tiny-"))
     else:
         from specdec.model_store import resolve_model
 

@@ -1,7 +1,7 @@
 """A TCP proxy that puts a link with added latency between the orchestrator and a worker.
 
 This machine's kernel has no `netem` qdisc (`tc qdisc add ... netem` says "unknown"), so
-`specdec bench-serve --link-rtt-ms` simulates hosts apart with this proxy instead: each chunk of
+`specdec bench serve --link-rtt-ms` simulates hosts apart with this proxy instead: each chunk of
 bytes read from one side is written to the other `rtt / 2` later, in order, without holding up the
 chunks behind it (latency is added, bandwidth is not limited). It also counts, per direction, the
 bytes it carries and the RPCs started through it: the HEADERS frames that open a stream, read from

@@ -1,6 +1,6 @@
 """Load test (issue 5): many clients for minutes against the whole stack, with workers killed.
 
-  specdec loadtest [--duration 300] [--clients 16] [--no-faults] [--out DIR] [--seed 0]
+  specdec bench load [--duration 300] [--clients 16] [--no-faults] [--out DIR] [--seed 0]
   python -m specdec_tools.loadtest ...    (the same)
 
 Builds the tiny models of specdec_tools/testing/tiny_models.py, starts 2 targets, 2 drafts (float64, no
@@ -44,6 +44,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from specdec_tools import report
+
 KINDS = {"greedy": 45, "stream": 15, "sampled": 15, "cancel": 15, "deadline": 10}  # weights
 EXPECTED = {"cancel": {"OK", "CANCELLED"}, "deadline": {"OK", "DEADLINE_EXCEEDED"}}  # others: OK only
 MAX_NEW = (16, 48, 96)
@@ -58,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partitions", action="store_true",
                    help="the faults cut and heal workers' network links instead (each worker in a network namespace "
                         "of its own; needs root)")
-    p.add_argument("--out", default=None, help="output directory (default bench_results/loadtest-<time>)")
+    report.add_out_argument(p, "loadtest-")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--users", choices=["fresh", "one"], default="fresh",
                    help="fresh: every request from a client of its own (a bearer token never sent before: nothing "
@@ -114,27 +116,6 @@ class Proc:
             return None
         finally:
             w.close()
-
-
-def stop_all(procs: list[Proc], grace_s: float = 15.0) -> None:
-    """SIGTERM to every process still running, SIGKILL to those still there after the grace."""
-    running = [p.popen for p in procs if p.popen is not None and p.popen.poll() is None]
-    for popen in running:
-        popen.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for popen in running:
-        try:
-            popen.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait(10)
-
-
-def build_models(tmp: Path) -> tuple[str, str]:
-    from specdec_tools.testing.tiny_models import build_model_dir, build_perturbed_copy
-
-    target = build_model_dir(tmp / "tiny-target", seed=1, layers=2)
-    return str(target), str(build_perturbed_copy(target, tmp / "tiny-draft", seed=2, noise=0.05))
 
 
 def references(target_dir: str, n_prompts: int, seed: int) -> tuple[list[str], list[list[int]], set[int]]:
@@ -342,12 +323,10 @@ def markdown(s: dict) -> str:
              f"- a healed or restarted worker serving in its pool again after (s): {s['recovered_after_s']}",
              f"- tokens/s (OK requests, aggregate): {s['tokens_per_s']}",
              f"- sessions leaked: {s['sessions_leaked_total']} {s['sessions_leaked']}", "",
-             "| process | pid start | RSS start MB | pid end | RSS end MB | peak MB (10 s samples) |",
-             "|---|---|---|---|---|---|"]
-    for n, st in s["rss_start"].items():
-        en, peak = s["rss_end"][n], s["rss_peak_mb"].get(n)
-        lines.append(f"| {n} | {st['pid']} | {st['rss_mb']} | {en['pid']} | {en['rss_mb']} | {peak} |")
-    lines += ["", "Faults:", ""]
+             report.markdown_table(["process", "pid start", "RSS start MB", "pid end", "RSS end MB",
+                                    "peak MB (10 s samples)"], (
+                 [n, st["pid"], st["rss_mb"], s["rss_end"][n]["pid"], s["rss_end"][n]["rss_mb"], s["rss_peak_mb"].get(n)]
+                 for n, st in s["rss_start"].items())), "", "Faults:", ""]
     for e in s["faults_timeline"]:
         lines.append(f"- t={e['t']} s: {e['event']} {({k: v for k, v in e.items() if k not in ('t', 'event')})}")
     lines += ["", "**FAILED**: " + "; ".join(s["failures"]) if s["failures"] else "**PASSED**"]
@@ -356,7 +335,7 @@ def markdown(s: dict) -> str:
 
 def cmd_loadtest(a: argparse.Namespace) -> int:
     from orchestrator.client import Client
-    from specdec_tools.stack import free_port
+    from specdec_tools.stack import free_port, stop_processes
 
     if a.partitions:
         from specdec_tools.netns import unavailable
@@ -366,10 +345,12 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
             return 2
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    out = Path(a.out or f"bench_results/loadtest-{time.strftime('%Y%m%d-%H%M%S')}")
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    out = report.out_dir(a.out, "loadtest-")
+    (out / "logs").mkdir(exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="specdec-loadtest-"))
-    target_dir, draft_dir = build_models(tmp)
+    from specdec_tools.testing.tiny_models import build_tiny_pair
+
+    target_dir, draft_dir = build_tiny_pair(tmp)
     procs: dict[str, Proc] = {}
     # all five processes share this host's cores: the workers' passes take turns, the draft
     # sessions open lazily (--prefill sequential), as on the one-host stack
@@ -457,10 +438,9 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
              "the fault plan did not complete before the end (a longer --duration, or see the log)"),
             (any("after_s" in e and e["after_s"] is None for e in events), "a restarted worker was not picked up"),
         ] if bad]
-        (out / "report.json").write_text(json.dumps(s, indent=1, default=str))
-        (out / "report.md").write_text(markdown(s))
+        report.write_json(out / "report.json", s)
         (out / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        print(markdown(s))
+        report.write_table(out, markdown(s), "report.md")
         print(f"[loadtest] report in {out}", file=sys.stderr)
         return 1 if s["failures"] else 0
     except KeyboardInterrupt:
@@ -470,7 +450,7 @@ def cmd_loadtest(a: argparse.Namespace) -> int:
         stop.set()
         for th in threads:
             th.join(5)
-        stop_all(list(reversed(procs.values())))  # the orchestrator first
+        stop_processes([p.popen for p in reversed(procs.values()) if p.popen], 15.0)  # the orchestrator first
         for netns in namespaces:
             netns.close()
         shutil.rmtree(tmp, ignore_errors=True)

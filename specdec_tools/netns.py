@@ -1,4 +1,4 @@
-"""Network namespaces for partition tests (tests/orchestrator/test_partitions.py, `specdec loadtest
+"""Network namespaces for partition tests (tests/orchestrator/test_partitions.py, `specdec bench load
 --partitions`): a worker on a host of its own, reached over a real link that can be cut.
 
 Each Netns is a separate network stack (`ip netns`) joined to this one by a veth pair, an

@@ -176,21 +176,27 @@ class ProcessStack:
                     raise
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs, grace_s)
 
     def __enter__(self) -> "ProcessStack":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to each process still running, SIGKILL to those still there after the grace."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in running:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

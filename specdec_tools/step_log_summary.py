@@ -1,8 +1,8 @@
-"""Where a bench-serve run's time went, step by step, from the orchestrator's debug log.
+"""Where a `specdec bench serve` run's time went, step by step, from the orchestrator's debug log.
 
-Run bench-serve with the orchestrator at debug level, its output kept:
+Run `specdec bench serve` with the orchestrator at debug level, its output kept:
 
-    specdec bench-serve --concurrency 4,8 --gamma on,off --setups log-level=debug > run.log 2>&1
+    specdec bench serve --concurrency 4,8 --gamma on,off --setups log-level=debug > run.log 2>&1
     python -m specdec_tools.step_log_summary run.log [--steps]
 
 Per timed level and mode: the steps' seconds and tokens per second by kind (D: drafted with the
@@ -54,7 +54,7 @@ def summarize(lines: list[str], steps: bool = False) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("log", help="bench-serve's output, the orchestrator at --log-level debug")
+    p.add_argument("log", help="`specdec bench serve`'s output, the orchestrator at --log-level debug")
     p.add_argument("--steps", action="store_true", help="every step, in order")
     a = p.parse_args()
     with open(a.log) as f:

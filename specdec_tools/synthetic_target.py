@@ -7,7 +7,7 @@ then gives its model's token at the first draft not kept (or the bonus position)
 take the shape of a model pair with that acceptance (a geometric number of kept drafts), as
 llama.cpp's --spec-synth-len does, while every pass, call and byte is the real one.
 
-It lives with the benchmarks, not in the service: `specdec bench-serve --synthetic-acceptance`
+It lives with the benchmarks, not in the service: `specdec bench serve --synthetic-acceptance`
 starts it in place of `python -m target_service` (specdec_tools/stack.py), with the
 orchestrator's suffix drafts off (their tokens would be kept by the coin too).
 

@@ -94,6 +94,12 @@ def build_perturbed_copy(source: Path, path: Path, *, seed: int, noise: float) -
     return Path(path)
 
 
+def build_tiny_pair(folder: Path) -> tuple[str, str]:
+    """The benchmarks' tiny pair (`specdec bench serve --tiny`, tracing --tiny, load): (target, draft) dirs."""
+    target = build_model_dir(Path(folder) / "tiny-target", seed=1, layers=2)
+    return str(target), str(build_perturbed_copy(target, Path(folder) / "tiny-draft", seed=2, noise=0.05))
+
+
 def random_q4k_blocks(n: int, k: int, generator: torch.Generator, scale: float = 2e-4) -> torch.Tensor:
     """Random ggml Q4_K blocks for an [n, k] weight (k a multiple of 256): uint8 [n, k / 256 * 144],
     random 6-bit scales and mins and nibbles, float16 d ~ scale and dmin ~ 7 scale (weights about
@@ -166,7 +172,7 @@ def build_gguf_model_dir(path: Path, *, seed: int, layers: int = 2, mismatch: tu
 
 # The shapes of real models (their config.json on the hub), for benchmarks on machines that have
 # no weights (a GPU machine here has no network): pass costs, batching and round trips are real,
-# acceptance is not (specdec bench-serve --synthetic-acceptance).
+# acceptance is not (specdec bench serve --synthetic-acceptance).
 REAL_SHAPES = {
     "qwen2.5-coder-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),

@@ -33,7 +33,14 @@ def test_without_the_tools_the_service_commands_remain_and_a_tool_command_says_h
 def test_with_the_tools_their_commands_join_the_service_ones():
     text = _specdec("--help").stdout
     commands = set(text.split("{")[1].split("}")[0].split(","))
-    assert {"serve", "generate", "workers", "run", "bench-serve", "loadtest", "timeline"} <= commands
+    assert {"serve", "generate", "workers", "run", "bench", "timeline"} <= commands
+    assert not commands & {"bench-serve", "loadtest"}  # the old names still run, unlisted
+
+
+def test_an_old_benchmark_name_runs_its_scenario():
+    old = _specdec("bench-serve", "--help")
+    assert old.returncode == 0, old.stderr
+    assert "usage: specdec bench serve" in old.stdout and "`specdec bench serve`" in old.stderr
 
 
 def test_no_module_of_the_service_imports_the_tools():

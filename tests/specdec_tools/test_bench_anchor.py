@@ -22,7 +22,7 @@ def fake_server(tmp_path):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="specdec bench-anchor")
+    p = argparse.ArgumentParser(prog="specdec bench anchor")
     ba.add_arguments(p)
     return p.parse_args(argv)
 

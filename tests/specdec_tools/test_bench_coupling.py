@@ -15,7 +15,7 @@ def test_bench_coupling_measures_every_position_of_its_contexts(model_dirs, tmp_
     from specdec_tools.bench_coupling import SETTINGS
 
     out = tmp_path / contexts
-    assert main(["bench-coupling", "--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]),
+    assert main(["bench", "coupling", "--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]),
                  "--prompts", "2", "--max-new-tokens", "6", "--seeds", "20", "--quantize", "none",
                  "--draft-vocab", "0", "--contexts", contexts, "--out", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -1,5 +1,5 @@
 """specdec_tools.bench_serve: the per-level statistics (percentiles, aggregate, ratios, the
-identical-output check) as pure functions, and one smoke run of `specdec bench-serve --tiny`
+identical-output check) as pure functions, and one smoke run of `specdec bench serve --tiny`
 through the three real services, concurrency 1 and 2, both modes."""
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_smoke_tiny_stack(tmp_path, capsys):
     from orchestrator.cli import main
 
     out = tmp_path / "serve"
-    rc = main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
+    rc = main(["bench", "serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
                "--out", str(out), "--startup-timeout", "240"])
     printed = capsys.readouterr().out
     for name in ("runs.csv", "summary.csv", "summary.json", "table.md", "serve.png"):
@@ -178,7 +178,7 @@ def test_a_full_warm_up_runs_each_level_once_untimed(tmp_path, capsys, monkeypat
 
     monkeypatch.setattr(bench_serve, "run_level", counted)
     out = tmp_path / "serve"
-    assert main(["bench-serve", "--tiny", "--concurrency", "2", "--requests-per-level", "2", "--max-new-tokens", "4",
+    assert main(["bench", "serve", "--tiny", "--concurrency", "2", "--requests-per-level", "2", "--max-new-tokens", "4",
                  "--warm-up", "full", "--out", str(out), "--startup-timeout", "240"]) == 0
     assert sorted(runs) == sorted([("on", 2, 4, 2), ("off", 2, 4, 2)] * 2)  # each whole, twice
     with open(out / "runs.csv") as f:
@@ -201,8 +201,8 @@ def test_rounds_alternate_the_modes_and_pair_their_ratios(tmp_path, capsys, monk
 
     monkeypatch.setattr(bench_serve, "run_level", counted)
     out = tmp_path / "serve"
-    assert main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "3",
-                 "--rounds", "3", "--out", str(out), "--startup-timeout", "240"]) == 0
+    assert main(["bench", "serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2",
+                 "--max-new-tokens", "3", "--rounds", "3", "--out", str(out), "--startup-timeout", "240"]) == 0
     assert runs == [(1, "on"), (1, "off"), (1, "off"), (1, "on"), (1, "on"), (1, "off"),
                     (2, "off"), (2, "on"), (2, "on"), (2, "off"), (2, "off"), (2, "on")]
     summary = json.loads((out / "summary.json").read_text())
@@ -239,7 +239,7 @@ def test_a_similar_batch_asks_for_another_name_every_request(tmp_path, capsys, m
 
     monkeypatch.setattr(bench_serve, "_one_request", recorded)
     out = tmp_path / "serve"
-    assert main(["bench-serve", "--tiny", "--prompt-set", "similar", "--concurrency", "1,2", "--requests-per-level",
+    assert main(["bench", "serve", "--tiny", "--prompt-set", "similar", "--concurrency", "1,2", "--requests-per-level",
                  "4", "--max-new-tokens", "3", "--out", str(out), "--startup-timeout", "240"]) == 0
     assert len(sent) == 16 and len(set(sent)) == 16 and all("{" not in p for p in sent)
     summary = json.loads((out / "summary.json").read_text())
@@ -264,7 +264,7 @@ def test_smoke_setups_and_links(tmp_path, capsys):
     from orchestrator.cli import main
 
     out = tmp_path / "serve"
-    rc = main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
+    rc = main(["bench", "serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
                "--gamma", "on", "--setups", "default,fixed-gamma", "--link-rtt-ms", "0", "--out", str(out),
                "--startup-timeout", "240"])
     printed = capsys.readouterr().out
@@ -295,7 +295,7 @@ def test_smoke_grpc_and_http_side_by_side(tmp_path, capsys):
     from orchestrator.cli import main
 
     out = tmp_path / "serve"
-    rc = main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
+    rc = main(["bench", "serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
                "--gamma", "off", "--api", "grpc,http", "--out", str(out), "--startup-timeout", "240"])
     printed = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
@@ -340,7 +340,7 @@ def test_staggered_arrivals_join_one_client_at_a_time(monkeypatch, arrivals):
     assert {r.thread for r in records} == {0, 1, 2, 3}
     if arrivals == "together":
         return
-    first = {}  # thread -> its first request's seed (bench-serve seeds request i with i + 1)
+    first = {}  # thread -> its first request's seed (bench serve seeds request i with i + 1)
     for r in sorted(records, key=lambda r: r.start_s):
         first.setdefault(r.thread, r.request + 1)
     for k in range(1, 4):
@@ -366,8 +366,8 @@ def test_fresh_users_share_no_cache_and_one_user_finds_its_prompts_cached(tmp_pa
 
     monkeypatch.setattr(bench_serve, "_one_request", recorded)
     out = tmp_path / "serve"
-    assert main(["bench-serve", "--tiny", "--users", "fresh,one", "--concurrency", "1,2", "--requests-per-level", "2",
-                 "--max-new-tokens", "3", "--out", str(out), "--startup-timeout", "240"]) == 0
+    assert main(["bench", "serve", "--tiny", "--users", "fresh,one", "--concurrency", "1,2",
+                 "--requests-per-level", "2", "--max-new-tokens", "3", "--out", str(out), "--startup-timeout", "240"]) == 0
     capsys.readouterr()
     fresh = [t for m, t in tokens if not m.endswith("-one-user")]
     assert len(fresh) == 8 and len(set(fresh)) == 8  # on and off, 2 levels x 2 requests: a client each
@@ -454,8 +454,8 @@ def test_smoke_temperatures_and_both_sampling_modes(tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(bench_serve, "_one_request", recorded)
     out = tmp_path / "serve"
-    assert main(["bench-serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4",
-                 "--temperature", "0,1.0", "--sampling-mode", "both", "--out", str(out),
+    assert main(["bench", "serve", "--tiny", "--concurrency", "1,2", "--requests-per-level", "2",
+                 "--max-new-tokens", "4", "--temperature", "0,1.0", "--sampling-mode", "both", "--out", str(out),
                  "--startup-timeout", "240"]) == 0
     printed = capsys.readouterr().out
     assert set(asked) == {(0.0, None, "greedy"), (1.0, "coupled", "coupled"), (1.0, "rejection", "rejection")}
@@ -485,7 +485,7 @@ def test_smoke_two_hosts_on_this_machine(tmp_path, capsys):
 
     cpus = sorted(os.sched_getaffinity(0))
     out = tmp_path / "hosts"
-    assert main(["bench-serve", "--tiny", "--hosts", f"{cpus[0]}/{cpus[1]}", "--concurrency", "1",
+    assert main(["bench", "serve", "--tiny", "--hosts", f"{cpus[0]}/{cpus[1]}", "--concurrency", "1",
                  "--requests-per-level", "2", "--max-new-tokens", "12", "--gamma", "3,off",
                  "--setups", "gamma-policy=fixed", "--out", str(out),
                  "--startup-timeout", "240"]) == 0

@@ -1,4 +1,4 @@
-"""specdec_tools.link: the delaying proxy of `bench-serve --link-rtt-ms` carries gRPC calls to a
+"""specdec_tools.link: the delaying proxy of `specdec bench serve --link-rtt-ms` carries gRPC calls to a
 real worker unchanged and counts the RPCs and bytes that cross it."""
 
 from __future__ import annotations

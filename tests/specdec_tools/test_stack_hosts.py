@@ -1,4 +1,4 @@
-"""The benchmark stacks as two hosts on one machine (bench-serve --hosts): each worker pinned."""
+"""The benchmark stacks as two hosts on one machine (specdec bench serve --hosts): each worker pinned."""
 
 from __future__ import annotations
 

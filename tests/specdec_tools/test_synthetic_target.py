@@ -75,7 +75,7 @@ def test_the_synthetic_target_changes_greedy_answers_only_by_its_coin(model_dirs
 
 
 def test_a_synthetic_stack_runs_the_synthetic_target_and_no_suffix_drafts():
-    """bench-serve --synthetic-acceptance: the stack's target is this module's worker and its
+    """specdec bench serve --synthetic-acceptance: the stack's target is this module's worker and its
     orchestrators make no suffix drafts (the coin would keep them too), its own as the others'."""
     from specdec_tools.stack import ProcessStack
 
