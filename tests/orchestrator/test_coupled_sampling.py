@@ -22,7 +22,7 @@ from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationRequest, SamplingParams
 from specdec.wire import DraftOptions
-from tests.support.distribution import (NEW_TOKENS, PARAMS, PROMPT, REQUESTS, TUNED, assert_matches,
+from tests.support.distribution import (IN_FLIGHT, NEW_TOKENS, PARAMS, PROMPT, REQUESTS, TUNED, assert_matches,
                                         exact_distribution, sample)
 from tests.support.reference import SEEDED_NEW as NEW, SEEDS, coupled as reference, coupled_request as request
 
@@ -164,7 +164,7 @@ def test_unseeded_requests_draw_coupled_and_follow_the_target_distribution(decod
         return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"], r.stats["sampling"], \
             r.stats["seed"]
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
         runs = list(pool.map(one, range(REQUESTS)))
     assert {run[3] for run in runs} == {"coupled"}
     assert len({run[4] for run in runs}) == REQUESTS  # a seed of its own each, as drawn

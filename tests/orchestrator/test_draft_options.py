@@ -19,7 +19,7 @@ from orchestrator.decoder import SpeculativeDecoder
 from specdec.protocol import GenerationRequest
 from specdec.sampling import process_logits
 from specdec.wire import DraftOptions
-from tests.support.distribution import PARAMS, assert_matches, exact_distribution
+from tests.support.distribution import IN_FLIGHT, PARAMS, assert_matches, exact_distribution
 from tests.support.reference import PROMPTS, greedy as reference
 
 REQUESTS = 2400
@@ -70,7 +70,7 @@ def test_sampled_output_matches_target_distribution(config, target_engine, draft
                                                sampling_mode="rejection"))
         return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"]
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
         results = list(pool.map(one, range(REQUESTS)))
     assert_matches(exact, results)
 
@@ -91,7 +91,7 @@ def test_drafting_ahead_keeps_the_target_distribution(target_engine, draft_engin
                                                sampling_mode="rejection"))
         return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"]
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
         results = list(pool.map(one, range(REQUESTS)))
     assert draft_engine.ahead_taken > taken_before, "no round took a proposal drafted ahead: the test tests nothing"
     assert_matches(exact, results)

@@ -27,7 +27,7 @@ from orchestrator.decoder import SpeculativeDecoder
 from specdec.errors import ServiceError
 from specdec.protocol import GenerationRequest, GrammarSpec, SamplingParams
 from specdec.wire import DraftOptions
-from tests.support.distribution import PROMPT, assert_matches
+from tests.support.distribution import IN_FLIGHT, PROMPT, assert_matches
 from tests.support.reference import controlled as reference  # the target alone, under its controls
 
 SCHEMA = {
@@ -136,7 +136,7 @@ def test_grammar_masked_sampling_follows_the_targets_masked_distribution_over_gr
                             sampling_mode="rejection", structured_output={"regex": "[a-c]{2}"})
         return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"]
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
         results = list(pool.map(one, range(1600)))
     assert_matches(exact, results)
     with pytest.raises(AssertionError, match="p-value"):

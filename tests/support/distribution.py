@@ -23,6 +23,7 @@ PROMPT = [40, 41, 42, 43]
 PARAMS = SamplingParams(temperature=1.0, top_k=3)
 NEW_TOKENS = 3
 REQUESTS = 2400
+IN_FLIGHT = 16  # requests at once: the step loop batches them, so thousands of tiny requests take seconds
 # temperature and top-p too: a target or draft that ignored either would fail here
 TUNED = SamplingParams(temperature=0.7, top_k=6, top_p=0.8)
 
@@ -61,7 +62,7 @@ def sample(client, params: SamplingParams, requests: int = REQUESTS,
                             **controls)
         return tuple(r.token_ids), r.stats["accepted_tokens"], r.stats["drafted_tokens"]
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
         return list(pool.map(one, range(requests)))
 
 
