@@ -46,6 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from specdec.protocol import MAX_GAMMA
 from specdec.v1 import (common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc, target_pb2,
                         target_pb2_grpc)
 from specdec.wire import CompactProbs
@@ -717,7 +718,12 @@ class SessionModel:
         held = self.sessions[worker]
         open_before, tokens_before = self.baseline[worker]
         assert info.open_sessions == open_before + len(held), (worker, info.open_sessions, list(held))
-        assert info.held_tokens == tokens_before + sum(map(len, held.values())), (worker, info.held_tokens, held)
+        extra = info.held_tokens - tokens_before - sum(map(len, held.values()))
+        # a draft session may keep tokens it drafted past its last proposals (made by a pass that
+        # drafted several, kept for the next Propose): held while it is open, freed with it (each
+        # example ends checking that closing every session gives the baseline back exactly)
+        assert extra == 0 or worker == "draft" and 0 < extra <= (MAX_GAMMA + 1) * len(held), \
+            (worker, info.held_tokens, held)
 
     def check_scores(self) -> None:
         """Every session the test holds scores exactly as a fresh one holding the same tokens,
