@@ -37,10 +37,6 @@ def pytest_collection_modifyitems(config, items):
         path = item.path.relative_to(config.rootpath / "tests").as_posix()
         if path in INTEGRATION:
             item.add_marker(pytest.mark.integration)
-    # the long files first (the real pair, then the integration tier): with `-n 2` (make test) the
-    # two workers take files in this order, and a long one started last would leave one core idle
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
-                                 item.get_closest_marker("integration") is None))
 
 
 @pytest.fixture(scope="session")
