@@ -38,11 +38,19 @@ def holder(client, role):
 
 def kill_mid_request(client, ids, role, workers_by_address, sig=signal.SIGKILL, **kwargs):
     """Streams a long request (greedy unless kwargs say) and kills the worker of `role` holding
-    it after chunk one."""
+    it after chunk one. For SIGKILL and SIGSTOP every worker given is frozen (SIGSTOP) as chunk
+    one arrives, so the request cannot finish before the signal lands however fast the rest would
+    run; the others go on once the victim has it."""
     chunks = client.stream(token_ids=ids, **{"max_new_tokens": LONG, "temperature": 0, "gamma": 3, **kwargs})
     tokens = list(next(chunks).token_ids)
+    freeze = sig in (signal.SIGKILL, signal.SIGSTOP)
+    for w in workers_by_address.values() if freeze else ():
+        w.proc.send_signal(signal.SIGSTOP)
     victim = workers_by_address[holder(client, role)]
     victim.kill(sig)
+    for w in workers_by_address.values() if freeze else ():
+        if w is not victim:
+            w.proc.send_signal(signal.SIGCONT)
     last = None
     for chunk in chunks:
         tokens.extend(chunk.token_ids)
