@@ -261,21 +261,6 @@ def summarize(req: orchestrator_pb2.GenerateRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(model_dirs):
-    """Servers on engines of this file's own: the fuzz checks each worker's held tokens against
-    its model of them, so no other test's session (or drafting ahead) may share the engines."""
-    from draft_service.engine import DraftEngine
-    from specdec.modeling import load_model
-    from target_service.engine import TargetEngine
-    from tests.support.servers import start_stack, stop_stack
-
-    parts = start_stack(TargetEngine(load_model(str(model_dirs["target"]), dtype="float64")),
-                        DraftEngine(load_model(str(model_dirs["draft"]), dtype="float64")))
-    yield parts
-    stop_stack(parts)
-
-
-@pytest.fixture(scope="module")
 def channels(stack):
     tport, dport, _ = stack["ports"]
     unlimited = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
