@@ -1,17 +1,17 @@
-"""How many drafts each step asks for: the policy, learnt only from the steps' records.
+"""How many drafts each step asks for, learnt only from the steps' records (`observe`).
 
-In a paragraph: for each step of a target's step loop (orchestrator/steps.py) the policy predicts
-the step's goodput, expected tokens over expected seconds, with one formula (StepModel), and
-drafts the common number of drafts g per request that predicts the most, leaving out a request
-the step is better without (its acceptance is poor); drafting must promise MARGIN more than no
-drafts. The formula reads what the records taught: the pass-cost lines of the target and of each
-draft (seconds against rows), acceptance by position (each request's own over its draft's pooled
-one), a step's time beyond its passes, and, for a draft on hardware of its own that drafts the
-next round while the target verifies, the chance that a request finds its proposals already made.
-Where the model drafts nothing, a request's suffix draft rides the target's pass if its expected
-tokens pay for its rows. A model can be wrong, so whether a step drafts with the model, and
-whether a step that does not carries suffix drafts, are decided by measurement (orchestrator/arms.py).
-Everything, times included, comes from the StepRecords handed to `observe`: the policy is a function of its records.
+For each step of a target's step loop (orchestrator/steps.py) one formula (StepModel) predicts
+the step's goodput, expected tokens over expected seconds, from what the records taught: the
+target's and each draft's pass cost against rows, acceptance by draft position (each request's
+own over its draft's pooled one), a step's time beyond its passes, and, for a draft on hardware
+of its own that drafts the next round while the target verifies, the chance that a request finds
+its proposals made. The step drafts the common g per request that predicts the most, leaving out
+the requests it is better without, where that promises MARGIN more than drafting nothing; a step
+that drafts nothing carries a request's suffix draft where its expected tokens pay for its rows.
+A model can be wrong, so whether a step drafts, and whether a step that does not carries suffix
+drafts, measurement decides once it can (orchestrator/arms.py). The choice depends only on
+earlier rounds, never on the draws of the round it is made for, so every round still follows the
+target's distribution exactly.
 
     tokens  = sum_j E_j(g_j),    E(g) = 1 + a_0 + a_0 a_1 + ... (g terms; Leviathan et al. 2023)
     seconds = overhead + max over drafts [(1 - prod_j H_j) max_j g_j D(n) + catch-up + extra]
@@ -20,8 +20,7 @@ Everything, times included, comes from the StepRecords handed to `observe`: the 
 D(n): a draft's pass with n requests' rows; T(r): the target's pass of r rows; H_j: request j's
 chance of finding its proposals made ahead (0 unless its last round kept every draft); catch-up:
 the tokens a lagging draft session takes in first, at the draft line's slope; extra: its phase's
-time beyond its passes. The choice depends only on earlier rounds, never on the draws of the
-round it is made for, so every round still follows the target's distribution exactly.
+time beyond its passes.
 """
 
 from __future__ import annotations
@@ -291,7 +290,7 @@ class GammaPolicy:
         self._suffix: dict[str, Calibration] = {}  # target -> its suffix drafts', pooled
         self._averages: dict[tuple[str, str], Ratio] = {}  # ("overhead", target), ("extra" | "made", draft)
         self._loads: dict[str, collections.deque[int]] = {}  # target -> its last steps' loads
-        self._planned: dict[str, tuple] = {}  # target -> (level, arm, explored, predicted, the suffix arms' plan)
+        self._planned: dict[str, tuple] = {}  # target -> (predicted goodput, [(arms, level, arm, explored)])
         self.arms = Arms()  # per target and level: steps drafting with the model, or not
         self.suffix_arms = Arms()  # and steps that drafted nothing with the model: with suffix drafts, or not
 
@@ -336,20 +335,20 @@ class GammaPolicy:
             elif explored or not any(gammas):  # drafting where the model would not: with drafts in step
                 gammas = StepModel([r if r.holds_prompt or alone else StepRequest(0, r.draft) for r in requests],
                                    model.costs).drafting()
-            lengths, planned_suffix = none, None
+            lengths, plans, promised = none, [(self.arms, level, arm, explored)], 0.0
             candidates = suffix() if suffix is not None and not any(gammas) else None
             if candidates and any(candidates):  # suffix drafts: arms of their own, per level
-                pooled = self._suffix.setdefault(target, Calibration())
-                start = pooled.value(PRIOR_ACCEPTANCE)
-                lengths = model.suffix(candidates, [r.calibration.value(start) if r.calibration else start
-                                                    for r in requests])
+                start = self._suffix.setdefault(target, Calibration()).value(PRIOR_ACCEPTANCE)
+                calibrations = [r.calibration.value(start) if r.calibration else start for r in requests]
                 suffix_level = self.suffix_arms.level(target, load)
+                lengths = model.suffix(candidates, calibrations)
                 suffix_arm, suffix_explored = self.suffix_arms.choose(suffix_level, DRAFT, can_draft=any(lengths))
                 lengths = lengths if suffix_arm == DRAFT else none
-                planned_suffix = (suffix_level, suffix_arm, suffix_explored)
-            tokens, seconds = model.estimate(gammas, sum(sum(min(1.0, p) for p in c[:k]) for c, k in
-                                                         zip(candidates or [], lengths)), sum(lengths))
-            self._planned[target] = (level, arm, explored, tokens / seconds if model.target else 0.0, planned_suffix)
+                promised = sum(min(1.0, c * p) for probs, c, k in zip(candidates, calibrations, lengths)
+                               for p in probs[:k])
+                plans.append((self.suffix_arms, suffix_level, suffix_arm, suffix_explored))
+            tokens, seconds = model.estimate(gammas, promised, sum(lengths))
+            self._planned[target] = (tokens / seconds if model.target else 0.0, plans)
             return gammas, lengths
 
     def observe(self, step: StepRecord) -> tuple[str, bool, float] | None:
@@ -386,20 +385,13 @@ class GammaPolicy:
                     self._acceptance.setdefault((step.target, r.draft), Acceptance()).observe(drafted, kept)
                     if r.acceptance is not None:
                         r.acceptance.observe(drafted, kept)
-            planned = self._planned.pop(step.target, None)
-            if planned is None:
-                return None
-            level, arm, explored, predicted, planned_suffix = planned
-            regret = -level.regret_s
-            self.arms.observe(level, arm, explored, step.tokens, step.seconds, predicted if own else None)
-            regret += level.regret_s
-            if planned_suffix is not None:
-                suffix_level, suffix_arm, suffix_explored = planned_suffix
-                regret -= suffix_level.regret_s
-                self.suffix_arms.observe(suffix_level, suffix_arm, suffix_explored, step.tokens, step.seconds,
-                                         predicted if own else None)
-                regret += suffix_level.regret_s
-            return arm, explored, regret
+            predicted, plans = self._planned.pop(step.target, (0.0, []))
+            regret = 0.0
+            for arms, level, arm, explored in plans:
+                regret -= level.regret_s
+                arms.observe(level, arm, explored, step.tokens, step.seconds, predicted if own else None)
+                regret += level.regret_s
+            return (plans[0][2], plans[0][3], regret) if plans else None
 
     def snapshot(self) -> list[dict]:
         """The measured arms per target and load level (arms.Arms.snapshot)."""
