@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec.errors import ErrorInterceptor
+from specdec.lifetime import supervisor_gone
 from specdec.protocol import message_options
 from specdec.security import ServerTls, bind
 from specdec.telemetry import Telemetry
@@ -119,12 +120,17 @@ def build_server(
 
 def serve_until_signalled(server: grpc.Server, parts: ServerParts | None = None, grace_s: float = 5.0,
                           drain: Callable[[], None] | None = None) -> None:
-    """Blocks until SIGINT/SIGTERM; then reports NOT_SERVING, runs drain (a worker lets its
-    sessions finish), and stops, letting calls in flight end within grace_s."""
+    """Blocks until SIGINT/SIGTERM, or until the `specdec serve` that started this process is
+    gone; then reports NOT_SERVING, runs drain (a worker lets its sessions finish), and stops,
+    letting calls in flight end within grace_s. It waits a second at a time: a signal the kernel
+    hands to another thread runs its Python handler only once this (main) thread is back in Python."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(1.0):
+        if supervisor_gone() and not stop.is_set():
+            log.warning("specdec serve, which started this process, is gone and no signal came: stopping")
+            break
     log.info("stopping: NOT_SERVING, draining")
     if parts is not None:
         parts.set_serving(False)

@@ -124,7 +124,10 @@ def test_serve_answers_restarts_a_dead_child_and_leaves_no_orphan_when_killed(mo
         deadline = time.monotonic() + 60
         while any(map(_alive, children)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(map(_alive, children)), "children outlived a killed serve"
+        alive = [Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:120]
+                 for pid in children if _alive(pid)]
+        tail = "\n".join(served.printed[-60:])
+        assert not alive, f"children outlived a killed serve: {alive}; the last lines printed:\n{tail}"
     finally:
         if served.proc.poll() is None:
             served.proc.kill()
