@@ -2,7 +2,9 @@
 
 Each proposal carries q, the draft's processed distribution at that position, which the
 orchestrator needs for the rejection test (none in greedy mode). The proposal is drawn from
-exactly the q that is returned, with a generator seeded by the request.
+exactly the q that is returned, by a draw that is a function of the request's seed and the
+proposal's context alone (seeded_choice): the same request gets the same proposals whichever call
+or job drafted them, and whenever.
 
 A session keeps the proposals it made past its accepted tokens, each with its q (`Drafted`):
 a call whose new tokens agree with the session takes the proposals already there before it
@@ -27,7 +29,7 @@ from specdec.errors import Aborted, FailedPrecondition, InvalidArgument, Service
 from specdec import ngram
 from specdec import telemetry as t
 from specdec.protocol import MAX_GAMMA, SamplingParams
-from specdec.sampling import apply_controls, coupled_choice, process_logits
+from specdec.sampling import apply_controls, coupled_choice, process_logits, seeded_choice
 from specdec.wire import CompactProbs, DraftOptions, Features, Proposal, ProposeCall
 from specdec.worker.batching import Chain
 from specdec.worker.engine import WorkerEngine
@@ -45,7 +47,7 @@ class Drafted:
     start: int
     params: SamplingParams
     options: DraftOptions
-    generator: torch.Generator  # every draw of these proposals, in order, from the first call's seed
+    seed: int  # the request's: each draw is seeded_choice(q, seed, its context)
     probs: list[CompactProbs | None] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
 
@@ -64,14 +66,14 @@ class Drafted:
         del self.probs[:drop], self.confidence[:drop]
         self.start += drop
 
-    def agrees(self, session: Session, start: int, token_ids: list[int], params: SamplingParams,
+    def agrees(self, session: Session, start: int, token_ids: list[int], params: SamplingParams, seed: int,
                options: DraftOptions) -> bool:
         """A call that puts token_ids at `start` can take the proposals after them: the session
         already holds those tokens there, and they reach into (or just up to) the proposals."""
         end = start + len(token_ids)
         # how far to draft ahead changes no proposal's distribution (the orchestrator sets it per round)
         same = options == self.options or dataclasses.replace(options, ahead=self.options.ahead) == self.options
-        return (params == self.params and same and self.start <= end <= self.end
+        return (params == self.params and seed == self.seed and same and self.start <= end <= self.end
                 and end <= len(session.tokens) and session.tokens[start:end] == token_ids)
 
 
@@ -164,8 +166,8 @@ class DraftEngine(WorkerEngine):
                 self.truncate_to(session, start)
                 session.tokens.extend(token_ids)
                 self._take_features(session, start, end, features)
-                drafted = session.drafted = Drafted(end, params, options, torch.Generator().manual_seed(seed))
-            elif drafted is not None and drafted.agrees(session, start, token_ids, params, options):
+                drafted = session.drafted = Drafted(end, params, options, seed)
+            elif drafted is not None and drafted.agrees(session, start, token_ids, params, seed, options):
                 taken = min(gamma, drafted.end - end) if drafted.start < end else 0  # made ahead, not by a call
                 if taken:
                     self.ahead_taken += taken
@@ -175,7 +177,7 @@ class DraftEngine(WorkerEngine):
             else:
                 self.truncate_to(session, start)
                 session.tokens.extend(token_ids)
-                drafted = session.drafted = Drafted(end, params, options, torch.Generator().manual_seed(seed))
+                drafted = session.drafted = Drafted(end, params, options, seed)
             session.uncache_last()
             version = session.version
         made, rows, seconds = 0, 0, 0.0  # proposals; rows and seconds of this call's passes, summed
@@ -266,7 +268,7 @@ class DraftEngine(WorkerEngine):
             if chained is not None:  # the pass's choice and the steps': each cached by the next, the last not
                 return [(token, None, prob if drafted.options.p_min > 0 else 1.0, False)
                         for token, prob in zip(*chained)]
-            return self._picks(logits, guess, params, drafted.generator, drafted.options, made, base, session.tokens,
+            return self._picks(logits, guess, params, drafted.seed, drafted.options, made, base, session.tokens,
                                grammar)
 
         picks = yield self.work(session, len(guess) + 1, kind, post, chain=chain)
@@ -319,7 +321,7 @@ class DraftEngine(WorkerEngine):
         eos = next((i for i, t in enumerate(forced) if t in self.info.eos_token_ids), None)
         return forced if eos is None else forced[: eos + 1]
 
-    def _picks(self, logits: torch.Tensor, guess: list[int], params: SamplingParams, generator: torch.Generator,
+    def _picks(self, logits: torch.Tensor, guess: list[int], params: SamplingParams, seed: int,
                options: DraftOptions, made: int, first: int, tokens: list[int],
                grammar=None) -> list[tuple[int, CompactProbs | None, float, bool]]:
         """logits: [len(guess) + 1, vocab], row j predicting position first + j, whose prefix is
@@ -327,8 +329,9 @@ class DraftEngine(WorkerEngine):
         stop)], one per row while the proposals equal the guesses, ending at the first that does
         not, or at a stop. q is after the request's decoding controls (and grammar), as the
         target's p is.
-        Coupled sampling proposes the seeded Gumbel-max choice of q, which it does not send (the
-        target decides by its own choice)."""
+        A sampled proposal is seeded_choice(q, seed, its context). Coupled sampling proposes the
+        seeded Gumbel-max choice of q, which it does not send (the target decides by its own
+        choice)."""
         if params.controlled:
             logits = apply_controls(logits.float(), params, tokens, first, grammar)
         picks = []
@@ -345,7 +348,7 @@ class DraftEngine(WorkerEngine):
                 confidence = q.prob_of(token)
             else:
                 probs = process_logits(row, params, self.vocab_size)
-                token = probs.sample(generator)
+                token = seeded_choice(probs, seed, tokens, first + j)
                 confidence = probs.prob_of(token)
             stop = confidence < options.p_min and made + j + 1 >= options.min_drafts
             picks.append((token, probs, confidence, stop))

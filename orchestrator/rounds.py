@@ -72,7 +72,7 @@ class RequestState:
 
     placement: Placement
     params: SamplingParams
-    generator: torch.Generator  # draws, in order: each round's draft seed, then its rejection sampling
+    generator: torch.Generator  # draws, in order: each round's rejection sampling
     tracer: object
     eos: frozenset[int]
     gamma: int  # as requested; a round drafts fewer near the end, none without a draft
@@ -98,6 +98,7 @@ class RequestState:
     own_index: RequestIndex = field(init=False, default_factory=RequestIndex)  # its tokens' n-grams (suffix drafts)
     # how its drafts are made (orchestrator/proposers/): a draft worker's, or a feature head's
     proposer: DraftWorkerProposer = field(init=False)
+    draft_seed: int = field(init=False)  # every Propose's: the draft's draws are a function of it and their context
 
     def __post_init__(self) -> None:
         self.prompt_len = self.target_synced = len(self.tokens)
@@ -105,6 +106,7 @@ class RequestState:
         if self.placement.draft is not None:  # the prompt taken in at the start (else lazily: draft_call)
             self.stats.draft_prefill_tokens += self.placement.draft_prefilled
         self.proposer = proposer_for(self.placement)
+        self.draft_seed = (self.generator.initial_seed() * 0x9E3779B97F4A7C15 + 1) % 2**63  # not a draw: none taken
 
     @property
     def generated(self) -> int:
@@ -226,11 +228,9 @@ def finish(req: RequestState, rnd: Round, answer: "Verification | ServiceError",
 
 
 def draft_call(req: RequestState, rnd: Round) -> ProposeCall:
-    """The round's Propose (its proposer's); draws its seed from the request's generator (before
-    any sampling)."""
-    seed = int(torch.randint(0, 2**63 - 1, (), generator=req.generator))
+    """The round's Propose (its proposer's), with the request's draft seed."""
     req.stats.draft_prefill_tokens += max(len(req.tokens) - req.draft_synced - 1, 0)  # a catch-up
-    return req.proposer.call(req, rnd, seed)
+    return req.proposer.call(req, rnd, req.draft_seed)
 
 
 def take_proposals(req: RequestState, rnd: Round, proposals: list[Proposal]) -> None:
@@ -251,8 +251,8 @@ def next_call(req: RequestState, rnd: Round) -> ProposeCall | None:
     target verifies this round: it assumes every draft kept and asks for the draft's guess of the
     bonus token, then as many drafts as this round made (fewer near the end). The draft session
     holds those tokens already (drafted ahead), so it answers from what it made, or drafts the rest
-    while the target verifies. Its seed is unused (the session's draws go on); the next round still
-    draws its own, so a request's draws are the same whether it is taken or not."""
+    while the target verifies. A draft's draws depend on the request's seed and their context
+    alone, so a request's proposals are the same whether it is taken or not."""
     if rnd.propose is None or rnd.suffix_probs or not rnd.drafts or not req.ahead(rnd.gamma):
         return None
     left = req.max_new_tokens - req.generated - len(rnd.drafts) - 1  # tokens still allowed if all are kept
@@ -260,7 +260,7 @@ def next_call(req: RequestState, rnd: Round) -> ProposeCall | None:
     if gamma < 1:
         return None
     # it drafts nothing further itself: a round that takes its answer sends the next one at its verify
-    return replace(rnd.propose, token_ids=rnd.propose.token_ids + rnd.drafts, gamma=gamma + 1, seed=0,
+    return replace(rnd.propose, token_ids=rnd.propose.token_ids + rnd.drafts, gamma=gamma + 1,
                    options=replace(rnd.propose.options, ahead=0))
 
 

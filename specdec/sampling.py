@@ -226,6 +226,16 @@ def coupled_choice(probs: CompactProbs, seed: int, position: int) -> int:
     return i if probs.indices is None else int(ids[i])
 
 
+def seeded_choice(probs: CompactProbs, seed: int, tokens: list[int], position: int) -> int:
+    """A draw from `probs` for `position`, a function of the seed and the context tokens[:position]
+    alone: the exponential race of coupled_choice, its noise keyed by the seed and a hash of the
+    context. A draft's sampled proposal: the same request makes the same proposal in a context
+    whichever call or job drafts it, and a context that differs anywhere (a position drafted again
+    after a rejection) draws anew. (Python's hash of a tuple of ints is the same in every run.)"""
+    context = hash(tuple(tokens[:position])) * 0xD1B54A32D192ED03
+    return coupled_choice(probs, (seed + context) & 0xFFFFFFFFFFFFFFFF, position)
+
+
 # ---- the same choices on the device: a chain of draft steps (specdec/worker/paged.py) ----------
 #
 # A chain replays a draft's one-row passes back to back with no host step in between, so each

@@ -19,7 +19,7 @@ class DraftWorkerProposer:
     """Stateless: one serves every request drafted by a model or the n-gram draft."""
 
     def call(self, req, rnd, seed: int) -> ProposeCall:
-        """The round's Propose (seed: the draw the request's generator made for it)."""
+        """The round's Propose (seed: the request's draft seed, RequestState.draft_seed)."""
         options = req.draft_options
         ahead = req.ahead(rnd.gamma)
         if ahead != options.ahead:

@@ -172,7 +172,7 @@ def test_drafting_ahead_hands_the_next_call_its_proposals(draft_engine, monkeypa
         bonus = ahead[0]
         start = len(prompt) + 3
         taken_before = draft_engine.ahead_taken
-        nxt = list(draft_engine.propose("ahead", start, [bonus], 3, params, 99, options))
+        nxt = list(draft_engine.propose("ahead", start, [bonus], 3, params, 11, options))
         assert [p.token_id for p in nxt] == ahead[1:]
         assert "propose" not in kinds, f"the proposals were made ahead, yet the call ran passes: {kinds}"
         assert draft_engine.ahead_taken - taken_before == 3
@@ -206,6 +206,23 @@ def test_a_bonus_other_than_the_guess_drops_what_was_drafted_ahead(draft_engine,
     assert draft_engine.ahead_taken == taken_before
     plain = propose_fresh(draft_engine, "plain", prompt + [p.token_id for p in first] + [other], 3, params, seed=7)
     assert [p.token_id for p in nxt] == [p.token_id for p in plain]
+
+
+def test_a_sampled_proposal_is_a_function_of_the_seed_and_its_context(draft_engine):
+    """The same seed and context give the same proposals, in one call or over several, after
+    drafting ahead or not; another seed gives others (the draft's draws are keyed, not a stream
+    whose place depends on how much was drawn before)."""
+    params, prompt = SamplingParams(temperature=1.0), [9, 8, 7, 6]
+    whole = [p.token_id for p in propose_fresh(draft_engine, "whole", prompt, 6, params, seed=21)]
+    first, ahead = draft_ahead(draft_engine, "parts", prompt, 2, params, 1, seed=21)
+    try:  # the next call brings two tokens where one was drafted ahead: it drafts the rest itself
+        rest = list(draft_engine.propose("parts", len(prompt) + 2, whole[2:4], 2, params, 21, DraftOptions()))
+    finally:
+        draft_engine.close_session("parts")
+    assert [p.token_id for p in first] + [whole[2]] == whole[:2] + ahead
+    assert [p.token_id for p in rest] == whole[4:6]
+    other = [p.token_id for p in propose_fresh(draft_engine, "other", prompt, 6, params, seed=22)]
+    assert other != whole
 
 
 def test_drafting_ahead_stops_when_the_session_changes(draft_engine):

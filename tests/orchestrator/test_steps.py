@@ -367,8 +367,10 @@ def test_a_seed_gives_the_same_answer_whether_the_next_proposals_came_beside_the
         target_engine, monkeypatch, mode):
     """The next Propose sent beside the verify changes which call hands over a round's proposals,
     never the proposals nor the request's draws: a seeded request gives one answer with it and
-    without it (the draft drafting ahead either way; the target as its own draft keeps every
-    draft, and the bonus token is the draft's guess in some rounds and not in others)."""
+    without it (the target as its own draft keeps every draft, and the bonus token is the draft's
+    guess in some rounds and not in others). Without it the draft's work ahead is held back here,
+    so that no call finds its proposals made: a draw depends on its context and the seed alone,
+    not on which call or job made it, nor how far drafting ahead had got when a call came."""
     import orchestrator.steps as steps
     from draft_service.engine import DraftEngine
 
@@ -379,6 +381,7 @@ def test_a_seed_gives_the_same_answer_whether_the_next_proposals_came_beside_the
     for pipelined in (True, False):
         if not pipelined:
             monkeypatch.setattr(steps, "next_call", lambda req, rnd: None)
+            monkeypatch.setattr(DraftEngine, "_draft_ahead", lambda *args: None)
         decoder = SpeculativeDecoder(target_engine, DraftEngine(target_engine.loaded), draft_ahead=5)
         try:
             answers.append(decoder.generate(request))
