@@ -31,7 +31,7 @@ run: install
 	$(VENV)/bin/specdec run $(RUN_ARGS)
 
 test: install compose-tool buf-tool
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # the fast tier, for every change: no service processes, no fuzzing, no real model pair
 test-fast: install

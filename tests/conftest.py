@@ -32,26 +32,11 @@ INTEGRATION = {
 }
 
 
-# The slowest files, slowest first: `make test` (two workers, a file each at a time, in this
-# order: --no-loadscope-reorder) starts them first, so that no long file is left to run alone at
-# the end. Seconds on this 2-core machine (pytest --durations=0, 2026-12-07), for the order only.
-SLOWEST_FIRST = {
-    "specdec_tools/test_bench_serve.py": 204, "orchestrator/test_faults.py": 160,
-    "orchestrator/test_sampled_distribution.py": 138, "test_default_pair.py": 105,
-    "specdec_tools/test_bench_smoke.py": 85, "orchestrator/test_coupled_sampling.py": 66,
-    "orchestrator/test_partitions.py": 53, "orchestrator/test_draft_options.py": 52,
-    "orchestrator/test_hosts_apart.py": 36, "orchestrator/test_fuzz.py": 36, "orchestrator/test_serve.py": 35,
-    "orchestrator/test_feature_drafts.py": 27, "orchestrator/test_decoding_controls.py": 26,
-}
-
-
 def pytest_collection_modifyitems(config, items):
-    paths = {}
     for item in items:
-        path = paths[item] = item.path.relative_to(config.rootpath / "tests").as_posix()
+        path = item.path.relative_to(config.rootpath / "tests").as_posix()
         if path in INTEGRATION:
             item.add_marker(pytest.mark.integration)
-    items.sort(key=lambda item: -SLOWEST_FIRST.get(paths[item], 0))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
