@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from orchestrator.pool import parse_entries
 from specdec.flags import Flag, FlagTable, ServedConfig, connection_flags, log_level_flag, reflection_flag, tls_flags
-from specdec.grammar import GrammarConfig, grammar_flags
+from specdec.grammar_limits import GrammarConfig, grammar_flags
 from specdec.errors import InvalidArgument
 from specdec.security import ClientTls
 from specdec.wire import DraftOptions

@@ -187,8 +187,9 @@ def create_server(config: OrchestratorConfig, decoder: SpeculativeDecoder | None
     return parts, parts.port
 
 
-def main(argv: list[str] | None = None) -> None:
-    config = OrchestratorConfig.from_args(argv)
+def main(argv: list[str] | None = None, config: OrchestratorConfig | None = None) -> None:
+    """`python -m orchestrator` (which parses the flags first: config)."""
+    config = config or OrchestratorConfig.from_args(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s orchestrator %(levelname)s %(message)s")
     # the orchestrator's tensor work (a residual over the vocabulary now and then) is small; one
     # thread means no OpenMP team spinning on cores that co-located workers need

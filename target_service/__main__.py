@@ -11,7 +11,12 @@ from specdec.lifetime import die_with_supervisor  # noqa: E402
 
 die_with_supervisor()  # a no-op unless `specdec serve` started this process
 
-from specdec.worker.server import main  # noqa: E402
-from target_service.role import TARGET  # noqa: E402
+from specdec.worker.config import DEFAULT_PORTS, WorkerConfig  # noqa: E402
 
-main(TARGET)
+# the flags first: --help, --version and a bad flag answer before torch and the model code load
+config = WorkerConfig.from_args("target", default_port=DEFAULT_PORTS["target"])
+
+from target_service.role import TARGET  # noqa: E402
+from specdec.worker.server import main  # noqa: E402
+
+main(TARGET, config=config)

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.flags import Flag, FlagTable, ServedConfig, connection_flags, log_level_flag, reflection_flag, tls_flags
-from specdec.grammar import GrammarConfig, grammar_flags
+from specdec.grammar_limits import GrammarConfig, grammar_flags
+
+DEFAULT_PORTS = {"target": 50051, "draft": 50052}  # each role's --port unless given
 
 FLAGS = FlagTable("SPECDEC_{role}", [
     Flag("--model", required=True,

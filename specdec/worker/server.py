@@ -203,9 +203,9 @@ def create_server(role: WorkerRole, config: WorkerConfig, engine: WorkerEngine |
     return parts, parts.port
 
 
-def main(role: WorkerRole, argv: list[str] | None = None) -> None:
-    """`python -m draft_service` / `python -m target_service`."""
-    config = WorkerConfig.from_args(role.name, argv, default_port=role.default_port)
+def main(role: WorkerRole, argv: list[str] | None = None, config: WorkerConfig | None = None) -> None:
+    """`python -m draft_service` / `python -m target_service` (which parse the flags first: config)."""
+    config = config or WorkerConfig.from_args(role.name, argv, default_port=role.default_port)
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s {role.name} %(levelname)s %(message)s")
     parts, port = create_server(role, config, telemetry=Telemetry.from_env(f"specdec-{role.name}"))
     log.info("%s worker on port %d, loading %s", role.name, port, config.model)

@@ -16,7 +16,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted
-from specdec.grammar import (GrammarCompiler, GrammarLimits, GrammarSpec, GrammarViolation, KINDS, grammar_flags)
+from specdec.grammar import GrammarCompiler, GrammarLimits, GrammarSpec, GrammarViolation, KINDS
+from specdec.grammar_limits import grammar_flags
 from specdec_tools.testing.tiny_models import SPECIALS, build_tokenizer
 
 SCHEMA = {
