@@ -155,7 +155,7 @@ class SpeculativeDecoder:
 
     def close(self) -> None:
         """Stops the step loops (requests still in them fail UNAVAILABLE); logs what the step
-        policy measured (orchestrator/arms.py)."""
+        policy measured (orchestrator/gamma.py)."""
         self.steps.close()
         for row in self.gamma_policy.snapshot() if self.gamma_policy.adaptive else ():
             log.info("step policy on %s at %s requests, %s: %s running; %.2f tok/s with (predicted %.2f), %.2f "

@@ -1,17 +1,18 @@
-"""How many drafts each step asks for, learnt only from the steps' records (`observe`).
+"""How many drafts each step asks for: a cost model proposes, measured goodput decides.
 
-For each step of a target's step loop (orchestrator/steps.py) one formula (StepModel) predicts
-the step's goodput, expected tokens over expected seconds, from what the records taught: the
-target's and each draft's pass cost against rows, acceptance by draft position (each request's
-own over its draft's pooled one), a step's time beyond its passes, and, for a draft on hardware
-of its own that drafts the next round while the target verifies, the chance that a request finds
-its proposals made. The step drafts the common g per request that predicts the most, leaving out
-the requests it is better without, where that promises MARGIN more than drafting nothing; a step
-that drafts nothing carries a request's suffix draft where its expected tokens pay for its rows.
-A model can be wrong, so whether a step drafts, and whether a step that does not carries suffix
-drafts, measurement decides once it can (orchestrator/arms.py). The choice depends only on
-earlier rounds, never on the draws of the round it is made for, so every round still follows the
-target's distribution exactly.
+For each step of a target's step loop (orchestrator/steps.py), one formula (StepModel) predicts
+the step's goodput, expected tokens over expected seconds, from what earlier steps' records taught
+(`GammaPolicy.observe`, the only door): each worker's pass cost against rows, acceptance by draft
+position (a request's own over its draft's pooled), the step's time beyond its passes and, for a
+draft on hardware of its own that drafts while the target verifies, how often a request finds its
+proposals made. The step drafts the common g per request that predicts the most, leaving out the
+requests it is better without, where that promises MARGIN more than no drafts; a step drafting
+nothing carries the suffix drafts whose calibrated tokens pay for their rows. A model can be
+wrong, so per target and load level (1, 2-3, 4-7, ... requests) two arms are measured as steps
+run, drafting or not (and, in steps that do not, suffix drafts or not): once both have MIN_STEPS
+measured steps, measurement decides, and the arm not running is explored in short runs within
+EXPLORE_SHARE of the level's time. Choices depend only on earlier rounds, never on the draws of
+the round they are made for, so every round follows the target's distribution exactly.
 
     tokens  = sum_j E_j(g_j),    E(g) = 1 + a_0 + a_0 a_1 + ... (g terms; Leviathan et al. 2023)
     seconds = overhead + max over drafts [(1 - prod_j H_j) max_j g_j D(n) + catch-up + extra]
@@ -26,12 +27,10 @@ time beyond its passes.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from orchestrator.arms import DRAFT, MARGIN, MIN_STEPS, PLAIN, Arms
 from specdec.protocol import MAX_GAMMA
 
 DECAY = 0.97  # every estimate follows its last ~30 observations
@@ -39,7 +38,34 @@ PRIOR_SLOPE = 0.15  # a row's cost as a share of a 1-row pass, until the rows se
 PRIOR_DRAFT_COST = 0.25  # a draft's pass before it ran one, as a share of the target's: low, so that it is tried
 PRIOR_ACCEPTANCE = 0.7  # the chance a draft (or a suffix draft's promised token) is kept, before any was judged
 PRIOR_COUNT = 8.0  # ... counted as this many judged tokens, so that one bad round does not condemn a draft
+MARGIN = 0.10  # the arm not running must measure this much more goodput to take over (and the model's drafts promise it)
+MIN_STEPS = 5  # measured steps each arm needs before measurement outranks the model
+EXPLORE_SHARE = 0.05  # at most this share of a level's time explores the arm not running
+ARM_DECAY = 1 - 1 / (2 * MIN_STEPS)  # an arm's rate follows its last ~2 * MIN_STEPS steps
 CATCH_UP_LAG = MAX_GAMMA  # a draft session behind by more than a round can draft is catching up
+DRAFT, PLAIN = "draft", "plain"
+
+
+@dataclass
+class Ratio:
+    """A sum over a sum, both decayed per observation: a mean that starts as the plain mean, then
+    follows the last ~1 / (1 - decay) observations. value(start): `start` counted as PRIOR_COUNT."""
+
+    num: float = 0.0
+    den: float = 0.0
+    decay: float = DECAY
+    steps: int = 0  # observations
+
+    def observe(self, num: float, den: float = 1.0) -> None:
+        self.num, self.den, self.steps = self.num * self.decay + num, self.den * self.decay + den, self.steps + 1
+
+    def value(self, start: float | None = None) -> float:
+        if start is None:
+            return self.num / self.den if self.den else 0.0
+        return (self.num + PRIOR_COUNT * start) / (self.den + PRIOR_COUNT)
+
+
+Calibration = Ratio  # a suffix draft's tokens kept over those its path probabilities promised (proposers/suffix.py)
 
 
 @dataclass
@@ -72,26 +98,6 @@ class LinearCost:
     def __call__(self, rows: float) -> float:
         alpha, beta = self.fit()
         return max(alpha + beta * rows, 1e-6)
-
-
-@dataclass
-class Ratio:
-    """A sum over a sum, both with DECAY per observation: a mean that starts as the plain mean, then
-    follows the last ~30 observations. value(start): `start` counted as PRIOR_COUNT of the sum below."""
-
-    num: float = 0.0
-    den: float = 0.0
-
-    def observe(self, num: float, den: float = 1.0) -> None:
-        self.num, self.den = self.num * DECAY + num, self.den * DECAY + den
-
-    def value(self, start: float | None = None) -> float:
-        if start is None:
-            return self.num / self.den if self.den else 0.0
-        return (self.num + PRIOR_COUNT * start) / (self.den + PRIOR_COUNT)
-
-
-Calibration = Ratio  # a suffix draft's tokens kept over those its path probabilities promised (proposers/suffix.py)
 
 
 @dataclass
@@ -183,8 +189,6 @@ class StepCosts:
     overhead_s: float
     draft_extra_s: dict[str, float] = field(default_factory=dict)
     made: dict[str, float] = field(default_factory=dict)
-
-
 class StepModel:
     """The formula (module docstring) for the candidate steps of one set of requests; each request's
     E_j(g) computed once."""
@@ -259,24 +263,94 @@ class StepModel:
         return gammas if self.goodput(gammas) > (1 + MARGIN) * self.goodput(plain) else plain
 
     def suffix(self, candidates: list[list[float]], calibrations: list[float]) -> list[int]:
-        """How many tokens of each suffix draft (candidates[j]: each position's path probability p_i)
-        ride a step that drafts nothing: request j's first k are expected to add sum_{i<k}
-        min(1, c_j p_i) tokens (c_j: its calibration) for k rows; requests in the order of their best
-        ratio, each with the k that raises the step's goodput most."""
-        lengths = [0] * len(candidates)
+        """How many tokens of each suffix draft (candidates[j]: each position's path probability p,
+        non-increasing) ride a step that drafts nothing: those whose expected tokens, min(1, c_j p)
+        (c_j: request j's calibration), beat what their row's time gives at the step's goodput."""
         if self.target is None:
-            return lengths
+            return [0] * len(candidates)
         tokens, seconds = self.estimate([0] * len(self.requests))
-        beta = max(self.target[1], 1e-9)
-        offers = [(max(g / (beta * k) for k, g in enumerate(gains, 1)), j, gains) for j, (probs, c) in
-                  enumerate(zip(candidates, calibrations)) if probs
-                  for gains in [list(itertools.accumulate(min(1.0, c * p) for p in probs))]]
-        for _, j, gains in sorted(offers, reverse=True):
-            rates = [((tokens + gain) / (seconds + beta * k), k) for k, gain in enumerate(gains, 1)]
-            rate, k = max(rates)
-            if rate > tokens / seconds:
-                lengths[j], tokens, seconds = k, tokens + gains[k - 1], seconds + beta * k
-        return lengths
+        worth = self.target[1] * tokens / seconds
+        return [sum(min(1.0, c * p) > worth for p in probs) for probs, c in zip(candidates, calibrations)]
+
+
+def level_of(requests: int) -> int:
+    """The load level of a step with this many requests: 1, 2-3, 4-7, 8-15, ... -> 1, 2, 3, 4, ..."""
+    return max(requests, 1).bit_length()
+
+
+def other(arm: str) -> str:
+    return PLAIN if arm == DRAFT else DRAFT
+
+
+@dataclass
+class Level:
+    """One target's two arms at one load level: tokens per second of the steps each ran (ARM_DECAY
+    per step) beside the model's predictions for them, which runs, its exploring, and its regret
+    (time in the arm measured worse, weighted by its shortfall: `specdec.policy.regret`)."""
+
+    rates: dict[str, Ratio] = field(default_factory=lambda: {a: Ratio(decay=ARM_DECAY) for a in (DRAFT, PLAIN)})
+    predicted: dict[str, Ratio] = field(default_factory=lambda: {a: Ratio(decay=ARM_DECAY) for a in (DRAFT, PLAIN)})
+    running: str | None = None  # the arm measurement chose (None: not yet measured)
+    last: str | None = None  # the arm the last step ran
+    exploring: int = 0  # steps left of the current exploring run
+    since_run: int = 0  # steps since the last exploring run ended
+    steps: int = 0
+    total_s: float = 0.0
+    explore_s: float = 0.0
+    regret_s: float = 0.0
+    switches: int = 0
+    chose: bool = True  # the last step could have speculated
+
+    @property
+    def measured(self) -> bool:
+        return all(r.steps >= MIN_STEPS for r in self.rates.values())
+
+    def choose(self, predicted: str, can_draft: bool, can_explore: bool = True) -> tuple[str, bool]:
+        """The arm of the next step and whether it explores. predicted: the model's arm; can_draft:
+        whether any request may speculate (else the step is plain); can_explore: whether any may in
+        a step that explores. Until both arms are measured the model's arm runs, then the one
+        running until the other measures MARGIN better; the other is explored in runs of
+        MIN_STEPS + 1 steps (their first pays the draft sessions' catch-up and is not measured)
+        while exploring stays within EXPLORE_SHARE of the time (four times that for an arm not
+        yet measured)."""
+        self.chose = can_draft
+        if not can_draft:
+            self.exploring = 0
+            return PLAIN, False
+        arm = predicted
+        if self.measured:
+            arm = self.running or predicted
+            if self.rates[other(arm)].value() > (1 + MARGIN) * self.rates[arm].value():
+                arm = other(arm)
+            self.switches += self.running not in (None, arm)
+            self.running = arm
+        explore = other(arm)
+        if explore == DRAFT and not can_explore:
+            self.exploring = 0
+            return arm, False
+        if self.exploring > 0:
+            self.exploring -= 1
+            return explore, True
+        self.since_run += 1
+        share = EXPLORE_SHARE * (4 if self.rates[explore].steps < MIN_STEPS else 1)
+        run_s = (MIN_STEPS + 1) * self.total_s / max(self.steps, 1)
+        if self.since_run >= 4 * MIN_STEPS and self.explore_s + run_s <= share * self.total_s:
+            self.exploring, self.since_run = MIN_STEPS, 0
+            return explore, True
+        return arm, False
+
+    def observe(self, arm: str, explored: bool, tokens: int, seconds: float, predicted: float | None = 0.0) -> None:
+        """A step's outcome and the goodput the model predicted for it; None: not measured (its
+        passes also ran other work), its time still counts."""
+        self.steps, self.total_s = self.steps + 1, self.total_s + seconds
+        self.explore_s += seconds if explored else 0.0
+        if self.measured and self.chose:
+            mine, theirs = self.rates[arm].value(), self.rates[other(arm)].value()
+            self.regret_s += seconds * (1 - mine / theirs) if theirs > mine else 0.0
+        if arm == self.last and predicted is not None:  # a switch's first step pays a catch-up
+            self.rates[arm].observe(tokens, seconds)
+            self.predicted[arm].observe(predicted * seconds, seconds)
+        self.last = arm
 
 
 class GammaPolicy:
@@ -290,9 +364,11 @@ class GammaPolicy:
         self._suffix: dict[str, Calibration] = {}  # target -> its suffix drafts', pooled
         self._averages: dict[tuple[str, str], Ratio] = {}  # ("overhead", target), ("extra" | "made", draft)
         self._loads: dict[str, collections.deque[int]] = {}  # target -> its last steps' loads
-        self._planned: dict[str, tuple] = {}  # target -> (predicted goodput, [(arms, level, arm, explored)])
-        self.arms = Arms()  # per target and level: steps drafting with the model, or not
-        self.suffix_arms = Arms()  # and steps that drafted nothing with the model: with suffix drafts, or not
+        self._planned: dict[str, tuple] = {}  # target -> (predicted goodput, [(level, arm, explored)])
+        self.levels: dict[tuple[str, str, int], Level] = {}  # (DRAFT or "suffix", target, level_of(load))
+
+    def level(self, kind: str, target: str, load: int) -> Level:
+        return self.levels.setdefault((kind, target, level_of(load)), Level())
 
     def _average(self, kind: str, address: str) -> Ratio:
         return self._averages.setdefault((kind, address), Ratio())
@@ -309,44 +385,42 @@ class GammaPolicy:
                     suffix: Callable[[], list[list[float]]] | None = None) -> tuple[list[int], list[int]]:
         """Each request's gamma for the next step on `target`, and the tokens of its suffix draft
         (suffix(): each request's candidate path probabilities, [] for none) that ride a step
-        drafting nothing. The arm (speculate or not) is arms.py's; how much, the model's. load: the
-        requests on the target, those still prefilling included; the level is the most of it and
-        of the last MIN_STEPS steps' loads."""
+        drafting nothing. load: the requests on the target, those still prefilling included; the
+        level is the most of it and of the last MIN_STEPS steps' loads."""
         none = [0] * len(requests)
         if not self.adaptive:
             return [r.cap for r in requests], none
         with self._lock:
             load = max([load or 0, len(requests), *self._loads.get(target, ())])
-            level = self.arms.level(target, load)
-            alone = load == 1
+            level, alone = self.level(DRAFT, target, load), load == 1
             if not self._costs.setdefault(target, LinearCost()).known and not alone:
                 # nothing priced yet: a draft that must first take in a whole prompt waits
                 requests = [replace(r, cap=0) if r.lag > CATCH_UP_LAG else r for r in requests]
-            if not (alone or (level.running or self.arms.prior(level)) == DRAFT):
+            if not (alone or level.running == DRAFT):
                 # a catch-up pays back over later steps only where drafting is established (or
                 # delays no one else): elsewhere the step that pays it is charged all of it
                 requests = [replace(r, remaining=0) if r.lag > 1 else r for r in requests]
             model = StepModel(requests, self._step_costs(target, requests))
             gammas = model.best()
             can_explore = any(c and (r.holds_prompt or alone) for c, r in zip(model.caps, requests))
-            arm, explored = self.arms.choose(level, DRAFT if any(gammas) else PLAIN, any(model.caps), can_explore)
+            arm, explored = level.choose(DRAFT if any(gammas) else PLAIN, any(model.caps), can_explore)
             if arm == PLAIN:
                 gammas = none
             elif explored or not any(gammas):  # drafting where the model would not: with drafts in step
                 gammas = StepModel([r if r.holds_prompt or alone else StepRequest(0, r.draft) for r in requests],
                                    model.costs).drafting()
-            lengths, plans, promised = none, [(self.arms, level, arm, explored)], 0.0
+            lengths, plans, promised = none, [(level, arm, explored)], 0.0
             candidates = suffix() if suffix is not None and not any(gammas) else None
             if candidates and any(candidates):  # suffix drafts: arms of their own, per level
                 start = self._suffix.setdefault(target, Calibration()).value(PRIOR_ACCEPTANCE)
                 calibrations = [r.calibration.value(start) if r.calibration else start for r in requests]
-                suffix_level = self.suffix_arms.level(target, load)
+                suffix_level = self.level("suffix", target, load)
                 lengths = model.suffix(candidates, calibrations)
-                suffix_arm, suffix_explored = self.suffix_arms.choose(suffix_level, DRAFT, can_draft=any(lengths))
+                suffix_arm, suffix_explored = suffix_level.choose(DRAFT, can_draft=any(lengths))
                 lengths = lengths if suffix_arm == DRAFT else none
                 promised = sum(min(1.0, c * p) for probs, c, k in zip(candidates, calibrations, lengths)
                                for p in probs[:k])
-                plans.append((self.suffix_arms, suffix_level, suffix_arm, suffix_explored))
+                plans.append((suffix_level, suffix_arm, suffix_explored))
             tokens, seconds = model.estimate(gammas, promised, sum(lengths))
             self._planned[target] = (tokens / seconds if model.target else 0.0, plans)
             return gammas, lengths
@@ -355,7 +429,7 @@ class GammaPolicy:
         """All a step teaches, once it ended: its load, acceptance, the target's pass line (from a
         pass that ran the step's rows alone), each draft's (not from a phase in which a session
         caught up), the time beyond the passes (not from a step a prefill overlapped or a fault
-        stalled), the made-ahead rate, and its arm's rate. Returns its arm, whether it explored,
+        stalled), the made-ahead rate, and its arms' rates. Returns its arm, whether it explored,
         and the regret it added (None: the fixed policy, which learns nothing)."""
         if not self.adaptive:
             return None
@@ -378,23 +452,31 @@ class GammaPolicy:
             for j, (drafted, kept, promised) in step.judged.items():
                 r = step.requests[j]
                 if promised:
-                    self._suffix.setdefault(step.target, Calibration()).observe(kept, promised)
-                    if r.calibration is not None:
-                        r.calibration.observe(kept, promised)
+                    for calibration in (self._suffix.setdefault(step.target, Calibration()), r.calibration):
+                        if calibration is not None:
+                            calibration.observe(kept, promised)
                 elif r.draft is not None:
-                    self._acceptance.setdefault((step.target, r.draft), Acceptance()).observe(drafted, kept)
-                    if r.acceptance is not None:
-                        r.acceptance.observe(drafted, kept)
-            predicted, plans = self._planned.pop(step.target, (0.0, []))
-            regret = 0.0
-            for arms, level, arm, explored in plans:
+                    for acceptance in (self._acceptance.setdefault((step.target, r.draft), Acceptance()),
+                                       r.acceptance):
+                        if acceptance is not None:
+                            acceptance.observe(drafted, kept)
+            (predicted, plans), regret = self._planned.pop(step.target, (0.0, [])), 0.0
+            for level, arm, explored in plans:
                 regret -= level.regret_s
-                arms.observe(level, arm, explored, step.tokens, step.seconds, predicted if own else None)
+                level.observe(arm, explored, step.tokens, step.seconds, predicted if own else None)
                 regret += level.regret_s
-            return (plans[0][2], plans[0][3], regret) if plans else None
+            return (plans[0][1], plans[0][2], regret) if plans else None
 
     def snapshot(self) -> list[dict]:
-        """The measured arms per target and load level (arms.Arms.snapshot)."""
+        """Per arms' kind, target and load level: the arm running, both measured rates beside the
+        model's, steps, the share spent exploring, regret and switches."""
         with self._lock:
-            return [{**row, "kind": "drafting"} for row in self.arms.snapshot()] + \
-                [{**row, "kind": "suffix drafts"} for row in self.suffix_arms.snapshot()]
+            return [{"kind": "drafting" if kind == DRAFT else "suffix drafts", "target": target,
+                     "level": f"{2 ** (lv - 1)}-{2 ** lv - 1}" if lv > 1 else "1", "running": level.running,
+                     "draft_tok_s": round(level.rates[DRAFT].value(), 3),
+                     "plain_tok_s": round(level.rates[PLAIN].value(), 3), "steps": level.steps,
+                     "predicted_draft_tok_s": round(level.predicted[DRAFT].value(), 3),
+                     "predicted_plain_tok_s": round(level.predicted[PLAIN].value(), 3),
+                     "explore_share": round(level.explore_s / level.total_s, 4) if level.total_s else 0.0,
+                     "regret_s": round(level.regret_s, 4), "switches": level.switches}
+                    for (kind, target, lv), level in sorted(self.levels.items())]

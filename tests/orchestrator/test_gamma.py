@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.arms import DRAFT, EXPLORE_SHARE, MARGIN, PLAIN
-from orchestrator.gamma import (Acceptance, GammaPolicy, LinearCost, StepCosts, StepModel, StepRecord,
-                                StepRequest)
+from orchestrator.gamma import (DRAFT, EXPLORE_SHARE, MARGIN, PLAIN, Acceptance, GammaPolicy, LinearCost, StepCosts,
+                                StepModel, StepRecord, StepRequest)
 from tests.support.policy import Feed, accepting, learnt, measured
 
 CPU_TARGET = measured(lambda r: 0.110 + 0.017 * r)  # a 2-core CPU: 126 ms at 1 row, ~790 ms at 40
@@ -174,14 +173,14 @@ def test_a_request_alone_explores_drafting_even_with_its_drafts_catch_up():
     feed = Feed(policy, target_cost=lambda r: 0.110 + 0.017 * r)
     lagging = StepRequest(4, "d", lag=300, holds_prompt=False)
     seen = [feed.step([lagging], 0.1, 1, load=1)[0][0] for _ in range(400)]
-    assert policy.arms.level("t", 1).running == PLAIN and any(seen[-200:])
+    assert policy.level(DRAFT, "t", 1).running == PLAIN and any(seen[-200:])
     assert all(feed.step([lagging], 0.1, 1, load=2)[0] == [0] for _ in range(200))
 
 
 def wave_policy() -> GammaPolicy:
     """A policy whose model would draft, but whose arms at eight requests measured that drafting loses."""
     policy = learnt(lambda r: 0.030 + 0.00001 * r, lambda r: 0.004 + 0.000001 * r, acceptance=0.8)
-    eight = policy.arms.level("t", 8)
+    eight = policy.level(DRAFT, "t", 8)
     eight.running = PLAIN
     for arm, rate in ((DRAFT, 20.0), (PLAIN, 40.0)):
         for _ in range(10):
@@ -192,7 +191,7 @@ def wave_policy() -> GammaPolicy:
 def test_the_load_level_counts_requests_still_prefilling_and_is_remembered_for_a_few_steps():
     """A wave: one request decodes while seven prefill. The step is judged at the level of eight,
     and so are the next steps of a lone request until MIN_STEPS steps at one have passed."""
-    from orchestrator.arms import MIN_STEPS
+    from orchestrator.gamma import MIN_STEPS
 
     policy = wave_policy()
     lone = [StepRequest(4, "d")]
@@ -226,7 +225,7 @@ def test_a_catch_up_is_spread_over_later_steps_only_where_drafting_is_establishe
     assert min(policy().choose_step("t", [StepRequest(4, "d", remaining=48)] * 4)[0]) > 0
     assert policy().choose_step("t", lagging[:1])[0][0] > 0
     established = policy()
-    four = established.arms.level("t", 4)
+    four = established.level(DRAFT, "t", 4)
     four.running = DRAFT
     for arm, rate in ((DRAFT, 40.0), (PLAIN, 20.0)):
         for _ in range(10):

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.arms import DRAFT, MIN_STEPS
-from orchestrator.gamma import PRIOR_ACCEPTANCE, Calibration, GammaPolicy, StepRequest
+from orchestrator.gamma import DRAFT, MIN_STEPS, PRIOR_ACCEPTANCE, Calibration, GammaPolicy, StepRequest
 from orchestrator.proposers.suffix import MAX_HITS, SPEC_FACTOR, RequestIndex, SuffixIndex
 from tests.support.policy import Feed, learnt
 
@@ -122,7 +121,7 @@ def test_drafts_that_keep_failing_stop_being_sent():
 
 
 def test_the_goodput_predicted_for_a_step_with_suffix_drafts_counts_their_calibrated_tokens():
-    """What the orchestrator reports beside the measured rate (arms.py `predicted`): a suffix
+    """What the orchestrator reports beside the measured rate (`Level.predicted`): a suffix
     draft's tokens as calibrated, not as its path probabilities promise. Two policies fed the
     same steps, whose requests' suffix drafts were kept 1 in 4 and 4 in 4: the same 4 tokens
     ride, and the predictions differ as 1 + 4 c does."""
@@ -132,7 +131,7 @@ def test_the_goodput_predicted_for_a_step_with_suffix_drafts_counts_their_calibr
         feed = Feed(policy, target_cost=lambda rows: 0.020 + 0.0002 * rows)
         for _ in range(3 * MIN_STEPS):
             assert feed.step([StepRequest(0, None, calibration=own)], 0.05, 2, suffix=lambda: [[1.0] * 4])[1] == [4]
-        predicted.append(policy.suffix_arms.level("t", 1).predicted[DRAFT].value)
+        predicted.append(policy.level("suffix", "t", 1).predicted[DRAFT].value())
         calibrations.append(own.value(PRIOR_ACCEPTANCE))
     assert predicted[0] > 0
     assert predicted[0] / predicted[1] == pytest.approx((1 + 4 * calibrations[0]) / (1 + 4 * calibrations[1]))
@@ -140,7 +139,7 @@ def test_the_goodput_predicted_for_a_step_with_suffix_drafts_counts_their_calibr
 
 def test_suffix_drafts_that_measure_slower_stop_riding_but_for_exploration():
     """The model says they pay (cheap rows, certain matches), the steps say otherwise: measured
-    goodput wins, as for drafting (orchestrator/arms.py)."""
+    goodput wins, as for drafting (orchestrator/gamma.py)."""
     policy = policy_with(alpha=0.020, beta=0.0002)
     feed = Feed(policy, target_cost=lambda rows: 0.020 + 0.0002 * rows)
     sent = [any(feed.step([StepRequest(0, None)] * 4, lambda g, s: 0.2 if any(s) else 0.05,
