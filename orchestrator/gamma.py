@@ -189,6 +189,8 @@ class StepCosts:
     overhead_s: float
     draft_extra_s: dict[str, float] = field(default_factory=dict)
     made: dict[str, float] = field(default_factory=dict)
+
+
 class StepModel:
     """The formula (module docstring) for the candidate steps of one set of requests; each request's
     E_j(g) computed once."""

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # member states
 JOINING, SERVING, UNAVAILABLE, REFUSED, GONE, DRAINING = "joining", "serving", "unavailable", "refused", "gone", "draining"
 FAILED = "failed"  # it answers, but could not load its model (message: the worker's reason); it may be restarted
+JOINING_POLL_S = 1.0  # a member that has not answered yet is asked again at least this often, whatever poll_s
 
 
 class LoadFailed(FailedPrecondition):
@@ -245,7 +246,14 @@ class WorkerPool:
             if time.monotonic() - last_resolve >= self.resolve_s:
                 self._forget_vanished(self._resolve_entries(self._entries))
                 last_resolve = time.monotonic()
-            self._stop.wait(self.poll_s)
+            self._stop.wait(self.next_poll_s())
+
+    def next_poll_s(self) -> float:
+        """poll_s, but at most JOINING_POLL_S while a member has not answered yet: a worker that is
+        still starting serves as soon as it answers, not a whole --poll-interval later."""
+        with self._lock:
+            joining = any(m.state == JOINING for m in self._members.values())
+        return min(self.poll_s, JOINING_POLL_S) if joining else self.poll_s
 
     def stop(self) -> None:
         self._stop.set()

@@ -16,6 +16,18 @@ from specdec_tools import bench_serve as bs
 from specdec_tools.bench_serve import RequestRecord
 
 
+@pytest.fixture(scope="module", autouse=True)
+def reused_stacks(tmp_path_factory):
+    """The smoke runs below that ask for the same stack share one (tests/support/stacks.py)."""
+    from tests.support.stacks import ReusedStacks
+
+    stacks = ReusedStacks(tmp_path_factory.mktemp("stacks"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("specdec_tools.stack.ProcessStack", stacks)
+        yield stacks
+    stacks.stop_all()
+
+
 def rec(mode="on", c=1, request=0, prompt=0, latency=1.0, ttft=0.1, tokens=10, drafted=0, accepted=0, gamma=None,
         ids=(), error=""):
     return RequestRecord(mode, c, request, prompt, 0, 0.0, latency, ttft, tokens, tokens / latency,
