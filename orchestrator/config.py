@@ -94,7 +94,8 @@ FLAGS = FlagTable("SPECDEC_ORCHESTRATOR", [
               "(the workers' Describe says so), else sequential"),
     Flag("--drain-timeout", float, 20.0, "on SIGTERM: seconds requests in flight get to finish",
          field="drain_timeout_s"),
-    Flag("--poll-interval", float, 1.0, "seconds between reads of each worker's load and health", field="poll_s"),
+    Flag("--poll-interval", float, 1.0, "seconds between reads of each worker's load and health (at most 1 s "
+         "for a worker that has not answered yet)", field="poll_s"),
     Flag("--resolve-interval", float, 10.0, "seconds between DNS resolutions of worker names (new replicas join)",
          field="resolve_s"),
     Flag("--max-new-tokens", int, 4096, "the most tokens one request may ask for"),
