@@ -54,7 +54,7 @@ def test_bench_methods(model_dirs, tmp_path):
 @pytest.mark.timeout(300)
 def test_loadtest(tmp_path):
     out = tmp_path / "loadtest"
-    assert run("bench", "load", "--duration", "10", "--clients", "2", "--no-faults", "--prompts", "3",
+    assert run("bench", "load", "--duration", "5", "--clients", "2", "--no-faults", "--prompts", "3",
                "--leak-wait", "3", "--out", str(out)) == 0
     assert any(out.iterdir())
 
