@@ -158,12 +158,10 @@ class SpeculativeDecoder:
         policy measured (orchestrator/gamma.py)."""
         self.steps.close()
         for row in self.gamma_policy.snapshot() if self.gamma_policy.adaptive else ():
-            log.info("step policy on %s at %s requests, %s: %s running; %.2f tok/s with (predicted %.2f), %.2f "
-                     "without (predicted %.2f); %d steps, %.1f%% exploring, %.2f s regret, %d switches", row["target"],
-                     row["level"], row["kind"], row["running"], row["draft_tok_s"], row["predicted_draft_tok_s"],
-                     row["plain_tok_s"],
-                     row["predicted_plain_tok_s"], row["steps"], 100 * row["explore_share"], row["regret_s"],
-                     row["switches"])
+            log.info("step policy on %s at %s requests, %s: %s running; %.2f tok/s with, %.2f without; %d steps, "
+                     "%.1f%% exploring, %.2f s regret, %d switches", row["target"], row["level"], row["kind"],
+                     row["running"], row["draft_tok_s"], row["plain_tok_s"], row["steps"], 100 * row["explore_share"],
+                     row["regret_s"], row["switches"])
 
     # ---- request handling ----------------------------------------------------------------
 

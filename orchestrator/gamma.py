@@ -3,7 +3,7 @@
 For each step of a target's step loop (orchestrator/steps.py), one formula (StepModel) predicts
 the step's goodput, expected tokens over expected seconds, from what earlier steps' records taught
 (`GammaPolicy.observe`, the only door): each worker's pass cost against rows, acceptance by draft
-position (a request's own over its draft's pooled), the step's time beyond its passes and, for a
+position, the step's time beyond its passes and, for a
 draft on hardware of its own that drafts while the target verifies, how often a request finds its
 proposals made. The step drafts the common g per request that predicts the most, leaving out the
 requests it is better without, where that promises MARGIN more than no drafts; a step drafting
@@ -44,6 +44,7 @@ EXPLORE_SHARE = 0.05  # at most this share of a level's time explores the arm no
 ARM_DECAY = 1 - 1 / (2 * MIN_STEPS)  # an arm's rate follows its last ~2 * MIN_STEPS steps
 CATCH_UP_LAG = MAX_GAMMA  # a draft session behind by more than a round can draft is catching up
 DRAFT, PLAIN = "draft", "plain"
+OTHER = {DRAFT: PLAIN, PLAIN: DRAFT}
 
 
 @dataclass
@@ -96,13 +97,13 @@ class LinearCost:
         return (wy - beta * wr) / w, beta
 
     def __call__(self, rows: float) -> float:
-        alpha, beta = self.fit()
-        return max(alpha + beta * rows, 1e-6)
+        return max(sum(c * x for c, x in zip(self.fit(), (1.0, rows))), 1e-6)
 
 
 @dataclass
 class Acceptance:
-    """a_i: of the drafts judged at position i (given 0..i-1 kept), the share kept."""
+    """a_i: of the drafts judged at position i (given 0..i-1 kept), the share kept; a position
+    never judged is as likely as the last judged, and none judged is PRIOR_ACCEPTANCE."""
 
     positions: list[Ratio] = field(default_factory=list)
 
@@ -112,19 +113,15 @@ class Acceptance:
         for i in range(judged):
             self.positions[i].observe(float(i < num_accepted))
 
-    def rate(self, i: int, prior: "Acceptance | None" = None) -> float:
-        """a_i, from PRIOR_ACCEPTANCE or the prior's rate (a request's draft's pooled one); a
-        position never judged is as likely as the last judged."""
-        start = prior.rate(i) if prior is not None else PRIOR_ACCEPTANCE
-        if i >= len(self.positions):
-            return self.rate(len(self.positions) - 1) if self.positions and prior is None else start
-        return self.positions[i].value(start)
+    def rate(self, i: int) -> float:
+        return self.positions[min(i, len(self.positions) - 1)].value(PRIOR_ACCEPTANCE) if self.positions \
+            else PRIOR_ACCEPTANCE
 
-    def expected_tokens(self, gamma: int, prior: "Acceptance | None" = None) -> float:
+    def expected_tokens(self, gamma: int) -> float:
         """E(g): the kept drafts plus the recovered or bonus token."""
         total = passed = 1.0
         for i in range(gamma):
-            passed *= self.rate(i, prior)
+            passed *= self.rate(i)
             total += passed
         return total
 
@@ -136,7 +133,6 @@ class StepRequest:
     cap: int  # the most drafts its round may make (its gamma, fewer near the end, 0 without a draft)
     draft: str | None  # its draft worker's address
     lag: int = 1  # tokens its draft session must take in before drafting (a whole prompt when opened lazily)
-    acceptance: Acceptance | None = None  # its own drafts' (None: its draft's pooled one alone)
     remaining: int = 0  # tokens it may still generate: a catch-up is spread over them (0: charged whole)
     holds_prompt: bool = True  # its draft session holds its prompt: it may draft in a step that explores
     made_ahead: bool = False  # its last round kept every draft and its draft drafted on while the target verified
@@ -152,13 +148,11 @@ class StepRecord:
     gammas: list[int]
     load: int  # requests on the target when it began, those still prefilling included
     started: float  # seconds (the step loop's clock)
-    # per draft worker that answered: the rows and seconds of one of its passes (0 rows: not reported),
-    # and its phase's time beyond its passes (RPC, Python)
+    # per draft that answered: (rows, seconds) of one of its passes (0 rows: not reported), its phase's other time
     drafts: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     draft_end: float = 0.0
     found_made: dict[int, bool] = field(default_factory=dict)  # per made_ahead request: were they all there
-    # per request whose round drafted: (drafts, drafts kept, a suffix draft's promised tokens or 0)
-    judged: dict[int, tuple[int, int, float]] = field(default_factory=dict)
+    judged: dict[int, tuple[int, int, float]] = field(default_factory=dict)  # j: drafts, kept, suffix's promise or 0
     target_rows: int = 0  # rows of the target's pass (prefill chunks and other sessions' included)
     target_pass_s: float = 0.0
     own_rows: int = 0  # the rows this step brought to that pass
@@ -178,36 +172,42 @@ class StepRecord:
 
 
 @dataclass
-class StepCosts:
-    """What the formula reads for one target: the pass lines, acceptance per draft, the step's other
-    time, and per draft its phase beyond its passes and H (the share of made_ahead requests that found
+class DraftCosts:
+    """What a target's steps taught of one draft worker: its pass line, acceptance by position, its
+    phase's time beyond its passes (RPC, Python), and H (the share of made_ahead requests that found
     their proposals made)."""
 
-    target: LinearCost
-    drafts: dict[str, LinearCost]
-    acceptance: dict[str, Acceptance]
-    overhead_s: float
-    draft_extra_s: dict[str, float] = field(default_factory=dict)
-    made: dict[str, float] = field(default_factory=dict)
+    line: LinearCost = field(default_factory=LinearCost)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    extra: Ratio = field(default_factory=Ratio)
+    made: Ratio = field(default_factory=Ratio)
+
+
+@dataclass
+class StepCosts:
+    """What the formula reads for one target, as its steps taught: its pass line, the step's time
+    beyond the passes, each draft's costs, and its suffix drafts' calibration (pooled)."""
+
+    target: LinearCost = field(default_factory=LinearCost)
+    overhead: Ratio = field(default_factory=Ratio)
+    drafts: dict[str, DraftCosts] = field(default_factory=lambda: collections.defaultdict(DraftCosts))
+    suffix: Calibration = field(default_factory=Calibration)
 
 
 class StepModel:
-    """The formula (module docstring) for the candidate steps of one set of requests; each request's
-    E_j(g) computed once."""
+    """The formula (module docstring) for the candidate steps of one set of requests."""
 
     def __init__(self, requests: list[StepRequest], costs: StepCosts):
         self.requests, self.costs = requests, costs
         self.target = costs.target.fit() if costs.target.known else None
-        self.lines = {d: self._line(d) for d in costs.drafts}
         self.caps = [max(r.cap, 0) if r.draft is not None else 0 for r in requests]
-        self.e = [[1.0] + [r.acceptance.expected_tokens(g, pooled) if r.acceptance is not None
-                           else pooled.expected_tokens(g) for g in range(1, cap + 1)]
-                  for r, cap in zip(requests, self.caps)
-                  for pooled in [costs.acceptance.setdefault(r.draft, Acceptance())]]
+        drafts = {r.draft: costs.drafts[r.draft] for r in requests if r.draft is not None}
+        self.lines = {d: self._line(c.line) for d, c in drafts.items()}
+        e = {d: [c.acceptance.expected_tokens(g) for g in range(max(self.caps) + 1)] for d, c in drafts.items()}
+        self.e = [e[r.draft] if r.draft is not None else [1.0] for r in requests]
 
-    def _line(self, draft: str) -> tuple[float, float] | None:
+    def _line(self, line: LinearCost) -> tuple[float, float] | None:
         """A draft's (alpha, beta); before it ran, PRIOR_DRAFT_COST of the target's 1-row pass."""
-        line = self.costs.drafts[draft]
         if line.known:
             return line.fit()
         if self.target is None:
@@ -215,16 +215,16 @@ class StepModel:
         alpha = PRIOR_DRAFT_COST * max(sum(self.target), 1e-6)
         return alpha, PRIOR_SLOPE * alpha
 
-    def estimate(self, gammas: list[int], extra_tokens: float = 0.0, extra_rows: int = 0) -> tuple[float, float]:
-        """Expected tokens and seconds of the step (with suffix drafts' tokens and rows added)."""
-        tokens, rows, per_draft = extra_tokens, extra_rows, {}
+    def estimate(self, gammas: list[int]) -> tuple[float, float]:
+        """Expected tokens and seconds of the step."""
+        tokens, rows, per_draft = 0.0, 0, {}
         for j, (g, r) in enumerate(zip(gammas, self.requests)):
             rows += g + 1
             tokens += self.e[j][g]
             if g:
                 d = per_draft.setdefault(r.draft, [0, 0, 0.0, 1.0])  # requests, most drafts, catch-up, prod H
                 d[0], d[1] = d[0] + 1, max(d[1], g)
-                d[3] *= self.costs.made.get(r.draft, 0.0) if r.made_ahead else 0.0
+                d[3] *= self.costs.drafts[r.draft].made.value() if r.made_ahead else 0.0
                 if r.lag > 1:  # spread over the steps it has left
                     d[2] += (r.lag - 1) / max(1.0, r.remaining / self.e[j][g]) if r.remaining else r.lag - 1
         draft_s = 0.0
@@ -232,9 +232,9 @@ class StepModel:
             if (line := self.lines.get(address)) is not None:
                 alpha, beta = line
                 draft_s = max(draft_s, (1 - made) * steps * max(alpha + beta * n, 1e-6) + beta * catch_up +
-                              self.costs.draft_extra_s.get(address, 0.0))
+                              self.costs.drafts[address].extra.value())
         alpha, beta = self.target or (0.0, 0.0)
-        return tokens, self.costs.overhead_s + draft_s + max(alpha + beta * rows, 1e-6)
+        return tokens, self.costs.overhead.value() + draft_s + max(alpha + beta * rows, 1e-6)
 
     def goodput(self, gammas: list[int]) -> float:
         tokens, seconds = self.estimate(gammas)
@@ -280,18 +280,13 @@ def level_of(requests: int) -> int:
     return max(requests, 1).bit_length()
 
 
-def other(arm: str) -> str:
-    return PLAIN if arm == DRAFT else DRAFT
-
-
 @dataclass
 class Level:
     """One target's two arms at one load level: tokens per second of the steps each ran (ARM_DECAY
-    per step) beside the model's predictions for them, which runs, its exploring, and its regret
-    (time in the arm measured worse, weighted by its shortfall: `specdec.policy.regret`)."""
+    per step), which runs, its exploring, and its regret (time in the arm measured worse, weighted
+    by its shortfall: `specdec.policy.regret`)."""
 
     rates: dict[str, Ratio] = field(default_factory=lambda: {a: Ratio(decay=ARM_DECAY) for a in (DRAFT, PLAIN)})
-    predicted: dict[str, Ratio] = field(default_factory=lambda: {a: Ratio(decay=ARM_DECAY) for a in (DRAFT, PLAIN)})
     running: str | None = None  # the arm measurement chose (None: not yet measured)
     last: str | None = None  # the arm the last step ran
     exploring: int = 0  # steps left of the current exploring run
@@ -308,13 +303,10 @@ class Level:
         return all(r.steps >= MIN_STEPS for r in self.rates.values())
 
     def choose(self, predicted: str, can_draft: bool, can_explore: bool = True) -> tuple[str, bool]:
-        """The arm of the next step and whether it explores. predicted: the model's arm; can_draft:
-        whether any request may speculate (else the step is plain); can_explore: whether any may in
-        a step that explores. Until both arms are measured the model's arm runs, then the one
-        running until the other measures MARGIN better; the other is explored in runs of
-        MIN_STEPS + 1 steps (their first pays the draft sessions' catch-up and is not measured)
-        while exploring stays within EXPLORE_SHARE of the time (four times that for an arm not
-        yet measured)."""
+        """The next step's arm (PLAIN where no request may draft) and whether it explores (only
+        where can_explore). The other arm is explored in runs of MIN_STEPS + 1 steps, the first of
+        which pays the draft sessions' catch-up and is not measured, within EXPLORE_SHARE of the
+        time (four times that while it is not measured)."""
         self.chose = can_draft
         if not can_draft:
             self.exploring = 0
@@ -322,11 +314,11 @@ class Level:
         arm = predicted
         if self.measured:
             arm = self.running or predicted
-            if self.rates[other(arm)].value() > (1 + MARGIN) * self.rates[arm].value():
-                arm = other(arm)
+            if self.rates[OTHER[arm]].value() > (1 + MARGIN) * self.rates[arm].value():
+                arm = OTHER[arm]
             self.switches += self.running not in (None, arm)
             self.running = arm
-        explore = other(arm)
+        explore = OTHER[arm]
         if explore == DRAFT and not can_explore:
             self.exploring = 0
             return arm, False
@@ -341,17 +333,15 @@ class Level:
             return explore, True
         return arm, False
 
-    def observe(self, arm: str, explored: bool, tokens: int, seconds: float, predicted: float | None = 0.0) -> None:
-        """A step's outcome and the goodput the model predicted for it; None: not measured (its
-        passes also ran other work), its time still counts."""
+    def observe(self, arm: str, explored: bool, tokens: int, seconds: float, measured: bool = True) -> None:
+        """A step's outcome; not measured where its passes also ran other work (its time counts)."""
         self.steps, self.total_s = self.steps + 1, self.total_s + seconds
         self.explore_s += seconds if explored else 0.0
         if self.measured and self.chose:
-            mine, theirs = self.rates[arm].value(), self.rates[other(arm)].value()
+            mine, theirs = self.rates[arm].value(), self.rates[OTHER[arm]].value()
             self.regret_s += seconds * (1 - mine / theirs) if theirs > mine else 0.0
-        if arm == self.last and predicted is not None:  # a switch's first step pays a catch-up
+        if arm == self.last and measured:  # a switch's first step pays a catch-up
             self.rates[arm].observe(tokens, seconds)
-            self.predicted[arm].observe(predicted * seconds, seconds)
         self.last = arm
 
 
@@ -361,27 +351,13 @@ class GammaPolicy:
     def __init__(self, adaptive: bool = True):
         self.adaptive = adaptive  # False: the fixed policy, each request's own gamma
         self._lock = threading.Lock()
-        self._costs: dict[str, LinearCost] = {}
-        self._acceptance: dict[tuple[str, str], Acceptance] = {}
-        self._suffix: dict[str, Calibration] = {}  # target -> its suffix drafts', pooled
-        self._averages: dict[tuple[str, str], Ratio] = {}  # ("overhead", target), ("extra" | "made", draft)
-        self._loads: dict[str, collections.deque[int]] = {}  # target -> its last steps' loads
-        self._planned: dict[str, tuple] = {}  # target -> (predicted goodput, [(level, arm, explored)])
+        self.costs: dict[str, StepCosts] = collections.defaultdict(StepCosts)  # per target
+        self._loads: dict[str, collections.deque[int]] = {}  # per target: its last steps' loads
+        self._planned: dict[str, list] = {}  # target -> [(level, arm, explored)] of its step under way
         self.levels: dict[tuple[str, str, int], Level] = {}  # (DRAFT or "suffix", target, level_of(load))
 
     def level(self, kind: str, target: str, load: int) -> Level:
         return self.levels.setdefault((kind, target, level_of(load)), Level())
-
-    def _average(self, kind: str, address: str) -> Ratio:
-        return self._averages.setdefault((kind, address), Ratio())
-
-    def _step_costs(self, target: str, requests: list[StepRequest]) -> StepCosts:
-        drafts = {r.draft for r in requests if r.draft is not None}
-        values = lambda kind: {a: avg.value() for (k, a), avg in self._averages.items() if k == kind}  # noqa: E731
-        return StepCosts(self._costs.setdefault(target, LinearCost()),
-                         {d: self._costs.setdefault(d, LinearCost()) for d in drafts},
-                         {d: self._acceptance.setdefault((target, d), Acceptance()) for d in drafts},
-                         self._average("overhead", target).value(), values("extra"), values("made"))
 
     def choose_step(self, target: str, requests: list[StepRequest], load: int | None = None,
                     suffix: Callable[[], list[list[float]]] | None = None) -> tuple[list[int], list[int]]:
@@ -395,14 +371,14 @@ class GammaPolicy:
         with self._lock:
             load = max([load or 0, len(requests), *self._loads.get(target, ())])
             level, alone = self.level(DRAFT, target, load), load == 1
-            if not self._costs.setdefault(target, LinearCost()).known and not alone:
+            if not self.costs[target].target.known and not alone:
                 # nothing priced yet: a draft that must first take in a whole prompt waits
                 requests = [replace(r, cap=0) if r.lag > CATCH_UP_LAG else r for r in requests]
             if not (alone or level.running == DRAFT):
                 # a catch-up pays back over later steps only where drafting is established (or
                 # delays no one else): elsewhere the step that pays it is charged all of it
                 requests = [replace(r, remaining=0) if r.lag > 1 else r for r in requests]
-            model = StepModel(requests, self._step_costs(target, requests))
+            model = StepModel(requests, self.costs[target])
             gammas = model.best()
             can_explore = any(c and (r.holds_prompt or alone) for c, r in zip(model.caps, requests))
             arm, explored = level.choose(DRAFT if any(gammas) else PLAIN, any(model.caps), can_explore)
@@ -411,20 +387,17 @@ class GammaPolicy:
             elif explored or not any(gammas):  # drafting where the model would not: with drafts in step
                 gammas = StepModel([r if r.holds_prompt or alone else StepRequest(0, r.draft) for r in requests],
                                    model.costs).drafting()
-            lengths, plans, promised = none, [(level, arm, explored)], 0.0
+            lengths, plans = none, [(level, arm, explored)]
             candidates = suffix() if suffix is not None and not any(gammas) else None
             if candidates and any(candidates):  # suffix drafts: arms of their own, per level
-                start = self._suffix.setdefault(target, Calibration()).value(PRIOR_ACCEPTANCE)
+                start = model.costs.suffix.value(PRIOR_ACCEPTANCE)
                 calibrations = [r.calibration.value(start) if r.calibration else start for r in requests]
                 suffix_level = self.level("suffix", target, load)
                 lengths = model.suffix(candidates, calibrations)
                 suffix_arm, suffix_explored = suffix_level.choose(DRAFT, can_draft=any(lengths))
                 lengths = lengths if suffix_arm == DRAFT else none
-                promised = sum(min(1.0, c * p) for probs, c, k in zip(candidates, calibrations, lengths)
-                               for p in probs[:k])
                 plans.append((suffix_level, suffix_arm, suffix_explored))
-            tokens, seconds = model.estimate(gammas, promised, sum(lengths))
-            self._planned[target] = (tokens / seconds if model.target else 0.0, plans)
+            self._planned[target] = plans
             return gammas, lengths
 
     def observe(self, step: StepRecord) -> tuple[str, bool, float] | None:
@@ -439,46 +412,40 @@ class GammaPolicy:
         own = clean and step.own_pass
         catching_up = {r.draft for r, g in zip(step.requests, step.gammas) if g > 0 and r.lag > CATCH_UP_LAG}
         with self._lock:
+            costs = self.costs[step.target]
             self._loads.setdefault(step.target, collections.deque(maxlen=MIN_STEPS)).append(step.load)
             if step.own_pass:
-                self._costs.setdefault(step.target, LinearCost()).observe(step.target_rows, step.target_pass_s)
+                costs.target.observe(step.target_rows, step.target_pass_s)
             if own:
-                self._average("overhead", step.target).observe(max(step.ended - step.draft_end - step.target_pass_s, 0))
+                costs.overhead.observe(max(step.ended - step.draft_end - step.target_pass_s, 0))
             for address, (rows, pass_s, extra_s) in step.drafts.items():
                 if address not in catching_up:
-                    self._costs.setdefault(address, LinearCost()).observe(rows, pass_s)
+                    costs.drafts[address].line.observe(rows, pass_s)
                     if clean:
-                        self._average("extra", address).observe(extra_s)
+                        costs.drafts[address].extra.observe(extra_s)
             for j, found in step.found_made.items():
-                self._average("made", step.requests[j].draft).observe(float(found))
+                costs.drafts[step.requests[j].draft].made.observe(float(found))
             for j, (drafted, kept, promised) in step.judged.items():
                 r = step.requests[j]
                 if promised:
-                    for calibration in (self._suffix.setdefault(step.target, Calibration()), r.calibration):
-                        if calibration is not None:
-                            calibration.observe(kept, promised)
+                    for calibration in (costs.suffix, r.calibration or Calibration()):
+                        calibration.observe(kept, promised)
                 elif r.draft is not None:
-                    for acceptance in (self._acceptance.setdefault((step.target, r.draft), Acceptance()),
-                                       r.acceptance):
-                        if acceptance is not None:
-                            acceptance.observe(drafted, kept)
-            (predicted, plans), regret = self._planned.pop(step.target, (0.0, [])), 0.0
+                    costs.drafts[r.draft].acceptance.observe(drafted, kept)
+            plans, regret = self._planned.pop(step.target, []), 0.0
             for level, arm, explored in plans:
                 regret -= level.regret_s
-                level.observe(arm, explored, step.tokens, step.seconds, predicted if own else None)
+                level.observe(arm, explored, step.tokens, step.seconds, own)
                 regret += level.regret_s
             return (plans[0][1], plans[0][2], regret) if plans else None
 
     def snapshot(self) -> list[dict]:
-        """Per arms' kind, target and load level: the arm running, both measured rates beside the
-        model's, steps, the share spent exploring, regret and switches."""
+        """Per arms' kind, target and load level: the arm running, both measured rates, steps, the share spent exploring, regret and switches."""
         with self._lock:
             return [{"kind": "drafting" if kind == DRAFT else "suffix drafts", "target": target,
                      "level": f"{2 ** (lv - 1)}-{2 ** lv - 1}" if lv > 1 else "1", "running": level.running,
                      "draft_tok_s": round(level.rates[DRAFT].value(), 3),
                      "plain_tok_s": round(level.rates[PLAIN].value(), 3), "steps": level.steps,
-                     "predicted_draft_tok_s": round(level.predicted[DRAFT].value(), 3),
-                     "predicted_plain_tok_s": round(level.predicted[PLAIN].value(), 3),
                      "explore_share": round(level.explore_s / level.total_s, 4) if level.total_s else 0.0,
                      "regret_s": round(level.regret_s, 4), "switches": level.switches}
                     for (kind, target, lv), level in sorted(self.levels.items())]

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from orchestrator.detokenizer import TextAssembler
-from orchestrator.gamma import CATCH_UP_LAG, Acceptance, Calibration, GammaPolicy, StepRequest
+from orchestrator.gamma import CATCH_UP_LAG, Calibration, GammaPolicy, StepRequest
 from orchestrator.placement import Placement, is_worker_fault
 from orchestrator.rejection_sampler import SampleResult, greedy_verify, rejection_sample
 from orchestrator.proposers import DraftWorkerProposer, proposer_for
@@ -93,7 +93,6 @@ class RequestState:
     draft_synced: int = field(init=False)  # the same for the draft's
     finish: str | None = None  # "eos", "stop_token", "stop_string" or "length" once the request is done
     stop_token_ids: frozenset[int] = frozenset()  # the request's own: generation ends after one
-    acceptance: Acceptance = field(init=False, default_factory=Acceptance)  # its own drafts' (the policy's)
     suffix_calibration: Calibration = field(init=False, default_factory=Calibration)  # its suffix drafts'
     own_index: RequestIndex = field(init=False, default_factory=RequestIndex)  # its tokens' n-grams (suffix drafts)
     # how its drafts are made (orchestrator/proposers/): a draft worker's, or a feature head's
@@ -168,7 +167,7 @@ def step_request(req: RequestState, prefilling: bool) -> StepRequest:
     lag = len(req.tokens) - req.draft_synced
     cap = 0 if lag > CATCH_UP_LAG and (prefilling or not req.generated) else gamma_cap(req)
     return StepRequest(cap, req.placement.draft.address if req.placement.draft is not None else None, lag,
-                       req.acceptance, req.max_new_tokens - req.generated,
+                       req.max_new_tokens - req.generated,
                        holds_prompt=req.draft_synced >= req.prompt_len,
                        made_ahead=req.ahead_asked and req.kept_all, calibration=req.suffix_calibration)
 

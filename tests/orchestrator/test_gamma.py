@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.gamma import (DRAFT, EXPLORE_SHARE, MARGIN, PLAIN, Acceptance, GammaPolicy, LinearCost, StepCosts,
-                                StepModel, StepRecord, StepRequest)
-from tests.support.policy import Feed, accepting, learnt, measured
+from orchestrator.gamma import (DRAFT, EXPLORE_SHARE, MARGIN, PLAIN, Acceptance, GammaPolicy, LinearCost, StepModel,
+                                StepRecord, StepRequest)
+from tests.support.policy import Feed, accepting, costs, learnt, measured
 
 CPU_TARGET = measured(lambda r: 0.110 + 0.017 * r)  # a 2-core CPU: 126 ms at 1 row, ~790 ms at 40
 CPU_DRAFT = measured(lambda r: 0.040 + 0.004 * r)
@@ -18,7 +18,7 @@ FLAT_DRAFT = measured(lambda r: 0.004 + 0.000001 * r)
 
 def best(requests: list[StepRequest], target: LinearCost, draft: LinearCost, acceptance: Acceptance,
          made: float = 0.0) -> list[int]:
-    return StepModel(requests, StepCosts(target, {"d": draft}, {"d": acceptance}, 0.0, made={"d": made})).best()
+    return StepModel(requests, costs(target, draft, acceptance, made)).best()
 
 
 def best_gamma(cap: int, sessions: int, target: LinearCost, draft: LinearCost, acceptance: Acceptance) -> int:
@@ -75,7 +75,7 @@ def test_drafting_must_promise_a_margin_over_plain_decoding():
     """At the last acceptance where the model keeps gamma 0, drafting still promised more than
     gamma 0, by no more than MARGIN."""
     def goodput(acc, g):
-        return StepModel([StepRequest(4, "d")], StepCosts(CPU_TARGET, {"d": CPU_DRAFT}, {"d": acc}, 0.0)).goodput([g])
+        return StepModel([StepRequest(4, "d")], costs(CPU_TARGET, CPU_DRAFT, acc)).goodput([g])
 
     rates = [i / 100 for i in range(101)]
     first = next(r for r in rates if best_gamma(4, 1, CPU_TARGET, CPU_DRAFT, accepting(r)) > 0)
@@ -86,31 +86,14 @@ def test_drafting_must_promise_a_margin_over_plain_decoding():
 def test_costs_and_acceptance_are_learnt_from_the_records_and_keyed_by_worker():
     policy = learnt(lambda r: 0.110 + 0.017 * r, lambda r: 0.040 + 0.004 * r, acceptance=0.95, target="t:1",
                     draft="d:1")
-    alpha, beta = policy._costs["t:1"].fit()
+    alpha, beta = policy.costs["t:1"].target.fit()
     assert alpha == pytest.approx(0.110, rel=0.05) and beta == pytest.approx(0.017, rel=0.05)
-    assert policy._acceptance[("t:1", "d:1")].rate(0) == pytest.approx(0.95, abs=0.03)
+    assert policy.costs["t:1"].drafts["d:1"].acceptance.rate(0) == pytest.approx(0.95, abs=0.03)
     one = policy.choose_step("t:1", [StepRequest(4, "d:1")])[0]
     assert one == [4]
     assert max(policy.choose_step("t:1", [StepRequest(4, "d:1")] * 64)[0]) < 4
     assert policy.choose_step("t:2", [StepRequest(4, "d:1")] * 64)[0] == [4] * 64  # another target: nothing known
     assert GammaPolicy(adaptive=False).choose_step("t:1", [StepRequest(4, "d:1")] * 64)[0] == [4] * 64
-
-
-def test_a_request_whose_drafts_keep_failing_stops_drafting_while_the_others_go_on():
-    """Each request's acceptance over its draft's pooled one, learnt from the records' judged
-    drafts: the request whose drafts are all rejected drafts none; the others go on."""
-    policy = learnt(lambda r: 0.030 + 0.003 * r, lambda r: 0.004 + 0.0002 * r, acceptance=0.95)
-    failing, good = Acceptance(), Acceptance()
-    requests = [StepRequest(4, "d", acceptance=failing)] + [StepRequest(4, "d", acceptance=good)] * 3
-    feed = Feed(policy)
-    for _ in range(60):
-        feed.record(requests, [4] * 4, 0.1, 16, judged={0: (4, 0, 0.0), 1: (4, 4, 0.0)})
-    assert failing.rate(0) < 0.2 and good.rate(0) > 0.9
-    gammas, _ = policy.choose_step("t", requests)
-    assert gammas[0] == 0 and min(gammas[1:]) > 0, gammas
-    # a request with no drafts judged yet takes its draft's pooled acceptance
-    assert policy.choose_step("t", [StepRequest(4, "d", acceptance=Acceptance())] * 4) == \
-        policy.choose_step("t", [StepRequest(4, "d")] * 4)
 
 
 def test_the_policy_is_a_function_of_its_records():
@@ -119,7 +102,7 @@ def test_the_policy_is_a_function_of_its_records():
     for _ in range(2):
         policy = learnt(lambda r: 0.03 + 0.004 * r, lambda r: 0.01 + 0.001 * r, acceptance=0.7)
         feed = Feed(policy, target_cost=lambda r: 0.03 + 0.004 * r)
-        requests = [StepRequest(4, "d", acceptance=Acceptance(), remaining=40)] * 3
+        requests = [StepRequest(4, "d", remaining=40)] * 3
         choices.append([feed.step(requests, lambda g, s: 0.05 + 0.01 * sum(g), lambda g, s: 3 + sum(g) // 2)
                         for _ in range(300)])
     assert choices[0] == choices[1]
@@ -246,14 +229,14 @@ def test_a_draft_drafting_ahead_is_charged_only_where_the_proposals_may_be_missi
     target does not pay at acceptance 0.6; found made 4 times in 5, it does. Several requests on
     one draft skip its passes only if every one finds its proposals."""
     target, draft = measured(lambda r: 0.100 + 0.017 * r), measured(lambda r: 0.060 + 0.002 * r)
-    costs = StepCosts(target, {"d": draft}, {"d": accepting(0.6)}, 0.0, made={"d": 0.8})
+    known = costs(target, draft, accepting(0.6), made=0.8)
     missed, made = [StepRequest(8, "d")], [StepRequest(8, "d", made_ahead=True)]
-    assert StepModel(missed, costs).best() == [0] and StepModel(made, costs).best()[0] >= 2
-    (tokens, seconds), (tokens_made, seconds_made) = (StepModel(r, costs).estimate([3]) for r in (missed, made))
+    assert StepModel(missed, known).best() == [0] and StepModel(made, known).best()[0] >= 2
+    (tokens, seconds), (tokens_made, seconds_made) = (StepModel(r, known).estimate([3]) for r in (missed, made))
     assert tokens == tokens_made and seconds - seconds_made == pytest.approx(0.8 * 3 * draft(1), rel=1e-6)
     both = [StepRequest(8, "d", made_ahead=True)] * 2
     one = [StepRequest(8, "d", made_ahead=True), StepRequest(8, "d")]
-    gap = StepModel(one, costs).estimate([3, 3])[1] - StepModel(both, costs).estimate([3, 3])[1]
+    gap = StepModel(one, known).estimate([3, 3])[1] - StepModel(both, known).estimate([3, 3])[1]
     assert gap == pytest.approx(0.64 * 3 * draft(2), rel=1e-6)
 
 
@@ -262,8 +245,8 @@ def test_the_chance_of_finding_proposals_made_is_learnt_from_the_records():
     request = StepRequest(4, "d", made_ahead=True)
     for found in [True, True, True, False] * 10:
         policy.observe(StepRecord("t", [request], [4], 1, 0.0, found_made={0: found}, ended=0.1))
-    made = policy._step_costs("t", [request, StepRequest(4, "e")]).made
-    assert made["d"] == pytest.approx(0.75, abs=0.05) and "e" not in made
+    drafts = policy.costs["t"].drafts
+    assert drafts["d"].made.value() == pytest.approx(0.75, abs=0.05) and "e" not in drafts
 
 
 def test_a_step_that_caught_up_or_was_overlapped_teaches_no_draft_extra_and_no_overhead():
@@ -271,8 +254,9 @@ def test_a_step_that_caught_up_or_was_overlapped_teaches_no_draft_extra_and_no_o
     lagging = StepRequest(4, "d", lag=100)
     policy.observe(StepRecord("t", [lagging], [4], 1, 0.0, drafts={"d": (101, 0.5, 0.3)}, draft_end=0.8,
                               target_rows=5, own_rows=5, target_pass_s=0.1, ended=1.0))
-    assert "d" not in policy._costs and ("extra", "d") not in policy._averages
+    drafts = policy.costs["t"].drafts
+    assert not drafts["d"].line.known and not drafts["d"].extra.steps
     policy.observe(StepRecord("t", [StepRequest(4, "d")], [4], 1, 1.0, drafts={"d": (1, 0.01, 0.3)}, draft_end=1.1,
                               target_rows=5, own_rows=5, target_pass_s=0.1, ended=1.3, overlapped=True))
-    assert policy._costs["d"].known and ("extra", "d") not in policy._averages
-    assert policy._average("overhead", "t").den == 1  # the overlapped step's waits were not its own
+    assert drafts["d"].line.known and not drafts["d"].extra.steps
+    assert policy.costs["t"].overhead.steps == 1  # the overlapped step's waits were not its own

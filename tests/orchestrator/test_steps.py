@@ -285,9 +285,11 @@ def test_a_step_a_prefill_overlapped_teaches_no_step_overhead(target_engine, dra
     try:
         with decoder.steps.prefill():
             decoder.generate(request)
-        assert records and all(r.overlapped for r in records) and not any(a.den for a in policy._averages.values())
+        costs = policy.costs[records[0].target]
+        assert records and all(r.overlapped for r in records)
+        assert not costs.overhead.steps and not any(d.extra.steps for d in costs.drafts.values())
         decoder.generate(request)
-        assert not records[-1].overlapped and policy._average("overhead", records[-1].target).den
+        assert not records[-1].overlapped and policy.costs[records[-1].target].overhead.steps
     finally:
         decoder.close()
 

@@ -120,23 +120,6 @@ def test_drafts_that_keep_failing_stop_being_sent():
     assert own.num == 4 and choose(policy, probs, own) > 0  # its own suffix drafts were kept: it goes on
 
 
-def test_the_goodput_predicted_for_a_step_with_suffix_drafts_counts_their_calibrated_tokens():
-    """What the orchestrator reports beside the measured rate (`Level.predicted`): a suffix
-    draft's tokens as calibrated, not as its path probabilities promise. Two policies fed the
-    same steps, whose requests' suffix drafts were kept 1 in 4 and 4 in 4: the same 4 tokens
-    ride, and the predictions differ as 1 + 4 c does."""
-    predicted, calibrations = [], []
-    for own in (Calibration(1.0, 4.0), Calibration(4.0, 4.0)):
-        policy = policy_with(alpha=0.020, beta=0.0002)
-        feed = Feed(policy, target_cost=lambda rows: 0.020 + 0.0002 * rows)
-        for _ in range(3 * MIN_STEPS):
-            assert feed.step([StepRequest(0, None, calibration=own)], 0.05, 2, suffix=lambda: [[1.0] * 4])[1] == [4]
-        predicted.append(policy.level("suffix", "t", 1).predicted[DRAFT].value())
-        calibrations.append(own.value(PRIOR_ACCEPTANCE))
-    assert predicted[0] > 0
-    assert predicted[0] / predicted[1] == pytest.approx((1 + 4 * calibrations[0]) / (1 + 4 * calibrations[1]))
-
-
 def test_suffix_drafts_that_measure_slower_stop_riding_but_for_exploration():
     """The model says they pay (cheap rows, certain matches), the steps say otherwise: measured
     goodput wins, as for drafting (orchestrator/gamma.py)."""

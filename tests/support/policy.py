@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from orchestrator.gamma import Acceptance, GammaPolicy, LinearCost, Ratio, StepRecord, StepRequest
+from orchestrator.gamma import Acceptance, DraftCosts, GammaPolicy, LinearCost, Ratio, StepCosts, StepRecord, StepRequest
 
 ROWS = (1, 2, 4, 5, 8, 12, 16, 20, 30, 40)
 
@@ -21,6 +21,13 @@ def measured(cost_of_rows: Callable[[int], float], rows=ROWS) -> LinearCost:
 def accepting(rate: float, gamma: int = 8) -> Acceptance:
     """Acceptance that has judged many drafts at each position, accepting `rate` of them."""
     return Acceptance([Ratio(1000.0 * rate, 1000.0) for _ in range(gamma)])
+
+
+def costs(target: LinearCost, draft: LinearCost, acceptance: Acceptance, made: float = 0.0) -> StepCosts:
+    """A target's costs with one draft, "d", found made_ahead `made` of the time."""
+    step_costs = StepCosts(target)
+    step_costs.drafts["d"] = DraftCosts(draft, acceptance, made=Ratio(made, 1.0))
+    return step_costs
 
 
 class Feed:
