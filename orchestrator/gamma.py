@@ -3,9 +3,8 @@
 For each step of a target's step loop (orchestrator/steps.py), one formula (StepModel) predicts
 the step's goodput, expected tokens over expected seconds, from what earlier steps' records taught
 (`GammaPolicy.observe`, the only door): each worker's pass cost against rows, acceptance by draft
-position, the step's time beyond its passes and, for a
-draft on hardware of its own that drafts while the target verifies, how often a request finds its
-proposals made. The step drafts the common g per request that predicts the most, leaving out the
+position, the step's time beyond its passes and, for a draft on hardware of its own that drafts
+while the target verifies, how often a request finds its proposals made. The step drafts the common g per request that predicts the most, leaving out the
 requests it is better without, where that promises MARGIN more than no drafts; a step drafting
 nothing carries the suffix drafts whose calibrated tokens pay for their rows. A model can be
 wrong, so per target and load level (1, 2-3, 4-7, ... requests) two arms are measured as steps
@@ -166,8 +165,7 @@ class StepRecord:
         return self.ended - self.started
 
     @property
-    def own_pass(self) -> bool:
-        """The target's pass ran this step's rows alone."""
+    def own_pass(self) -> bool:  # the target's pass ran this step's rows alone
         return 0 < self.target_rows <= self.own_rows
 
 
@@ -275,8 +273,7 @@ class StepModel:
         return [sum(min(1.0, c * p) > worth for p in probs) for probs, c in zip(candidates, calibrations)]
 
 
-def level_of(requests: int) -> int:
-    """The load level of a step with this many requests: 1, 2-3, 4-7, 8-15, ... -> 1, 2, 3, 4, ..."""
+def level_of(requests: int) -> int:  # 1, 2-3, 4-7, 8-15, ... requests -> 1, 2, 3, 4, ...
     return max(requests, 1).bit_length()
 
 
