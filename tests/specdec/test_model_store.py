@@ -300,3 +300,27 @@ def test_a_head_shipped_in_the_package_resolves_by_name_and_alias(tmp_path: Path
     assert ms.shipped_head(ms.DEFAULT_HEAD) == head == ms.shipped_head("default-head")
     assert resolve_model("default-head", cache_dir=tmp_path / "cache") == head  # no download, no conversion
     assert ms.shipped_head("../heads/" + ms.DEFAULT_HEAD) is None  # names only, never paths
+
+
+def test_a_gguf_converting_is_parsed_once_and_every_other_read_as_ever(tmp_path: Path) -> None:
+    """transformers parses a GGUF's metadata in each of the tokenizer's, the config's and the
+    model's loads (~11 s each for the default target's on 2 cores): while a file converts, one
+    gguf.GGUFReader serves them all; other files get their own, the class's attributes pass
+    through, and the real class is back afterwards."""
+    import gguf
+
+    from specdec_tools.testing.tiny_models import build_gguf_model_dir
+
+    one, other = (build_gguf_model_dir(tmp_path / name, seed=seed, layers=1) / "model.gguf"
+                  for name, seed in (("one", 1), ("other", 2)))
+    real = gguf.GGUFReader
+    with ms._parsed_once(one):
+        reader = gguf.GGUFReader(str(one))
+        assert gguf.GGUFReader(one) is reader and gguf.GGUFReader(tmp_path / "one" / "." / "model.gguf") is reader
+        assert {t.name for t in reader.tensors} == {t.name for t in real(one).tensors}
+        assert gguf.GGUFReader(other) is not gguf.GGUFReader(other)
+        assert gguf.GGUFReader.gguf_scalar_to_np is real.gguf_scalar_to_np
+        with ms._parsed_once(other):  # a second conversion in the same process
+            assert gguf.GGUFReader(other) is gguf.GGUFReader(other)
+        assert gguf.GGUFReader(one) is reader and gguf.GGUFReader is not real
+    assert gguf.GGUFReader is real
