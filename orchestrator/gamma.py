@@ -4,14 +4,15 @@ For each step of a target's step loop (orchestrator/steps.py), one formula (Step
 the step's goodput, expected tokens over expected seconds, from what earlier steps' records taught
 (`GammaPolicy.observe`, the only door): each worker's pass cost against rows, acceptance by draft
 position, the step's time beyond its passes and, for a draft on hardware of its own that drafts
-while the target verifies, how often a request finds its proposals made. The step drafts the common g per request that predicts the most, leaving out the
-requests it is better without, where that promises MARGIN more than no drafts; a step drafting
-nothing carries the suffix drafts whose calibrated tokens pay for their rows. A model can be
-wrong, so per target and load level (1, 2-3, 4-7, ... requests) two arms are measured as steps
-run, drafting or not (and, in steps that do not, suffix drafts or not): once both have MIN_STEPS
-measured steps, measurement decides, and the arm not running is explored in short runs within
-EXPLORE_SHARE of the level's time. Choices depend only on earlier rounds, never on the draws of
-the round they are made for, so every round follows the target's distribution exactly.
+while the target verifies, how often a request finds its proposals made. The step drafts the
+common g per request that predicts the most, leaving out the requests it is better without,
+where that promises MARGIN more than no drafts; a step drafting nothing carries the suffix
+drafts whose calibrated tokens pay for their rows. A model can be wrong, so per target and load
+level (1, 2-3, 4-7, ... requests) two arms are measured as steps run, drafting or not (and, in
+steps that do not, suffix drafts or not): once both have MIN_STEPS measured steps, measurement
+decides, and the arm not running is explored in short runs within EXPLORE_SHARE of the level's
+time. Choices depend only on earlier rounds, never on the draws of the round they are made for,
+so every round follows the target's distribution exactly.
 
     tokens  = sum_j E_j(g_j),    E(g) = 1 + a_0 + a_0 a_1 + ... (g terms; Leviathan et al. 2023)
     seconds = overhead + max over drafts [(1 - prod_j H_j) max_j g_j D(n) + catch-up + extra]
@@ -96,7 +97,8 @@ class LinearCost:
         return (wy - beta * wr) / w, beta
 
     def __call__(self, rows: float) -> float:
-        return max(sum(c * x for c, x in zip(self.fit(), (1.0, rows))), 1e-6)
+        alpha, beta = self.fit()
+        return max(alpha + beta * rows, 1e-6)
 
 
 @dataclass
@@ -425,8 +427,9 @@ class GammaPolicy:
             for j, (drafted, kept, promised) in step.judged.items():
                 r = step.requests[j]
                 if promised:
-                    for calibration in (costs.suffix, r.calibration or Calibration()):
-                        calibration.observe(kept, promised)
+                    costs.suffix.observe(kept, promised)
+                    if r.calibration is not None:
+                        r.calibration.observe(kept, promised)
                 elif r.draft is not None:
                     costs.drafts[r.draft].acceptance.observe(drafted, kept)
             plans, regret = self._planned.pop(step.target, []), 0.0
@@ -437,7 +440,8 @@ class GammaPolicy:
             return (plans[0][1], plans[0][2], regret) if plans else None
 
     def snapshot(self) -> list[dict]:
-        """Per arms' kind, target and load level: the arm running, both measured rates, steps, the share spent exploring, regret and switches."""
+        """Per arms' kind, target and load level: the arm running, both measured rates, steps, the
+        share spent exploring, regret and switches."""
         with self._lock:
             return [{"kind": "drafting" if kind == DRAFT else "suffix drafts", "target": target,
                      "level": f"{2 ** (lv - 1)}-{2 ** lv - 1}" if lv > 1 else "1", "running": level.running,

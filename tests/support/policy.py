@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from orchestrator.gamma import Acceptance, DraftCosts, GammaPolicy, LinearCost, Ratio, StepCosts, StepRecord, StepRequest
+from orchestrator.gamma import (Acceptance, DraftCosts, GammaPolicy, LinearCost, Ratio, StepCosts, StepRecord,
+                                StepRequest)
 
 ROWS = (1, 2, 4, 5, 8, 12, 16, 20, 30, 40)
 
