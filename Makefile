@@ -31,11 +31,11 @@ run: install
 	$(VENV)/bin/specdec run $(RUN_ARGS)
 
 test: install compose-tool buf-tool
-	$(PY) -m pytest -n 2 --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # the fast tier, for every change: no service processes, no fuzzing, no real model pair
 test-fast: install
-	$(PY) -m pytest -n 2 --dist loadfile -m "not integration and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not integration and not slow" $(PYTEST_ARGS)
 
 # Debian's docker-compose (1.29) validates and merges compose files offline (no Docker engine).
 # Installed only when missing, and only as root with apt-get; an install that fails stops here.
