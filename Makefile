@@ -13,6 +13,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
+# two workers, a file to each at a time, files in the order tests/conftest.py leaves them (the real pair first)
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 RUN_ARGS ?=
 
 .PHONY: install run test test-fast compose-tool buf-tool bench protos proto-checks proto-baseline clean
@@ -31,11 +33,11 @@ run: install
 	$(VENV)/bin/specdec run $(RUN_ARGS)
 
 test: install compose-tool buf-tool
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 # the fast tier, for every change: no service processes, no fuzzing, no real model pair
 test-fast: install
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not integration and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not integration and not slow" $(PYTEST_ARGS)
 
 # Debian's docker-compose (1.29) validates and merges compose files offline (no Docker engine).
 # Installed only when missing, and only as root with apt-get; an install that fails stops here.
